@@ -1,0 +1,41 @@
+"""Parallelism: the device mesh, logical axis rules and multi-process start-up.
+
+Mesh axes ``('data', 'fsdp', 'tensor')`` appear only in this package; the model speaks in logical
+axis names (``'batch'``, ``'embed'``, ``'mlp'``, ...) and :data:`DEFAULT_RULES` maps them.
+"""
+
+from transformer_jax.parallel.distributed import initialize, is_primary, sync_global
+from transformer_jax.parallel.mesh import (
+    MESH_AXES,
+    create_mesh,
+    data_parallel_size,
+    describe_mesh,
+    mesh_from_config,
+)
+from transformer_jax.parallel.rules import (
+    DEFAULT_RULES,
+    batch_shard_count,
+    batch_sharding,
+    check_batch_divisible,
+    logical_to_mesh_spec,
+    logical_to_sharding,
+    shard_batch,
+)
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "batch_shard_count",
+    "batch_sharding",
+    "check_batch_divisible",
+    "create_mesh",
+    "data_parallel_size",
+    "describe_mesh",
+    "initialize",
+    "is_primary",
+    "logical_to_mesh_spec",
+    "logical_to_sharding",
+    "mesh_from_config",
+    "shard_batch",
+    "sync_global",
+]

@@ -1,0 +1,131 @@
+"""Multi-process start-up: one Python process per host (TPU VM worker, GPU node or GPU).
+
+Call :func:`initialize` first thing in the program, before anything touches a device.
+
+* Cloud TPU pods (and multi-slice): no arguments; JAX reads the TPU metadata.
+* GPU clusters under SLURM (``srun``) or Open MPI (``mpirun``): no arguments; JAX reads the
+  scheduler's variables (``SLURM_JOB_ID``, ``SLURM_NTASKS``, ``SLURM_PROCID``, ...).
+* Anything else: pass ``coordinator_address``, ``num_processes``, ``process_id`` (flags) or set
+  ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` on every process.
+* A single process with none of the above: nothing to do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+from absl import logging
+from jax.experimental import multihost_utils
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name, "").strip()
+    return int(value) if value else None
+
+
+def detect_cluster(env: Mapping[str, str] | None = None) -> str | None:
+    """Names the multi-process launcher JAX can configure itself from, or None.
+
+    Returns ``'slurm'`` (more than one task), ``'mpi'`` (Open MPI, more than one rank) or
+    ``'tpu'`` (a multi-host Cloud TPU slice, or multi-slice).
+    """
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" in env and (_env_int(env, "SLURM_NTASKS") or 1) > 1:
+        return "slurm"
+    if (_env_int(env, "OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return "mpi"
+    hosts = env.get("TPU_WORKER_HOSTNAMES", "")
+    if "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in env:
+        return "tpu"
+    return None
+
+
+def resolve_arguments(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[str | None, int | None, int | None]:
+    """Explicit arguments win; otherwise the ``JAX_*`` environment variables fill them in."""
+    env = os.environ if env is None else env
+    if coordinator_address is None:
+        coordinator_address = env.get(ENV_COORDINATOR) or None
+    if num_processes is None:
+        num_processes = _env_int(env, ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(env, ENV_PROCESS_ID)
+    return coordinator_address, num_processes, process_id
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: int | Sequence[int] | None = None,
+    initialization_timeout: int = 300,
+    auto: bool | None = None,
+) -> bool:
+    """Connects this process to the others (``jax.distributed.initialize``) when there are any.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0 (any free port), e.g. ``10.0.0.1:1234``.
+      num_processes: total number of processes.
+      process_id: this process's index, ``0 .. num_processes - 1``.
+      local_device_ids: restrict this process to some local devices (one process per GPU).
+      initialization_timeout: seconds to wait for every peer before raising, so a missing or
+        misconfigured host is an error instead of a hang.
+      auto: True forces JAX's cluster auto-detection (``jax.distributed.initialize()`` with no
+        address), False forbids it; None auto-detects only when :func:`detect_cluster` finds
+        SLURM, Open MPI or a multi-host TPU.
+
+    Returns:
+      True if this call (or an earlier one) set up multi-process JAX, False for a single process.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    address, count, index = resolve_arguments(coordinator_address, num_processes, process_id)
+    explicit = address is not None or count is not None or index is not None
+    cluster = detect_cluster()
+    if not explicit and not (auto or (auto is None and cluster)):
+        return False
+    if explicit and count == 1:
+        return False
+    logging.info(
+        "jax.distributed.initialize(coordinator=%s, num_processes=%s, process_id=%s, cluster=%s)",
+        address, count, index, cluster or "explicit",
+    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=count,
+            process_id=index,
+            local_device_ids=local_device_ids,
+            initialization_timeout=initialization_timeout,
+        )
+    except Exception as e:  # re-raised with the settings that matter for debugging
+        raise RuntimeError(
+            f"Multi-process initialisation failed (coordinator_address={address}, "
+            f"num_processes={count}, process_id={index}, detected cluster={cluster}, "
+            f"timeout={initialization_timeout}s). Check that every process was started with the "
+            f"same coordinator address and process count, and that the port is reachable. "
+            f"Cause: {e}"
+        ) from e
+    return True
+
+
+def is_primary() -> bool:
+    """True on process 0, the one that writes logs, configs and metrics."""
+    return jax.process_index() == 0
+
+
+def sync_global(name: str) -> None:
+    """Blocks until every process reaches the barrier called ``name``; free on one process."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

@@ -1,0 +1,148 @@
+"""Logical axis rules: how named array dimensions map onto the mesh axes.
+
+The model names every parameter dimension (``nn.with_logical_partitioning``) and key activation
+dimension (``nn.with_logical_constraint``) with one vocabulary: ``'batch'``, ``'length'``,
+``'embed'``, ``'heads'``, ``'kv_heads'``, ``'kv'`` (head_dim), ``'mlp'`` (d_ff), ``'vocab'``,
+``'layers'``. This module is the only place that turns those names into mesh axes.
+
+Params and activations share the names (the t5x scheme). Linen walks the rules in order and gives
+a mesh axis to the first rule that claims it within one array, and no mesh axis is used twice.
+Because ``'batch'`` comes first and takes ``('data', 'fsdp')``:
+
+* a weight ``('embed', 'mlp')`` becomes ``P('fsdp', 'tensor')`` -- FSDP shards params on embed;
+* an activation ``('batch', 'length', 'embed')`` becomes ``P(('data', 'fsdp'), None, None)`` --
+  ``fsdp`` is already taken by the batch, so the activation's embed dimension stays whole.
+
+So every activation constraint that names ``'embed'`` must also name ``'batch'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("length", None),
+    ("kv", None),
+    ("layers", None),
+)
+
+
+def logical_to_mesh_spec(names: Sequence[str | None], rules: LogicalRules = DEFAULT_RULES):
+    """Logical dimension names -> mesh ``PartitionSpec``; names without a rule are replicated."""
+    return nn.logical_to_mesh_axes(tuple(names), rules)
+
+
+def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str):
+    """Replicates any dimension whose size the assigned mesh axes do not divide (with a warning).
+
+    jit refuses uneven shardings, and e.g. a 37,000-token vocabulary is not divisible by a tensor
+    axis of 16; replicating that one dimension is the useful fallback.
+    """
+    fitted = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        size = _axis_size(mesh, axes)
+        if size > 1 and dim % size:
+            logging.warning(
+                "%s: dimension of size %d is not divisible by mesh axes %s (size %d); "
+                "replicating it instead.", where, dim, axes, size
+            )
+            axes = None
+        fitted.append(axes)
+    return PartitionSpec(*fitted)
+
+
+def _leaf_sharding(path, leaf, mesh: Mesh, rules: LogicalRules) -> NamedSharding:
+    if isinstance(leaf, nn.Partitioned):
+        spec = logical_to_mesh_spec(leaf.names, rules)
+        shape = getattr(leaf.value, "shape", ())
+    else:
+        spec, shape = PartitionSpec(), getattr(leaf, "shape", ())
+    spec = _fit_to_shape(spec, shape, mesh, jax.tree_util.keystr(path))
+    return NamedSharding(mesh, spec)
+
+
+def logical_to_sharding(tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Any:
+    """``NamedSharding`` for every array of a (usually abstract) pytree of boxed params/state.
+
+    Args:
+      tree: e.g. ``jax.eval_shape(model.init, ...)`` or an abstract train state whose leaves are
+        ``nn.Partitioned`` boxes (from ``nn.with_logical_partitioning``) or plain arrays /
+        ``ShapeDtypeStruct`` (replicated, e.g. the optimizer step count).
+      mesh: from ``create_mesh``.
+      rules: logical axis rules, ``DEFAULT_RULES`` unless overridden.
+
+    Returns:
+      The same tree *unboxed* (each ``Partitioned`` replaced by one ``NamedSharding``), matching
+      ``nn.unbox(tree)`` -- ready for ``jax.jit(..., out_shardings=...)`` or ``jax.device_put``.
+      This is ``nn.get_partition_spec`` + ``nn.logical_to_mesh_sharding``, plus replication of
+      dimensions the mesh does not divide.
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _leaf_sharding(path, leaf, mesh, rules),
+        tree,
+        is_leaf=lambda x: isinstance(x, nn.Partitioned),
+    )
+
+
+def batch_sharding(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> NamedSharding:
+    """Sharding for ``[B, L, ...]`` inputs: batch over ``('data', 'fsdp')``, the rest whole."""
+    return NamedSharding(mesh, logical_to_mesh_spec(("batch",), rules))
+
+
+def batch_shard_count(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:
+    """How many pieces the batch dimension is cut into (``mesh.data * mesh.fsdp`` by default)."""
+    return _axis_size(mesh, logical_to_mesh_spec(("batch",), rules)[0])
+
+
+def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES):
+    """Fails early, naming ``dataset.batch_size``, if the global batch cannot be split evenly.
+
+    The batch must divide over the batch mesh axes and over the processes (each process loads
+    ``batch_size // jax.process_count()`` rows).
+    """
+    shards = batch_shard_count(mesh, rules)
+    processes = jax.process_count()
+    if batch_size % shards:
+        raise ValueError(
+            f"dataset.batch_size={batch_size} must be divisible by mesh.data * mesh.fsdp = "
+            f"{mesh.shape['data']} * {mesh.shape['fsdp']} = {shards} (the ways the batch is split)."
+        )
+    if batch_size % processes:
+        raise ValueError(
+            f"dataset.batch_size={batch_size} must be divisible by the number of processes "
+            f"({processes}); each process loads an equal share of the global batch."
+        )
+
+
+def shard_batch(batch: Mapping[str, Any], mesh: Mesh, rules: LogicalRules = DEFAULT_RULES):
+    """Host-local numpy batch -> global ``jax.Array`` batch sharded with ``batch_sharding``.
+
+    Each process passes its own ``[B / process_count, ...]`` rows; the result has the global
+    ``[B, ...]`` shape (``jax.make_array_from_process_local_data``). Works unchanged on one host.
+    """
+    sharding = batch_sharding(mesh, rules)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), dict(batch)
+    )
