@@ -1,0 +1,35 @@
+"""Decoding: a ``lax.scan`` sampler and beam search driven by a step function.
+
+Nothing here knows the model. Both entry points take a step function
+
+    step_fn(params, tokens [B, L] int32, cache, num_valid [B] int32)
+        -> (logits float32 [B, L, V], new_cache)
+
+plus ``params`` (a jit argument, so new weights never recompile) and an empty cache whose leaves
+all have the batch as their leading axis. ``model_steps`` builds step functions for
+``TransformerLM`` and the encoder-decoder ``Transformer``.
+"""
+
+from transformer_jax.decoding.beam_search import BeamOutput, beam_search, length_penalty
+from transformer_jax.decoding.sampling import (
+    GenerateOutput,
+    SamplingConfig,
+    StepFn,
+    bucket_length,
+    generate,
+    pad_prompts,
+    pad_to_bucket,
+)
+
+__all__ = [
+    "BeamOutput",
+    "GenerateOutput",
+    "SamplingConfig",
+    "StepFn",
+    "beam_search",
+    "bucket_length",
+    "generate",
+    "length_penalty",
+    "pad_prompts",
+    "pad_to_bucket",
+]

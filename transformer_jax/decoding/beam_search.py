@@ -1,0 +1,195 @@
+"""Beam search with a GNMT length penalty, fixed shapes, inside one ``lax.while_loop``.
+
+The paper decodes translations with beam size 4 and length penalty alpha = 0.6 (section 6.1),
+the penalty of Wu et al. 2016 (GNMT): ``score = log P(Y) / ((5 + |Y|) / 6) ** alpha``.
+
+Like GNMT and t5x, two sets are kept per batch row: K *live* hypotheses that have not emitted
+EOS, and the K best *finished* ones. At each step the live beams propose their 2K best
+extensions (so that K non-EOS ones always remain); those ending in EOS compete for the finished
+set, the rest become the new live beams, and the cache rows are gathered to follow their parents.
+The loop stops early once no live beam can beat the worst finished one: log-probabilities only
+fall as a hypothesis grows, so a live beam's best reachable score is its current log-probability
+divided by the penalty at the maximum length (alpha >= 0).
+
+Same step-function contract as `sampling.generate`:
+``step_fn(params, tokens [B, L], cache, num_valid [B]) -> (logits [B, L, V], cache)``.
+The prompt is prefilled once at batch B; the cache is then repeated to B * beam_size rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.decoding.sampling import NEG_INF, StepFn, _check_prompt, _last_valid
+
+
+class BeamOutput(NamedTuple):
+    """Result of `beam_search`, hypotheses ordered best first along the beam axis.
+
+    tokens:    int32 [B, K, T] generated tokens (prompt excluded), ``pad_id`` after EOS.
+    scores:    float32 [B, K] length-penalised scores, log P / ((5 + length) / 6) ** alpha.
+    logprobs:  float32 [B, K] total log-probability of each hypothesis (no penalty).
+    lengths:   int32 [B, K] generated length, counting the EOS; T for a hypothesis cut off at
+               max_new_tokens without EOS.
+    """
+
+    tokens: jax.Array
+    scores: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+
+
+class _Beams(NamedTuple):
+    """A fixed-size set of K hypotheses per row; [B, K, ...] leaves."""
+
+    tokens: jax.Array  # int32 [B, K, T]
+    logprobs: jax.Array  # float32 [B, K]
+    scores: jax.Array  # float32 [B, K] (finished set only; live beams rank by logprobs)
+    lengths: jax.Array  # int32 [B, K]
+
+
+def length_penalty(length, alpha):
+    """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016, eq. 14)."""
+    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """Per-row gather along the beam axis: x [B, N, ...], index [B, M] -> [B, M, ...]."""
+    index = index.reshape(index.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1)
+
+
+def _top(beams: _Beams, rank: jax.Array, k: int) -> _Beams:
+    """The k entries of ``beams`` with the highest ``rank`` [B, N], best first."""
+    _, index = jax.lax.top_k(rank, k)
+    return jax.tree.map(lambda x: _take(x, index), beams)
+
+
+def _expand(live: _Beams, finished: _Beams, logprobs, step, alpha, *, eos_id):
+    """One beam step: extends ``live`` with next-token ``logprobs`` [B, K, V] at position ``step``.
+
+    Returns (new live, new finished, parent beam index [B, K] of each new live beam).
+    """
+    batch, beam, vocab = logprobs.shape
+    totals = (live.logprobs[:, :, None] + logprobs).reshape(batch, beam * vocab)
+    cand_logprobs, flat = jax.lax.top_k(totals, 2 * beam)
+    parent, token = flat // vocab, (flat % vocab).astype(jnp.int32)
+    cand_tokens = _take(live.tokens, parent).at[:, :, step].set(token)
+    length = jnp.full(parent.shape, step + 1, jnp.int32)
+    is_eos = jnp.zeros_like(token, bool) if eos_id is None else token == eos_id
+    candidates = _Beams(cand_tokens, cand_logprobs, cand_logprobs / length_penalty(step + 1, alpha),
+                        length)
+
+    live_rank = jnp.where(is_eos, NEG_INF * 2, cand_logprobs)
+    _, live_index = jax.lax.top_k(live_rank, beam)
+    new_live = jax.tree.map(lambda x: _take(x, live_index), candidates)
+    new_live = new_live._replace(logprobs=_take(live_rank, live_index))
+
+    new_finished = candidates._replace(scores=jnp.where(is_eos, candidates.scores, NEG_INF * 2))
+    pool = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), finished, new_finished)
+    return new_live, _top(pool, pool.scores, beam), _take(parent, live_index)
+
+
+def _reorder(cache, parent: jax.Array):
+    """Gathers cache rows [B * K, ...] so row (b, k) holds the state of beam parent[b, k]."""
+    batch, beam = parent.shape
+    rows = (jnp.arange(batch)[:, None] * beam + parent).reshape(-1)
+    return jax.tree.map(lambda x: x[rows], cache)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("step_fn", "beam_size", "max_new_tokens", "eos_id", "pad_id"))
+def _beam_search_jit(step_fn, params, cache, prompt_tokens, prompt_lengths, alpha, *, beam_size,
+                     max_new_tokens, eos_id, pad_id):
+    batch, beam, steps = prompt_tokens.shape[0], beam_size, max_new_tokens
+    logits, cache = step_fn(params, prompt_tokens, cache, prompt_lengths)
+    first = jax.nn.log_softmax(_last_valid(logits, prompt_lengths).astype(jnp.float32), axis=-1)
+    cache = jax.tree.map(lambda x: jnp.repeat(x, beam, axis=0), cache)
+
+    empty_tokens = jnp.full((batch, beam, steps), pad_id, jnp.int32)
+    zeros = jnp.zeros((batch, beam), jnp.int32)
+    # Only beam 0 starts live, so the first step does not propose K copies of each token.
+    start = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF * 2)
+    live = _Beams(empty_tokens, jnp.broadcast_to(start, (batch, beam)), zeros * 0.0, zeros)
+    finished = _Beams(empty_tokens, zeros * 0.0, jnp.full((batch, beam), NEG_INF * 2), zeros)
+    live, finished, parent = _expand(live, finished, jnp.repeat(first[:, None], beam, axis=1),
+                                     0, alpha, eos_id=eos_id)
+    cache = _reorder(cache, parent)
+    ones = jnp.ones((batch * beam,), jnp.int32)
+
+    def keep_going(state):
+        step, live, finished, _ = state
+        best_reachable = live.logprobs[:, 0] / length_penalty(steps, alpha)
+        can_improve = finished.scores[:, -1] < best_reachable
+        return (step < steps) & jnp.any(can_improve)
+
+    def body(state):
+        step, live, finished, cache = state
+        last = live.tokens[:, :, step - 1].reshape(batch * beam, 1)
+        logits, cache = step_fn(params, last, cache, ones)
+        logprobs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+        live, finished, parent = _expand(live, finished, logprobs.reshape(batch, beam, -1), step,
+                                         alpha, eos_id=eos_id)
+        return step + 1, live, finished, _reorder(cache, parent)
+
+    step, live, finished, _ = jax.lax.while_loop(
+        keep_going, body, (jnp.int32(1), live, finished, cache))
+
+    # Hypotheses still live when decoding ends (cut off at max_new_tokens) compete too.
+    live = live._replace(lengths=jnp.full_like(live.lengths, step),
+                         scores=live.logprobs / length_penalty(step, alpha))
+    pool = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), finished, live)
+    best = _top(pool, pool.scores, beam)
+    return BeamOutput(best.tokens, best.scores, best.logprobs, best.lengths)
+
+
+def beam_search(
+    step_fn: StepFn,
+    params: Any,
+    cache: Any,
+    prompt_tokens,
+    prompt_lengths,
+    *,
+    max_new_tokens: int,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    eos_id: int | None = 1,
+    pad_id: int = 0,
+) -> BeamOutput:
+    """Beam search for the highest-scoring continuations of each prompt.
+
+    Args:
+      step_fn: ``step_fn(params, tokens [B, L], cache, num_valid [B])``
+        ``-> (logits [B, L, V], cache)``;
+        hashable (a static jit argument).
+      params: passed to ``step_fn`` unchanged (any pytree, may be None).
+      cache: empty step-function state for B rows (it is repeated to B * beam_size rows after the
+        prefill) with room for P + max_new_tokens positions; batch-leading leaves.
+      prompt_tokens: int32 [B, P], right-padded. For translation, the decoder start token (P = 1).
+      prompt_lengths: int32 [B], each in [1, P].
+      max_new_tokens: T (the paper uses source length + 50).
+      beam_size: K (the paper uses 4). Needs a vocabulary of at least 2K tokens.
+      alpha: length-penalty exponent, >= 0 (the paper uses 0.6; 0 ranks by log-probability).
+      eos_id: ends a hypothesis; None: every hypothesis runs to T tokens.
+      pad_id: written after EOS.
+
+    Returns:
+      BeamOutput(tokens [B, K, T], scores [B, K], logprobs [B, K], lengths [B, K]), best first.
+    """
+    if int(beam_size) != beam_size or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive integer, got {beam_size}")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    if not alpha >= 0.0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    prompt_tokens = jnp.asarray(prompt_tokens)
+    prompt_lengths = jnp.asarray(prompt_lengths)
+    _check_prompt(prompt_tokens, prompt_lengths)
+    return _beam_search_jit(
+        step_fn, params, cache, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32),
+        jnp.float32(alpha), beam_size=int(beam_size), max_new_tokens=int(max_new_tokens),
+        eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id))

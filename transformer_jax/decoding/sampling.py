@@ -1,0 +1,323 @@
+"""Autoregressive sampling with a KV cache: one prefill call, then ``lax.scan`` over new tokens.
+
+The sampler knows nothing about the model. It drives a *step function*::
+
+    step_fn(params, tokens [B, L] int32, cache, num_valid [B] int32)
+        -> (logits float32 [B, L, V], new_cache)
+
+which appends ``tokens`` to each row of ``cache`` (only the first ``num_valid[b]`` of row ``b`` are
+real) and returns next-token logits for every input position. ``params`` is passed through as a
+jit argument, never baked into the compiled program as a constant, so one compilation serves any
+parameter values of the same shapes. ``step_fn`` itself is a static (hashable) jit argument: pass
+the same object (a module-level function, or a frozen dataclass such as ``model_steps.LMStep``) on
+every call and nothing recompiles.
+
+Decoding is compiled once per (step_fn, batch, prompt length, max_new_tokens, top_k, eos/pad ids,
+greedy or not, top-p on or off) and the shapes of ``params``/``cache``. Temperature, the top-p
+mass and ``min_new_tokens`` are traced values: changing them does not recompile. Use
+``bucket_length`` / ``pad_prompts`` so prompts of different lengths share a compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+StepFn = Callable[[Any, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+
+NEG_INF = -1e30  # finite, so masked rows never produce NaN in softmax
+
+
+class GenerateOutput(NamedTuple):
+    """Result of `generate`.
+
+    tokens:   int32 [B, T] generated tokens (prompt excluded); ``pad_id`` after a row's EOS.
+    lengths:  int32 [B] number of generated tokens per row, counting the EOS (T if no EOS).
+    logprobs: float32 [B, T] log-probability of each generated token under the model's
+              distribution (log-softmax of the raw logits, before temperature, top-k or top-p);
+              0 after EOS.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    logprobs: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick each next token. ``temperature=0`` is greedy (argmax) decoding.
+
+    top_k=0 disables top-k; top_p=1.0 disables nucleus (top-p) filtering. They combine:
+    logits are divided by the temperature, then cut to the top k, then to the smallest set whose
+    probability reaches top_p. ``min_new_tokens`` forbids EOS before that many tokens.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_new_tokens: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if int(self.min_new_tokens) != self.min_new_tokens or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be a non-negative integer, got "
+                             f"{self.min_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# --------------------------------------------------------------------------- prompt bucketing
+
+
+def bucket_length(length: int, buckets: Sequence[int] | None = None, min_length: int = 8) -> int:
+    """Smallest bucket >= ``length``: a power of two (at least ``min_length``) by default.
+
+    Padding prompts up to a few bucket lengths lets prompts of different lengths share one
+    compiled decoder instead of compiling once per exact length.
+    """
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if buckets is None:
+        return max(min_length, 1 << (int(length) - 1).bit_length())
+    fitting = [b for b in buckets if b >= length]
+    if not fitting:
+        raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
+    return min(fitting)
+
+
+def pad_prompts(
+    prompts: Sequence[Sequence[int]],
+    *,
+    pad_id: int = 0,
+    buckets: Sequence[int] | None = None,
+    min_length: int = 8,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads token lists into ``(tokens int32 [B, P], lengths int32 [B])``.
+
+    P is ``bucket_length(longest prompt, buckets, min_length)``. The KV cache given to `generate`
+    must hold P + max_new_tokens positions (padding is written to the cache during prefill, then
+    overwritten).
+    """
+    if not prompts:
+        raise ValueError("no prompts given")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 1:
+        raise ValueError(f"empty prompt at index {int(lengths.argmin())}")
+    width = bucket_length(int(lengths.max()), buckets, min_length)
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = prompt
+    return tokens, lengths
+
+
+def pad_to_bucket(
+    prompt_tokens, *, pad_id: int = 0, buckets: Sequence[int] | None = None, min_length: int = 8
+) -> np.ndarray:
+    """Right-pads an already batched ``[B, P]`` prompt array along P up to its bucket length."""
+    prompt_tokens = np.asarray(prompt_tokens)
+    width = bucket_length(prompt_tokens.shape[1], buckets, min_length)
+    return np.pad(prompt_tokens, ((0, 0), (0, width - prompt_tokens.shape[1])),
+                  constant_values=pad_id)
+
+
+# --------------------------------------------------------------------------- token choice
+
+
+def _top_k_mask(logits: jax.Array, k: int) -> jax.Array:
+    """Keeps the k largest logits per row [B, V]; ties with the k-th value are kept too."""
+    kth = jax.lax.top_k(logits, min(k, logits.shape[-1]))[0][:, -1:]
+    return jnp.where(logits < kth, NEG_INF, logits)
+
+
+def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Nucleus filtering (Holtzman et al. 2019) on [B, V]: keep the smallest set of most likely
+    tokens whose probability reaches ``top_p``; the most likely token is always kept."""
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p
+    # The smallest logit still kept is the cut-off (keep[:, 0] is always true).
+    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < cutoff, NEG_INF, logits)
+
+
+def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, top_k, use_top_p,
+            eos_id):
+    """Picks one token per row from next-token logits [B, V]; returns (tokens [B], logprobs [B])."""
+    logits = logits.astype(jnp.float32)
+    if eos_id is not None:
+        # EOS is forbidden before min_new_tokens generated tokens.
+        too_early = step < min_new_tokens
+        logits = logits.at[:, eos_id].set(jnp.where(too_early, NEG_INF, logits[:, eos_id]))
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if greedy:
+        tokens = jnp.argmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        if top_k:
+            scaled = _top_k_mask(scaled, top_k)
+        if use_top_p:
+            scaled = _top_p_mask(scaled, top_p)
+        tokens = jax.random.categorical(rng, scaled, axis=-1)
+    tokens = tokens.astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+# --------------------------------------------------------------------------- the decoding loop
+
+
+def _last_valid(logits: jax.Array, num_valid: jax.Array) -> jax.Array:
+    """logits [B, L, V] -> [B, V] at position num_valid - 1 of each row."""
+    index = (num_valid - 1)[:, None, None]
+    return jnp.take_along_axis(logits, index, axis=1)[:, 0]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("step_fn", "max_new_tokens", "greedy", "top_k", "use_top_p", "eos_id",
+                     "pad_id"),
+)
+def _generate_jit(step_fn, params, cache, prompt_tokens, prompt_lengths, rng, temperature, top_p,
+                  min_new_tokens, *, max_new_tokens, greedy, top_k, use_top_p, eos_id, pad_id):
+    choose = functools.partial(
+        _choose, temperature=temperature, top_p=top_p, min_new_tokens=min_new_tokens,
+        greedy=greedy, top_k=top_k, use_top_p=use_top_p, eos_id=eos_id)
+    batch = prompt_tokens.shape[0]
+
+    # Prefill: the whole (right-padded) prompt in one call; row b's next-token logits sit at
+    # position prompt_lengths[b] - 1.
+    logits, cache = step_fn(params, prompt_tokens, cache, prompt_lengths)
+    rng, key = jax.random.split(rng)
+    first, first_logprob = choose(_last_valid(logits, prompt_lengths), key, jnp.int32(0))
+    done = jnp.zeros((batch,), bool) if eos_id is None else first == eos_id
+    ones = jnp.ones((batch,), jnp.int32)
+
+    def decode_one(carry):
+        cache, last, rng, done, step = carry
+        logits, cache = step_fn(params, last[:, None], cache, ones)
+        rng, key = jax.random.split(rng)
+        token, logprob = choose(logits[:, 0], key, step)
+        token = jnp.where(done, pad_id, token)
+        logprob = jnp.where(done, 0.0, logprob)
+        new_done = done if eos_id is None else done | (token == eos_id)
+        return (cache, token, rng, new_done, step + 1), (token, logprob)
+
+    def skip(carry):
+        # Every row has finished: emit padding without running the model.
+        cache, last, rng, done, step = carry
+        pad = jnp.full((batch,), pad_id, jnp.int32)
+        return (cache, pad, rng, done, step + 1), (pad, jnp.zeros((batch,), jnp.float32))
+
+    def body(carry, _):
+        return jax.lax.cond(jnp.all(carry[3]), skip, decode_one, carry)
+
+    carry = (cache, first, rng, done, jnp.int32(1))
+    _, (rest, rest_logprobs) = jax.lax.scan(body, carry, None, length=max_new_tokens - 1)
+    tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
+    logprobs = jnp.concatenate([first_logprob[:, None], rest_logprobs.T], axis=1)
+    return GenerateOutput(tokens, _lengths(tokens, eos_id), logprobs)
+
+
+def _lengths(tokens: jax.Array, eos_id: int | None) -> jax.Array:
+    """Generated length per row [B], counting the first EOS; T when a row has none."""
+    steps = tokens.shape[1]
+    if eos_id is None:
+        return jnp.full(tokens.shape[:1], steps, jnp.int32)
+    is_eos = tokens == eos_id
+    return jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, steps).astype(jnp.int32)
+
+
+def _check_prompt(prompt_tokens, prompt_lengths) -> None:
+    """Shape/dtype checks always; value checks when the lengths are concrete."""
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must be [batch, length], got shape {prompt_tokens.shape}")
+    if prompt_tokens.shape[1] == 0:
+        raise ValueError("prompt_tokens has length 0: every row needs at least one token "
+                         "(e.g. BOS or the decoder start token)")
+    if prompt_lengths.shape != prompt_tokens.shape[:1]:
+        raise ValueError(f"prompt_lengths must have shape {prompt_tokens.shape[:1]}, "
+                         f"got {prompt_lengths.shape}")
+    if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+        raise ValueError(f"prompt_tokens must be integer, got {prompt_tokens.dtype}")
+    if isinstance(prompt_lengths, jax.core.Tracer):
+        return
+    lengths = np.asarray(prompt_lengths)
+    if (lengths < 1).any():
+        rows = np.flatnonzero(lengths < 1).tolist()
+        raise ValueError(f"empty prompt (length < 1) in rows {rows}: every row needs at least "
+                         "one token (e.g. BOS or the decoder start token)")
+    if (lengths > prompt_tokens.shape[1]).any():
+        raise ValueError(f"prompt_lengths exceed the prompt width {prompt_tokens.shape[1]}: "
+                         f"{lengths.tolist()}")
+
+
+def generate(
+    step_fn: StepFn,
+    params: Any,
+    cache: Any,
+    prompt_tokens,
+    prompt_lengths,
+    *,
+    max_new_tokens: int,
+    rng: jax.Array | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_new_tokens: int = 0,
+    eos_id: int | None = 1,
+    pad_id: int = 0,
+) -> GenerateOutput:
+    """Samples up to ``max_new_tokens`` tokens after each prompt.
+
+    Args:
+      step_fn: ``step_fn(params, tokens [B, L], cache, num_valid [B])``
+        ``-> (logits [B, L, V], cache)``;
+        hashable (it is a static jit argument).
+      params: passed to ``step_fn`` unchanged (any pytree, may be None).
+      cache: the step function's state, empty, with room for P + max_new_tokens positions;
+        every leaf has the batch as its leading axis.
+      prompt_tokens: int32 [B, P], right-padded. Prefilled in one ``step_fn`` call.
+      prompt_lengths: int32 [B], each in [1, P].
+      max_new_tokens: T, the number of decoding steps (static).
+      rng: PRNG key; required when temperature > 0. The same key gives the same tokens.
+      temperature: 0 = greedy argmax; otherwise logits are divided by it before sampling.
+      top_k: sample only among the k most likely tokens (0 = off).
+      top_p: sample only from the smallest set of tokens with total probability >= top_p.
+      min_new_tokens: EOS is masked out for the first ``min_new_tokens`` steps.
+      eos_id: a row stops after emitting it (later tokens are ``pad_id``); None never stops.
+      pad_id: the token written after EOS.
+
+    Returns:
+      GenerateOutput(tokens [B, T], lengths [B], logprobs [B, T]).
+    """
+    sampling = SamplingConfig(temperature, top_k, top_p, min_new_tokens)
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    prompt_tokens = jnp.asarray(prompt_tokens)
+    prompt_lengths = jnp.asarray(prompt_lengths)
+    _check_prompt(prompt_tokens, prompt_lengths)
+    if rng is None:
+        if not sampling.greedy:
+            raise ValueError("rng (a PRNG key) is required when temperature > 0")
+        rng = jax.random.key(0)  # unused by greedy decoding; keeps one traced signature
+    return _generate_jit(
+        step_fn, params, cache, prompt_tokens.astype(jnp.int32),
+        prompt_lengths.astype(jnp.int32), rng,
+        jnp.float32(sampling.temperature if not sampling.greedy else 1.0),
+        jnp.float32(top_p), jnp.int32(min_new_tokens),
+        max_new_tokens=int(max_new_tokens), greedy=sampling.greedy, top_k=int(top_k),
+        use_top_p=top_p < 1.0, eos_id=None if eos_id is None else int(eos_id),
+        pad_id=int(pad_id))
