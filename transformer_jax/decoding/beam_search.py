@@ -81,8 +81,9 @@ def _expand(live: _Beams, finished: _Beams, logprobs, step, alpha, *, eos_id):
     cand_tokens = _take(live.tokens, parent).at[:, :, step].set(token)
     length = jnp.full(parent.shape, step + 1, jnp.int32)
     is_eos = jnp.zeros_like(token, bool) if eos_id is None else token == eos_id
-    candidates = _Beams(cand_tokens, cand_logprobs, cand_logprobs / length_penalty(step + 1, alpha),
-                        length)
+    candidates = _Beams(
+        cand_tokens, cand_logprobs, cand_logprobs / length_penalty(step + 1, alpha), length
+    )
 
     live_rank = jnp.where(is_eos, NEG_INF * 2, cand_logprobs)
     _, live_index = jax.lax.top_k(live_rank, beam)
@@ -102,9 +103,21 @@ def _reorder(cache, parent: jax.Array):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("step_fn", "beam_size", "max_new_tokens", "eos_id", "pad_id"))
-def _beam_search_jit(step_fn, params, cache, prompt_tokens, prompt_lengths, alpha, *, beam_size,
-                     max_new_tokens, eos_id, pad_id):
+    jax.jit, static_argnames=("step_fn", "beam_size", "max_new_tokens", "eos_id", "pad_id")
+)
+def _beam_search_jit(
+    step_fn,
+    params,
+    cache,
+    prompt_tokens,
+    prompt_lengths,
+    alpha,
+    *,
+    beam_size,
+    max_new_tokens,
+    eos_id,
+    pad_id,
+):
     batch, beam, steps = prompt_tokens.shape[0], beam_size, max_new_tokens
     logits, cache = step_fn(params, prompt_tokens, cache, prompt_lengths)
     first = jax.nn.log_softmax(_last_valid(logits, prompt_lengths).astype(jnp.float32), axis=-1)
@@ -116,8 +129,9 @@ def _beam_search_jit(step_fn, params, cache, prompt_tokens, prompt_lengths, alph
     start = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF * 2)
     live = _Beams(empty_tokens, jnp.broadcast_to(start, (batch, beam)), zeros * 0.0, zeros)
     finished = _Beams(empty_tokens, zeros * 0.0, jnp.full((batch, beam), NEG_INF * 2), zeros)
-    live, finished, parent = _expand(live, finished, jnp.repeat(first[:, None], beam, axis=1),
-                                     0, alpha, eos_id=eos_id)
+    live, finished, parent = _expand(
+        live, finished, jnp.repeat(first[:, None], beam, axis=1), 0, alpha, eos_id=eos_id
+    )
     cache = _reorder(cache, parent)
     ones = jnp.ones((batch * beam,), jnp.int32)
 
@@ -132,16 +146,20 @@ def _beam_search_jit(step_fn, params, cache, prompt_tokens, prompt_lengths, alph
         last = live.tokens[:, :, step - 1].reshape(batch * beam, 1)
         logits, cache = step_fn(params, last, cache, ones)
         logprobs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
-        live, finished, parent = _expand(live, finished, logprobs.reshape(batch, beam, -1), step,
-                                         alpha, eos_id=eos_id)
+        live, finished, parent = _expand(
+            live, finished, logprobs.reshape(batch, beam, -1), step, alpha, eos_id=eos_id
+        )
         return step + 1, live, finished, _reorder(cache, parent)
 
     step, live, finished, _ = jax.lax.while_loop(
-        keep_going, body, (jnp.int32(1), live, finished, cache))
+        keep_going, body, (jnp.int32(1), live, finished, cache)
+    )
 
     # Hypotheses still live when decoding ends (cut off at max_new_tokens) compete too.
-    live = live._replace(lengths=jnp.full_like(live.lengths, step),
-                         scores=live.logprobs / length_penalty(step, alpha))
+    live = live._replace(
+        lengths=jnp.full_like(live.lengths, step),
+        scores=live.logprobs / length_penalty(step, alpha),
+    )
     pool = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), finished, live)
     best = _top(pool, pool.scores, beam)
     return BeamOutput(best.tokens, best.scores, best.logprobs, best.lengths)
@@ -190,6 +208,14 @@ def beam_search(
     prompt_lengths = jnp.asarray(prompt_lengths)
     _check_prompt(prompt_tokens, prompt_lengths)
     return _beam_search_jit(
-        step_fn, params, cache, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32),
-        jnp.float32(alpha), beam_size=int(beam_size), max_new_tokens=int(max_new_tokens),
-        eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id))
+        step_fn,
+        params,
+        cache,
+        prompt_tokens.astype(jnp.int32),
+        prompt_lengths.astype(jnp.int32),
+        jnp.float32(alpha),
+        beam_size=int(beam_size),
+        max_new_tokens=int(max_new_tokens),
+        eos_id=None if eos_id is None else int(eos_id),
+        pad_id=int(pad_id),
+    )

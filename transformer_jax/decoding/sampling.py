@@ -71,8 +71,9 @@ class SamplingConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if int(self.min_new_tokens) != self.min_new_tokens or self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be a non-negative integer, got "
-                             f"{self.min_new_tokens}")
+            raise ValueError(
+                f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -129,8 +130,9 @@ def pad_to_bucket(
     """Right-pads an already batched ``[B, P]`` prompt array along P up to its bucket length."""
     prompt_tokens = np.asarray(prompt_tokens)
     width = bucket_length(prompt_tokens.shape[1], buckets, min_length)
-    return np.pad(prompt_tokens, ((0, 0), (0, width - prompt_tokens.shape[1])),
-                  constant_values=pad_id)
+    return np.pad(
+        prompt_tokens, ((0, 0), (0, width - prompt_tokens.shape[1])), constant_values=pad_id
+    )
 
 
 # --------------------------------------------------------------------------- token choice
@@ -154,8 +156,9 @@ def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(logits < cutoff, NEG_INF, logits)
 
 
-def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, top_k, use_top_p,
-            eos_id):
+def _choose(
+    logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, top_k, use_top_p, eos_id
+):
     """Picks one token per row from next-token logits [B, V]; returns (tokens [B], logprobs [B])."""
     logits = logits.astype(jnp.float32)
     if eos_id is not None:
@@ -187,14 +190,44 @@ def _last_valid(logits: jax.Array, num_valid: jax.Array) -> jax.Array:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("step_fn", "max_new_tokens", "greedy", "top_k", "use_top_p", "eos_id",
-                     "pad_id"),
+    static_argnames=(
+        "step_fn",
+        "max_new_tokens",
+        "greedy",
+        "top_k",
+        "use_top_p",
+        "eos_id",
+        "pad_id",
+    ),
 )
-def _generate_jit(step_fn, params, cache, prompt_tokens, prompt_lengths, rng, temperature, top_p,
-                  min_new_tokens, *, max_new_tokens, greedy, top_k, use_top_p, eos_id, pad_id):
+def _generate_jit(
+    step_fn,
+    params,
+    cache,
+    prompt_tokens,
+    prompt_lengths,
+    rng,
+    temperature,
+    top_p,
+    min_new_tokens,
+    *,
+    max_new_tokens,
+    greedy,
+    top_k,
+    use_top_p,
+    eos_id,
+    pad_id,
+):
     choose = functools.partial(
-        _choose, temperature=temperature, top_p=top_p, min_new_tokens=min_new_tokens,
-        greedy=greedy, top_k=top_k, use_top_p=use_top_p, eos_id=eos_id)
+        _choose,
+        temperature=temperature,
+        top_p=top_p,
+        min_new_tokens=min_new_tokens,
+        greedy=greedy,
+        top_k=top_k,
+        use_top_p=use_top_p,
+        eos_id=eos_id,
+    )
     batch = prompt_tokens.shape[0]
 
     # Prefill: the whole (right-padded) prompt in one call; row b's next-token logits sit at
@@ -245,11 +278,14 @@ def _check_prompt(prompt_tokens, prompt_lengths) -> None:
     if prompt_tokens.ndim != 2:
         raise ValueError(f"prompt_tokens must be [batch, length], got shape {prompt_tokens.shape}")
     if prompt_tokens.shape[1] == 0:
-        raise ValueError("prompt_tokens has length 0: every row needs at least one token "
-                         "(e.g. BOS or the decoder start token)")
+        raise ValueError(
+            "prompt_tokens has length 0: every row needs at least one token "
+            "(e.g. BOS or the decoder start token)"
+        )
     if prompt_lengths.shape != prompt_tokens.shape[:1]:
-        raise ValueError(f"prompt_lengths must have shape {prompt_tokens.shape[:1]}, "
-                         f"got {prompt_lengths.shape}")
+        raise ValueError(
+            f"prompt_lengths must have shape {prompt_tokens.shape[:1]}, got {prompt_lengths.shape}"
+        )
     if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
         raise ValueError(f"prompt_tokens must be integer, got {prompt_tokens.dtype}")
     if isinstance(prompt_lengths, jax.core.Tracer):
@@ -257,11 +293,14 @@ def _check_prompt(prompt_tokens, prompt_lengths) -> None:
     lengths = np.asarray(prompt_lengths)
     if (lengths < 1).any():
         rows = np.flatnonzero(lengths < 1).tolist()
-        raise ValueError(f"empty prompt (length < 1) in rows {rows}: every row needs at least "
-                         "one token (e.g. BOS or the decoder start token)")
+        raise ValueError(
+            f"empty prompt (length < 1) in rows {rows}: every row needs at least "
+            "one token (e.g. BOS or the decoder start token)"
+        )
     if (lengths > prompt_tokens.shape[1]).any():
-        raise ValueError(f"prompt_lengths exceed the prompt width {prompt_tokens.shape[1]}: "
-                         f"{lengths.tolist()}")
+        raise ValueError(
+            f"prompt_lengths exceed the prompt width {prompt_tokens.shape[1]}: {lengths.tolist()}"
+        )
 
 
 def generate(
@@ -314,10 +353,19 @@ def generate(
             raise ValueError("rng (a PRNG key) is required when temperature > 0")
         rng = jax.random.key(0)  # unused by greedy decoding; keeps one traced signature
     return _generate_jit(
-        step_fn, params, cache, prompt_tokens.astype(jnp.int32),
-        prompt_lengths.astype(jnp.int32), rng,
+        step_fn,
+        params,
+        cache,
+        prompt_tokens.astype(jnp.int32),
+        prompt_lengths.astype(jnp.int32),
+        rng,
         jnp.float32(sampling.temperature if not sampling.greedy else 1.0),
-        jnp.float32(top_p), jnp.int32(min_new_tokens),
-        max_new_tokens=int(max_new_tokens), greedy=sampling.greedy, top_k=int(top_k),
-        use_top_p=top_p < 1.0, eos_id=None if eos_id is None else int(eos_id),
-        pad_id=int(pad_id))
+        jnp.float32(top_p),
+        jnp.int32(min_new_tokens),
+        max_new_tokens=int(max_new_tokens),
+        greedy=sampling.greedy,
+        top_k=int(top_k),
+        use_top_p=top_p < 1.0,
+        eos_id=None if eos_id is None else int(eos_id),
+        pad_id=int(pad_id),
+    )
