@@ -99,7 +99,10 @@ def initialize(
         return False
     logging.info(
         "jax.distributed.initialize(coordinator=%s, num_processes=%s, process_id=%s, cluster=%s)",
-        address, count, index, cluster or "explicit",
+        address,
+        count,
+        index,
+        cluster or "explicit",
     )
     try:
         jax.distributed.initialize(

@@ -66,7 +66,11 @@ def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: 
         if size > 1 and dim % size:
             logging.warning(
                 "%s: dimension of size %d is not divisible by mesh axes %s (size %d); "
-                "replicating it instead.", where, dim, axes, size
+                "replicating it instead.",
+                where,
+                dim,
+                axes,
+                size,
             )
             axes = None
         fitted.append(axes)

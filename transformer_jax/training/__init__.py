@@ -1,0 +1,1 @@
+"""Training: losses, learning-rate schedules, optimizer, train state, steps and loop."""
