@@ -1,0 +1,177 @@
+"""`ModelConfig`: every architectural choice of the model, checked when it is built.
+
+Field names follow the paper's symbols (d_model, d_ff, h = num_heads, d_k = head_dim, N = num_*_layers).
+The defaults are the paper's base model (Table 3); `presets.py` holds the named sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax.numpy as jnp
+
+NORM_PLACEMENTS = ("post", "pre")
+NORM_TYPES = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+POSITIONS = ("sinusoidal", "learned", "rope", "none")
+SINUSOIDAL_LAYOUTS = ("interleaved", "concat")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked", "flash")
+REMAT_POLICIES = ("none", "dots_saveable", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of `Transformer` (encoder-decoder) and `TransformerLM` (decoder-only).
+
+    The defaults reproduce the base model of Vaswani et al. (2017), Table 3: N=6, d_model=512,
+    d_ff=2048, h=8, d_k=d_v=64, P_drop=0.1, Post-LN, ReLU, sinusoidal positions, one embedding
+    matrix shared by the encoder input, decoder input and output projection (section 3.4).
+    """
+
+    vocab_size: int = 37000
+    d_model: int = 512
+    num_heads: int = 8
+    head_dim: int | None = None  # d_k = d_v; default d_model // num_heads
+    num_kv_heads: int | None = None  # grouped-query attention; default num_heads (1 = multi-query)
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout_rate: float = 0.1  # P_drop: sub-layer outputs and embedding+position sums (section 5.4)
+    attention_dropout_rate: float = 0.0  # on attention probabilities (not in the paper)
+    max_len: int = 512  # longest sequence; sizes the learned position table
+    norm: str = "post"  # 'post' (paper: LayerNorm(x + Sublayer(x))) or 'pre'
+    norm_type: str = "layernorm"
+    norm_eps: float = 1e-6
+    final_norm: bool | None = None  # norm after the last block; default: True for 'pre', False for 'post'
+    activation: str = "relu"
+    position: str = "sinusoidal"
+    sinusoidal_layout: str = "interleaved"  # paper: sin on even dims, cos on odd dims
+    rope_theta: float = 10000.0
+    share_embeddings: bool = True  # one table for encoder and decoder inputs (encoder-decoder only)
+    tie_output: bool = True  # output projection = decoder embedding transposed (section 3.4)
+    logits_bias: bool = False  # a learned bias added to the final logits (Marian has one)
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (section 3.4)
+    use_bias: bool = True  # biases in attention and feed-forward projections
+    attention_impl: str = "auto"
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    scan_layers: bool = False  # nn.scan over identical blocks: compile time flat in depth
+    remat: str = "none"  # rematerialisation policy for each block
+    pad_id: int | None = 0
+    eos_id: int = 1
+    bos_id: int = 2
+    decoder_start_id: int = 2  # first decoder input token (Marian uses pad_id)
+
+    def __post_init__(self):
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                object.__setattr__(self, name, jnp.dtype(value).name)
+        self._validate()
+
+    # ----------------------------------------------------------------- validation
+    def _validate(self):
+        def fail(field, message):
+            raise ConfigError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
+
+        positive = ("vocab_size", "d_model", "num_heads", "d_ff", "max_len")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                fail(name, "must be a positive integer")
+        for name in ("num_encoder_layers", "num_decoder_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                fail(name, "must be a non-negative integer")
+        for name in ("head_dim", "num_kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                fail(name, "must be a positive integer or None")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            fail("num_heads", f"d_model={self.d_model} is not divisible by it; set head_dim")
+        if self.num_heads % self.kv_heads:
+            fail("num_kv_heads", f"must divide num_heads={self.num_heads}")
+        if self.position == "rope" and self.qk_dim % 2:
+            fail("head_dim", "rotary positions need an even head_dim")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            fail("d_model", "sinusoidal positions need an even d_model")
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+                fail(name, "must be in [0, 1)")
+        if not self.norm_eps > 0:
+            fail("norm_eps", "must be > 0")
+        if not self.rope_theta > 0:
+            fail("rope_theta", "must be > 0")
+        choices = {
+            "norm": NORM_PLACEMENTS,
+            "norm_type": NORM_TYPES,
+            "activation": ACTIVATIONS,
+            "position": POSITIONS,
+            "sinusoidal_layout": SINUSOIDAL_LAYOUTS,
+            "attention_impl": ATTENTION_IMPLS,
+            "remat": REMAT_POLICIES,
+            "dtype": DTYPES,
+            "param_dtype": DTYPES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                fail(name, f"must be one of {allowed}")
+        for name in ("eos_id", "bos_id", "decoder_start_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < self.vocab_size:
+                fail(name, f"must be a token id in [0, vocab_size={self.vocab_size})")
+        if self.pad_id is not None and not 0 <= self.pad_id < self.vocab_size:
+            fail("pad_id", f"must be None or a token id in [0, vocab_size={self.vocab_size})")
+
+    # ----------------------------------------------------------------- derived sizes
+    @property
+    def qk_dim(self) -> int:
+        """d_k = d_v: the size of each head."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def use_final_norm(self) -> bool:
+        return self.final_norm if self.final_norm is not None else self.norm == "pre"
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weights_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    # ----------------------------------------------------------------- (de)serialisation
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"ModelConfig has no field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def diff(self, other: ModelConfig) -> dict[str, tuple[Any, Any]]:
+        """Fields whose values differ: {name: (self value, other value)}."""
+        a, b = self.to_dict(), other.to_dict()
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}

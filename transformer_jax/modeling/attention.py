@@ -1,0 +1,179 @@
+"""Scaled dot-product attention (section 3.2.1, Eq. 1) and multi-head attention (section 3.2.2).
+
+One `MultiHeadAttention` serves encoder self-attention, masked decoder self-attention and
+encoder-decoder cross-attention, for training, prompt prefill and one-token decoding with a KV
+cache. `dot_product_attention` is the backend switch.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.modeling.positional import apply_rope
+
+_MASKED = -1e30  # finite, so a fully masked row cannot produce inf - inf = NaN
+
+
+def _reference_attention(q, k, v, mask, *, dropout_rate, dropout_rng, deterministic):
+    """softmax(QK^T / sqrt(d_k)) V written out with einsums; returns (out, probs).
+
+    q: [B, L, H, K], k/v: [B, S, N, K] with H = N * G (grouped-query), mask: [B, 1|H, L, S].
+    Logits and softmax in float32 whatever the compute dtype.
+    """
+    B, L, H, K = q.shape
+    N = k.shape[2]
+    q = q.reshape(B, L, N, H // N, K) / jnp.sqrt(K).astype(q.dtype)
+    logits = jnp.einsum("BLNGK,BSNK->BNGLS", q, k, preferred_element_type=jnp.float32)
+    logits = logits.reshape(B, H, L, -1)
+    if mask is not None:
+        logits = jnp.where(mask, logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if mask is not None:
+        probs = probs * mask  # a query with no visible key gets all-zero weights, not 1/S each
+    if not deterministic and dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+    weights = probs.astype(v.dtype).reshape(B, N, H // N, L, -1)
+    out = jnp.einsum("BNGLS,BSNK->BLNGK", weights, v).reshape(B, L, H, K)
+    return out, probs
+
+
+def _fused_attention(q, k, v, mask, implementation):
+    """jax.nn.dot_product_attention ('xla' everywhere, 'cudnn' on NVIDIA GPUs)."""
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    if mask is not None:  # the fused kernels average V over a fully masked row; we want zeros
+        any_visible = jnp.any(mask, axis=-1)  # [B, 1|H, L]
+        out = out * jnp.swapaxes(any_visible, 1, 2)[..., None].astype(out.dtype)
+    return out
+
+
+def resolve_impl(impl: str, *, need_weights: bool, dropout_active: bool) -> str:
+    """The backend that will run: 'auto' picks cuDNN on GPU, XLA elsewhere; the reference path
+    whenever attention weights or attention dropout are needed."""
+    if need_weights or dropout_active:
+        return "reference"
+    if impl == "auto":
+        return "cudnn" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+def dot_product_attention(
+    q, k, v, mask=None, *, impl="auto", dropout_rate=0.0, dropout_rng=None,
+    deterministic=True, return_weights=False,
+):
+    """Eq. 1: Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V.
+
+    q: [B, L, H, K]; k, v: [B, S, N, K] (N divides H); mask: bool [B, 1|H, L, S], True = attend.
+    Returns (out [B, L, H, K], probs [B, H, L, S] float32 or None).
+    """
+    impl = resolve_impl(
+        impl, need_weights=return_weights,
+        dropout_active=not deterministic and dropout_rate > 0.0,
+    )
+    if impl == "reference":
+        out, probs = _reference_attention(
+            q, k, v, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            deterministic=deterministic,
+        )
+        return out, (probs if return_weights else None)
+    if impl in ("xla", "cudnn"):
+        return _fused_attention(q, k, v, mask, impl), None
+    raise NotImplementedError(f"attention_impl={impl!r} is not available in this build")
+
+
+def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name):
+    """A DenseGeneral whose kernel and bias carry logical axis names `names` (inputs then outputs)."""
+    features = tuple(features) if isinstance(features, tuple | list) else (features,)
+    in_axes = len(axis) if isinstance(axis, tuple) else 1
+    # DenseGeneral initialises the kernel flattened to 2-D, so Glorot uses the full fan-in/out.
+    return nn.DenseGeneral(
+        features=features, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[in_axes:]),
+        name=name,
+    )
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    Self-attention when `inputs_kv` is None, cross-attention otherwise. With `num_kv_heads` < heads,
+    groups of query heads share one key/value head (GQA; 1 = multi-query).
+    """
+
+    d_model: int
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    use_bias: bool = True
+    rope_theta: float | None = None  # rotary positions on queries and keys when set
+    attention_dropout_rate: float = 0.0
+    attention_impl: str = "auto"
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        def heads_proj(heads, names, name):
+            return projection((heads, self.head_dim), names, use_bias=self.use_bias,
+                              dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+        self.query = heads_proj(self.num_heads, ("embed", "heads", "kv"), "query")
+        self.key = heads_proj(self.num_kv_heads, ("embed", "kv_heads", "kv"), "key")
+        self.value = heads_proj(self.num_kv_heads, ("embed", "kv_heads", "kv"), "value")
+        self.out = projection(self.d_model, ("heads", "kv", "embed"), axis=(-2, -1),
+                              use_bias=self.use_bias, dtype=self.dtype,
+                              param_dtype=self.param_dtype, name="out")
+
+    def project_kv(self, inputs_kv, kv_positions=None):
+        """K and V for `inputs_kv` [B, S, D] -> two [B, S, N, K] (cross-attention caches these)."""
+        k, v = self.key(inputs_kv), self.value(inputs_kv)
+        if self.rope_theta is not None:
+            k = apply_rope(k, kv_positions, self.rope_theta)
+        return k, v
+
+    def __call__(
+        self, inputs_q, inputs_kv=None, *, mask=None, q_positions=None, kv_positions=None,
+        precomputed_kv=None, cache=None, cache_index=None, deterministic=True,
+    ):
+        """inputs_q: [B, L, D]; inputs_kv: [B, S, D] for cross-attention (None: self-attention);
+        mask: bool [B, 1, L, S], True = attend.
+
+        precomputed_kv: (k, v) [B, S, N, K] already projected by `project_kv` (cross-attention
+        during decoding: the source's K/V are computed once).
+        cache: {'k', 'v'} [B, S_max, N, K] for self-attention decoding: the new keys and values
+        are written at each row's `cache_index` [B], and attention runs over all S_max slots (the
+        mask hides the unwritten ones). Returns (out [B, L, D], updated cache or None).
+        """
+        q = self.query(inputs_q)
+        if self.rope_theta is not None:
+            q = apply_rope(q, q_positions, self.rope_theta)
+        if precomputed_kv is not None:
+            k, v = precomputed_kv
+        elif inputs_kv is not None:
+            k, v = self.project_kv(inputs_kv, kv_positions)
+        else:
+            k, v = self.project_kv(inputs_q, q_positions)
+        if cache is not None:
+            write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 0))
+            k = write(cache["k"], k.astype(cache["k"].dtype), cache_index)
+            v = write(cache["v"], v.astype(cache["v"].dtype), cache_index)
+            cache = {"k": k, "v": v}
+        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+
+        want_weights = self.is_mutable_collection("intermediates")
+        dropout_rng = None
+        if not deterministic and self.attention_dropout_rate > 0.0:
+            dropout_rng = self.make_rng("dropout")
+        out, probs = dot_product_attention(
+            q, k.astype(self.dtype), v.astype(self.dtype), mask, impl=self.attention_impl,
+            dropout_rate=self.attention_dropout_rate, dropout_rng=dropout_rng,
+            deterministic=deterministic, return_weights=want_weights,
+        )
+        if want_weights:
+            self.sow("intermediates", "attention_weights", probs)
+        out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
+        return self.out(out), cache
+
+

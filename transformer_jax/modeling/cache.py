@@ -1,0 +1,56 @@
+"""The explicit KV cache: an argument and a return value of the decoder, never hidden state.
+
+Every leaf has the batch as its leading axis, so decoding code can repeat rows (beam expansion)
+and gather them (beam reordering) with one `jax.tree.map`.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every decoder layer for the tokens seen so far.
+
+    layers:  per decoder layer, {'k', 'v'}: [B, S_max, N, K] self-attention keys and values.
+    lengths: int32 [B]: how many slots of each row hold real tokens. New tokens are written from
+             there, so a batch may hold prompts of different lengths.
+    cross:   encoder-decoder only: per layer, {'k', 'v'}: [B, S_src, N, K], the source's
+             cross-attention keys and values, computed once when the cache is built.
+    source_mask: encoder-decoder only: bool [B, S_src], True on real source tokens.
+    """
+
+    layers: tuple
+    lengths: jax.Array
+    cross: tuple | None = None
+    source_mask: jax.Array | None = None
+
+    @property
+    def max_length(self) -> int:
+        return self.layers[0]["k"].shape[1]
+
+
+def empty_layers(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> tuple:
+    dtype = config.compute_dtype if dtype is None else dtype
+    shape = (batch_size, max_length, config.kv_heads, config.qk_dim)
+    return tuple(
+        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        for _ in range(config.num_decoder_layers)
+    )
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    """An empty cache for `TransformerLM` holding up to `max_length` tokens per row.
+
+    (For `Transformer`, build it with `model.apply(variables, src, max_length, method='init_cache')`,
+    which also encodes the source.)
+    """
+    return KVCache(
+        layers=empty_layers(config, batch_size, max_length, dtype),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
+    )

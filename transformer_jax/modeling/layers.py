@@ -1,0 +1,107 @@
+"""Embeddings (section 3.4), the position-wise feed-forward network (section 3.3, Eq. 2) and norms."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.modeling.attention import projection
+
+
+class Embed(nn.Module):
+    """A [V, D] embedding table. `attend` reuses it as the pre-softmax projection (section 3.4:
+    the same weight matrix for both embedding layers and the output linear transformation)."""
+
+    num_embeddings: int
+    features: int
+    scale: float = 1.0  # sqrt(d_model) in the paper
+    names: tuple[str, str] = ("vocab", "embed")
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        # N(0, 1/D): with the sqrt(D) scale the embedded tokens start with unit variance.
+        init = nn.initializers.normal(stddev=self.features**-0.5)
+        self.embedding = self.param(
+            "embedding", nn.with_logical_partitioning(init, self.names),
+            (self.num_embeddings, self.features), self.param_dtype,
+        )
+
+    def __call__(self, ids):
+        """ids: int [B, L] -> [B, L, D] in the compute dtype, times `scale`."""
+        table = jnp.asarray(self.embedding, self.dtype)
+        out = jnp.take(table, ids, axis=0)
+        return out * jnp.asarray(self.scale, self.dtype) if self.scale != 1.0 else out
+
+    def attend(self, x):
+        """Tied output projection: x [B, L, D] -> logits [B, L, V] (x E^T)."""
+        return jnp.einsum("BLD,VD->BLV", x, jnp.asarray(self.embedding, self.dtype))
+
+
+def _activation(name):
+    return {
+        "relu": jax.nn.relu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "silu": jax.nn.silu,
+        "swiglu": jax.nn.silu,
+        "geglu": lambda x: jax.nn.gelu(x, approximate=True),
+    }[name]
+
+
+class FeedForward(nn.Module):
+    """Eq. 2: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, with other activations by name.
+
+    Gated variants ('swiglu', 'geglu'; Shazeer 2020) compute act(x W_gate) * (x W_1) before W_2.
+    """
+
+    d_ff: int
+    activation: str = "relu"
+    use_bias: bool = True
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _dense(self, features, names, name):
+        return projection(features, names, use_bias=self.use_bias, dtype=self.dtype,
+                          param_dtype=self.param_dtype, name=name)
+
+    @nn.compact
+    def __call__(self, x):
+        """x: [B, L, D] -> [B, L, D]."""
+        act = _activation(self.activation)
+        h = self._dense(self.d_ff, ("embed", "mlp"), "wi")(x)
+        if self.activation in ("swiglu", "geglu"):
+            h = act(self._dense(self.d_ff, ("embed", "mlp"), "wi_gate")(x)) * h
+        else:
+            h = act(h)
+        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+        return self._dense(x.shape[-1], ("mlp", "embed"), "wo")(h)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * scale, computed in float32."""
+
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                           (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(self.dtype)
+
+
+def make_norm(norm_type: str, eps: float, dtype, param_dtype, name: str) -> nn.Module:
+    """LayerNorm (the paper's, Ba et al. 2016) or RMSNorm; statistics in float32."""
+    if norm_type == "rmsnorm":
+        return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
+    return nn.LayerNorm(
+        epsilon=eps, dtype=dtype, param_dtype=param_dtype, use_fast_variance=False,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+        name=name,
+    )

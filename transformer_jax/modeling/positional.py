@@ -1,0 +1,38 @@
+"""Position information (section 3.5): sinusoidal encodings, and rotary embeddings (RoPE, Su et al.
+2021) for modern decoder-only models. Learned absolute positions are an `Embed` table (row E of
+Table 3).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def sinusoidal_encoding(positions, d_model: int, layout: str = "interleaved", max_timescale=1e4):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+
+    positions: integer array [...]; returns float32 [..., D]. `layout='interleaved'` is the paper's
+    (sin on even dimensions, cos on odd); `'concat'` puts all sines first, then all cosines (the
+    layout of Marian / fairseq checkpoints). Same frequencies either way.
+    """
+    i = jnp.arange(d_model // 2, dtype=jnp.float32)
+    inv_freq = 1.0 / (max_timescale ** (2.0 * i / d_model))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    if layout == "concat":
+        return jnp.concatenate([sin, cos], axis=-1)
+    return jnp.stack([sin, cos], axis=-1).reshape(*angles.shape[:-1], d_model)
+
+
+def apply_rope(x, positions, theta: float = 10000.0):
+    """Rotate query/key features by position (RoPE). x: [B, L, H, K], positions: [B, L].
+
+    Rotates pairs (k, k + K/2) ("rotate half" layout), so <q_m, k_n> depends only on m - n.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, L, 1, K/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)

@@ -1,0 +1,292 @@
+"""The encoder-decoder Transformer (Figure 1) and its decoder-only variant.
+
+This is the only file that reads `ModelConfig`; everything below it takes explicit fields.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.config import ModelConfig
+from transformer_jax.modeling import masks
+from transformer_jax.modeling.blocks import TransformerBlock
+from transformer_jax.modeling.cache import KVCache, empty_layers
+from transformer_jax.modeling.layers import Embed, make_norm
+from transformer_jax.modeling.positional import sinusoidal_encoding
+
+_REMAT_POLICIES = {
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def make_embed(config: ModelConfig, name: str) -> Embed:
+    scale = config.d_model**0.5 if config.scale_embeddings else 1.0
+    return Embed(config.vocab_size, config.d_model, scale=scale, dtype=config.compute_dtype,
+                 param_dtype=config.weights_dtype, name=name)
+
+
+def make_blocks(config: ModelConfig, count: int, cross_attention: bool, prefix: str):
+    block = TransformerBlock
+    if config.remat != "none":
+        block = nn.remat(TransformerBlock, policy=_REMAT_POLICIES[config.remat],
+                         static_argnums=(), prevent_cse=True)
+    return [
+        block(
+            d_model=config.d_model, num_heads=config.num_heads, head_dim=config.qk_dim,
+            num_kv_heads=config.kv_heads,
+            d_ff=config.d_ff, cross_attention=cross_attention, activation=config.activation,
+            norm=config.norm, norm_type=config.norm_type, norm_eps=config.norm_eps,
+            dropout_rate=config.dropout_rate,
+            attention_dropout_rate=config.attention_dropout_rate,
+            rope_theta=config.rope_theta if config.position == "rope" else None,
+            use_bias=config.use_bias, attention_impl=config.attention_impl,
+            dtype=config.compute_dtype, param_dtype=config.weights_dtype,
+            name=f"{prefix}_{i}",
+        )
+        for i in range(count)
+    ]
+
+
+class _Stack(nn.Module):
+    """Shared by Encoder and Decoder: token embedding + positions (section 3.5), dropout, and the
+    final norm that Pre-LN stacks need."""
+
+    config: ModelConfig
+    embed: Embed
+
+    def setup_positions(self):
+        cfg = self.config
+        if cfg.position == "learned":
+            self.position_embed = Embed(
+                cfg.max_len, cfg.d_model, names=("length", "embed"), dtype=cfg.compute_dtype,
+                param_dtype=cfg.weights_dtype, name="position_embed",
+            )
+        self.embed_dropout = nn.Dropout(cfg.dropout_rate)
+        if cfg.use_final_norm:
+            self.final_norm = make_norm(cfg.norm_type, cfg.norm_eps, cfg.compute_dtype,
+                                        cfg.weights_dtype, "final_norm")
+
+    def embed_tokens(self, tokens, positions, deterministic):
+        """Token embeddings (times sqrt(d_model)) plus positions, then dropout (section 5.4)."""
+        cfg = self.config
+        x = self.embed(tokens)
+        if cfg.position == "sinusoidal":
+            pe = sinusoidal_encoding(positions, cfg.d_model, cfg.sinusoidal_layout)
+            x = x + pe.astype(x.dtype)
+        elif cfg.position == "learned":
+            x = x + self.position_embed(positions)
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        return self.embed_dropout(x, deterministic=deterministic)
+
+    def finish(self, x):
+        return self.final_norm(x) if self.config.use_final_norm else x
+
+
+def default_positions(tokens, segment_ids=None):
+    if segment_ids is not None:
+        raise ValueError("packed inputs (segment_ids given) need their positions too")
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+
+class Encoder(_Stack):
+    """N blocks of bidirectional self-attention + feed-forward (section 3.1)."""
+
+    def setup(self):
+        self.setup_positions()
+        cfg = self.config
+        self.blocks = make_blocks(cfg, cfg.num_encoder_layers, False, "layer")
+
+    def valid_tokens(self, tokens, segment_ids=None):
+        """bool [B, S]: True on real tokens (segment id > 0, or not the pad id)."""
+        if segment_ids is not None:
+            return segment_ids != 0
+        if self.config.pad_id is None:
+            return jnp.ones(tokens.shape, bool)
+        return tokens != self.config.pad_id
+
+    def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic=True):
+        """tokens: int [B, S] -> encoder output [B, S, D]."""
+        if positions is None:
+            positions = default_positions(tokens, segment_ids)
+        if segment_ids is not None:
+            mask = masks.segment_mask(segment_ids, segment_ids)
+        else:
+            mask = masks.key_padding_mask(self.valid_tokens(tokens))
+        x = self.embed_tokens(tokens, positions, deterministic)
+        for block in self.blocks:
+            x, _ = block(x, self_mask=mask, positions=positions, deterministic=deterministic)
+        return self.finish(x)
+
+
+class Decoder(_Stack):
+    """N blocks of masked self-attention (+ cross-attention over the encoder output when
+    `cross_attention`) + feed-forward, then the pre-softmax linear map (section 3.4)."""
+
+    cross_attention: bool = False
+
+    def setup(self):
+        self.setup_positions()
+        cfg = self.config
+        self.blocks = make_blocks(cfg, cfg.num_decoder_layers, self.cross_attention, "layer")
+        if not cfg.tie_output:
+            self.output = nn.DenseGeneral(
+                cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
+                param_dtype=cfg.weights_dtype,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(cfg.d_model**-0.5), ("embed", "vocab")),
+                name="output",
+            )
+        if cfg.logits_bias:
+            self.final_logits_bias = self.param(
+                "final_logits_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                (cfg.vocab_size,), cfg.weights_dtype,
+            )
+
+    def logits(self, x):
+        """[B, L, D] -> float32 logits [B, L, V]."""
+        cfg = self.config
+        logits = self.embed.attend(x) if cfg.tie_output else self.output(x)
+        logits = logits.astype(jnp.float32)
+        if cfg.logits_bias:
+            logits = logits + self.final_logits_bias.astype(jnp.float32)
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+    def cross_kv(self, memory):
+        return tuple(
+            dict(zip(("k", "v"), block.cross_kv(memory), strict=True)) for block in self.blocks
+        )
+
+    def __call__(
+        self, tokens, *, memory=None, memory_valid=None, segment_ids=None, positions=None,
+        memory_segment_ids=None, cache: KVCache | None = None, num_valid=None,
+        deterministic=True,
+    ):
+        """tokens: int [B, L] -> (logits [B, L, V], updated cache or None).
+
+        Without a cache, query i sees tokens j <= i of its own segment. Right padding needs no
+        mask: real tokens never look right. With a cache, the tokens are appended at each row's
+        `cache.lengths` and `num_valid` [B] (default L) of them are counted as real.
+        """
+        if cache is not None:
+            return self._decode_cached(tokens, cache, num_valid, deterministic)
+        if positions is None:
+            positions = default_positions(tokens, segment_ids)
+        L = tokens.shape[1]
+        self_mask = masks.causal_mask(L)
+        cross_mask = None
+        if segment_ids is not None:
+            self_mask = masks.combine_masks(self_mask, masks.segment_mask(segment_ids, segment_ids))
+        if memory is not None:
+            if segment_ids is not None and memory_segment_ids is not None:
+                cross_mask = masks.segment_mask(segment_ids, memory_segment_ids)
+            else:
+                cross_mask = masks.key_padding_mask(memory_valid)
+        x = self.embed_tokens(tokens, positions, deterministic)
+        for block in self.blocks:
+            x, _ = block(x, self_mask=self_mask, positions=positions, memory=memory,
+                         cross_mask=cross_mask, deterministic=deterministic)
+        return self.logits(self.finish(x)), None
+
+    def _decode_cached(self, tokens, cache, num_valid, deterministic):
+        B, L = tokens.shape
+        lengths = cache.lengths
+        positions = lengths[:, None] + jnp.arange(L)[None, :]
+        self_mask = masks.cache_mask(lengths, L, cache.max_length)
+        cross_mask = None
+        if cache.source_mask is not None:
+            cross_mask = masks.key_padding_mask(cache.source_mask)
+        x = self.embed_tokens(tokens, positions, deterministic)
+        new_layers = []
+        for i, block in enumerate(self.blocks):
+            cross_kv = None
+            if cache.cross is not None:
+                cross_kv = (cache.cross[i]["k"], cache.cross[i]["v"])
+            x, layer = block(x, self_mask=self_mask, positions=positions, cross_mask=cross_mask,
+                             cross_kv=cross_kv, cache=cache.layers[i], cache_index=lengths,
+                             deterministic=deterministic)
+            new_layers.append(layer)
+        if num_valid is None:
+            num_valid = jnp.full((B,), L, jnp.int32)
+        new_cache = cache.replace(layers=tuple(new_layers),
+                                  lengths=lengths + num_valid.astype(jnp.int32))
+        return self.logits(self.finish(x)), new_cache
+
+
+class Transformer(nn.Module):
+    """The paper's encoder-decoder (Figure 1).
+
+    apply({'params': p}, src [B, S], tgt [B, L]) -> float32 logits [B, L, V], where `tgt` is the
+    decoder input (targets shifted right, see `masks.shift_right`). With `cache=` (from
+    `method='init_cache'`), `src` is ignored and the call returns (logits, cache).
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        if cfg.share_embeddings:
+            self.embed = make_embed(cfg, "embed")
+            source_embed = target_embed = self.embed
+        else:
+            source_embed = self.source_embed = make_embed(cfg, "source_embed")
+            target_embed = self.target_embed = make_embed(cfg, "target_embed")
+        self.encoder = Encoder(cfg, source_embed, name="encoder")
+        self.decoder = Decoder(cfg, target_embed, cross_attention=True, name="decoder")
+
+    def encode(self, src, *, src_segment_ids=None, src_positions=None, deterministic=True):
+        """src: int [B, S] -> encoder output [B, S, D]."""
+        return self.encoder(src, segment_ids=src_segment_ids, positions=src_positions,
+                            deterministic=deterministic)
+
+    def __call__(
+        self, src, tgt, *, src_segment_ids=None, tgt_segment_ids=None, src_positions=None,
+        tgt_positions=None, cache: KVCache | None = None, num_valid=None, deterministic=True,
+    ):
+        if cache is not None:
+            return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic)
+        memory = self.encode(src, src_segment_ids=src_segment_ids, src_positions=src_positions,
+                             deterministic=deterministic)
+        logits, _ = self.decoder(
+            tgt, memory=memory, memory_valid=self.encoder.valid_tokens(src, src_segment_ids),
+            segment_ids=tgt_segment_ids, positions=tgt_positions,
+            memory_segment_ids=src_segment_ids, deterministic=deterministic,
+        )
+        return logits
+
+    def init_cache(self, src, max_length: int, *, src_segment_ids=None, dtype=None) -> KVCache:
+        """Encode `src` once and return a decoding cache for up to `max_length` target tokens,
+        holding every decoder layer's cross-attention K/V of the source."""
+        memory = self.encode(src, src_segment_ids=src_segment_ids)
+        dtype = self.config.compute_dtype if dtype is None else dtype
+        cross = jax.tree.map(lambda a: a.astype(dtype), self.decoder.cross_kv(memory))
+        return KVCache(
+            layers=empty_layers(self.config, src.shape[0], max_length, dtype),
+            lengths=jnp.zeros((src.shape[0],), jnp.int32),
+            cross=cross,
+            source_mask=self.encoder.valid_tokens(src, src_segment_ids),
+        )
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only language model (GPT-style) from the same blocks, without cross-attention.
+
+    apply({'params': p}, tokens [B, L]) -> float32 logits [B, L, V];
+    with `cache=` (from `init_cache`) it returns (logits, cache).
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        self.embed = make_embed(self.config, "embed")
+        self.decoder = Decoder(self.config, self.embed, cross_attention=False, name="decoder")
+
+    def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None, num_valid=None,
+                 deterministic=True):
+        logits, new_cache = self.decoder(tokens, segment_ids=segment_ids, positions=positions,
+                                         cache=cache, num_valid=num_valid,
+                                         deterministic=deterministic)
+        return logits if cache is None else (logits, new_cache)
