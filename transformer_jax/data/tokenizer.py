@@ -1,0 +1,293 @@
+"""SentencePiece tokenizers (BPE or unigram) that round-trip any text exactly.
+
+The special ids are fixed for the whole project (see ``ModelConfig.pad_id`` etc.)::
+
+    PAD_ID = 0   padding, never predicted (loss weight 0)
+    EOS_ID = 1   ends every source and target example
+    BOS_ID = 2   decoder start token (inserted by ``shift_right``, never stored in data)
+    UNK_ID = 3   unused in practice: byte fallback spells any unknown character as UTF-8 bytes
+
+Training settings chosen so that ``decode(encode(text)) == text`` for every valid Unicode string:
+``normalization_rule_name="identity"`` (no NFKC), ``remove_extra_whitespaces=False`` (keeps
+runs of spaces, leading and trailing spaces) and ``byte_fallback=True`` (no ``<unk>``). The one
+character SentencePiece cannot keep is U+2581 (``▁``), its own internal spelling of a space;
+:meth:`Tokenizer.encode` spells it with byte pieces instead (see ``_encode_one``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import sentencepiece as spm
+from absl import logging
+
+PAD_ID = 0
+EOS_ID = 1
+BOS_ID = 2
+UNK_ID = 3
+
+MODEL_FILENAME = "tokenizer.model"
+METADATA_FILENAME = "tokenizer.json"
+
+# SentencePiece's meta symbol for a space. Literal occurrences in the input are spelled with byte
+# pieces so that they do not come back as spaces.
+_SPACE_SYMBOL = "\u2581"
+# Bumped whenever the training settings below change, so that cached tokenizers are retrained.
+_SETTINGS_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSettings:
+    """What determines a trained tokenizer (besides the corpus)."""
+
+    vocab_size: int = 8000
+    model_type: str = "bpe"  # 'bpe' | 'unigram'
+    max_training_chars: int = 20_000_000
+    max_sentence_chars: int = 4096
+
+    def __post_init__(self):
+        if self.model_type not in ("bpe", "unigram"):
+            raise ValueError(f"tokenizer model_type must be 'bpe' or 'unigram', got "
+                             f"{self.model_type!r}")
+        if self.vocab_size < 300:
+            raise ValueError(f"vocab_size must be >= 300 (256 byte pieces + specials), got "
+                             f"{self.vocab_size}")
+
+
+class Tokenizer:
+    """A SentencePiece model with the project's fixed special ids.
+
+    ``encode`` returns plain token ids (no EOS/BOS); the pipeline appends ``EOS_ID`` itself.
+    """
+
+    def __init__(self, model_proto: bytes):
+        self._proto = bytes(model_proto)
+        self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        self._sp_no_prefix = None  # built lazily, only needed for text containing U+2581
+        ids = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
+        if ids != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
+            raise ValueError(f"SentencePiece model has special ids (pad, eos, bos, unk)={ids}, "
+                             f"expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}")
+        self._space_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>")
+                             for b in _SPACE_SYMBOL.encode("utf-8")]
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        with open(path, "rb") as f:
+            return cls(f.read())
+
+    def save(self, path: str | os.PathLike) -> None:
+        _atomic_write(path, self._proto)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], settings: TokenizerSettings) -> Tokenizer:
+        """Trains a tokenizer on ``texts`` (any iterable of strings; long ones are cut)."""
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_training_sentences(texts, settings),
+            model_writer=buf,
+            model_type=settings.model_type,
+            vocab_size=settings.vocab_size,
+            # A small corpus may not support the requested size; take what it has.
+            hard_vocab_limit=False,
+            character_coverage=1.0,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            byte_fallback=True,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            max_sentence_length=settings.max_sentence_chars * 4,
+            pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
+            pad_piece="<pad>", eos_piece="</s>", bos_piece="<s>", unk_piece="<unk>",
+            num_threads=max(1, os.cpu_count() or 1),
+            minloglevel=2,
+        )
+        return cls(buf.getvalue())
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def model_proto(self) -> bytes:
+        return self._proto
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
+
+    # -- encode / decode ----------------------------------------------------------------------
+
+    def encode(self, text: str | bytes) -> list[int]:
+        """Text (str, or bytes decoded as UTF-8 with replacement) -> token ids, no EOS/BOS."""
+        return self._encode_one(_as_text(text))
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[list[int]]:
+        texts = [_as_text(t) for t in texts]
+        if any(_SPACE_SYMBOL in t for t in texts):
+            return [self._encode_one(t) for t in texts]
+        return self._sp.encode(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Token ids -> text. PAD/EOS/BOS and out-of-range ids are dropped; stops at nothing."""
+        return self._sp.decode(self._clean(ids))
+
+    def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
+        return self._sp.decode([self._clean(ids) for ids in batch])
+
+    def _clean(self, ids: Iterable[int]) -> list[int]:
+        n = self.vocab_size
+        return [int(i) for i in ids if UNK_ID <= int(i) < n]
+
+    def _encode_one(self, text: str) -> list[int]:
+        if _SPACE_SYMBOL not in text:
+            return self._sp.encode(text)
+        # Encode the pieces between literal U+2581 separately and join them with the byte
+        # pieces of U+2581. Later pieces must not get the dummy-prefix space.
+        if self._sp_no_prefix is None:
+            from sentencepiece import sentencepiece_model_pb2
+
+            proto = sentencepiece_model_pb2.ModelProto()
+            proto.ParseFromString(self._proto)
+            proto.normalizer_spec.add_dummy_prefix = False
+            self._sp_no_prefix = spm.SentencePieceProcessor(
+                model_proto=proto.SerializeToString())
+        first, *rest = text.split(_SPACE_SYMBOL)
+        ids = self._sp.encode(first) if first else []
+        for part in rest:
+            ids += self._space_bytes
+            ids += self._sp_no_prefix.encode(part) if part else []
+        return ids
+
+
+def _as_text(text: str | bytes) -> str:
+    if isinstance(text, bytes | bytearray | memoryview):
+        return bytes(text).decode("utf-8", errors="replace")
+    # Lone surrogates cannot be written as UTF-8; spell them as U+FFFD.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
+
+
+def _training_sentences(texts: Iterable[str], settings: TokenizerSettings) -> Iterator[str]:
+    budget = settings.max_training_chars
+    for text in texts:
+        text = _as_text(text)
+        # Lines are SentencePiece's sentences; long lines are cut, not skipped.
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            line = line[: settings.max_sentence_chars]
+            budget -= len(line)
+            yield line
+            if budget <= 0:
+                return
+
+
+def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Writes ``data`` to a temporary file beside ``path`` and renames it into place."""
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _metadata(corpus_key: str, settings: TokenizerSettings) -> dict:
+    return {"corpus_key": corpus_key, "settings_version": _SETTINGS_VERSION,
+            **dataclasses.asdict(settings)}
+
+
+def _matching_model(workdir: str, metadata: dict) -> Tokenizer | None:
+    model_path = os.path.join(workdir, MODEL_FILENAME)
+    meta_path = os.path.join(workdir, METADATA_FILENAME)
+    try:
+        with open(meta_path) as f:
+            stored = json.load(f)
+        if stored.get("settings") != metadata:
+            return None
+        tok = Tokenizer.load(model_path)
+    except (OSError, ValueError, RuntimeError):
+        return None
+    digest = hashlib.sha256(tok.model_proto).hexdigest()
+    return tok if stored.get("model_sha256") == digest else None
+
+
+def get_or_train_tokenizer(
+    workdir: str | os.PathLike,
+    corpus_key: str,
+    texts_fn: Callable[[], Iterable[str]],
+    vocab_size: int = 8000,
+    model_type: str = "bpe",
+    *,
+    process_index: int | None = None,
+    wait_timeout_s: float = 1800.0,
+    max_training_chars: int = 20_000_000,
+) -> Tokenizer:
+    """Loads ``workdir/tokenizer.model`` if it was trained on the same corpus and settings.
+
+    Otherwise process 0 trains one on ``texts_fn()`` and writes the model, then
+    ``tokenizer.json`` (the corpus key, the settings and the model's sha256) last, each by atomic
+    rename; ``tokenizer.json`` is the commit marker. Other processes wait until a matching
+    ``tokenizer.json`` and model appear, so the workdir must be on a filesystem all hosts share.
+    """
+    workdir = os.fspath(workdir)
+    settings = TokenizerSettings(vocab_size=vocab_size, model_type=model_type,
+                                 max_training_chars=max_training_chars)
+    metadata = _metadata(corpus_key, settings)
+    tok = _matching_model(workdir, metadata)
+    if tok is not None:
+        logging.info("Reusing tokenizer %s (corpus %s).", workdir, corpus_key)
+        return tok
+    if process_index is None:
+        import jax
+
+        process_index = jax.process_index()
+    if process_index != 0:
+        return _wait_for_tokenizer(workdir, metadata, wait_timeout_s)
+
+    start = time.time()
+    tok = Tokenizer.train(texts_fn(), settings)
+    logging.info("Trained %s tokenizer for %s: %d pieces in %.1f s.", model_type, corpus_key,
+                 tok.vocab_size, time.time() - start)
+    tok.save(os.path.join(workdir, MODEL_FILENAME))
+    record = {"settings": metadata, "vocab_size": tok.vocab_size,
+              "model_sha256": hashlib.sha256(tok.model_proto).hexdigest()}
+    _atomic_write(os.path.join(workdir, METADATA_FILENAME),
+                  json.dumps(record, indent=2).encode())
+    return tok
+
+
+def _wait_for_tokenizer(workdir: str, metadata: dict, timeout_s: float) -> Tokenizer:
+    deadline = time.time() + timeout_s
+    delay = 0.05
+    while time.time() < deadline:
+        tok = _matching_model(workdir, metadata)
+        if tok is not None:
+            return tok
+        time.sleep(delay)
+        delay = min(2.0, delay * 1.5)
+    raise TimeoutError(
+        f"Waited {timeout_s:.0f} s for process 0 to write {workdir}/{MODEL_FILENAME} "
+        f"for corpus {metadata['corpus_key']!r}. The workdir must be shared by all hosts.")
