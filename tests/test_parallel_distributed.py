@@ -1,0 +1,108 @@
+"""Multi-process start-up: argument resolution, cluster detection, and two real CPU processes."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from transformer_jax import parallel
+from transformer_jax.parallel import distributed
+
+
+def test_environment_fills_missing_arguments():
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert distributed.resolve_arguments(env=env) == ("10.0.0.1:1234", 4, 3)
+    assert distributed.resolve_arguments("h:1", 2, 0, env=env) == ("h:1", 2, 0)
+    assert distributed.resolve_arguments(env={}) == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}, "slurm"),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "mpi"),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, "tpu"),
+        ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),
+    ],
+)
+def test_detect_cluster(env, expected):
+    assert distributed.detect_cluster(env) == expected
+
+
+def test_single_process_is_a_no_op(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    assert parallel.initialize() is False
+    assert parallel.initialize(num_processes=1) is False
+    assert parallel.is_primary()
+    parallel.sync_global("single process barrier")  # returns at once
+
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, numpy as np
+    from transformer_jax import parallel
+
+    assert parallel.initialize(initialization_timeout=60)
+    assert jax.process_count() == 2 and jax.device_count() == 4
+    mesh = parallel.create_mesh(data=-1)
+    parallel.check_batch_divisible(8, mesh)
+    rank = jax.process_index()
+    local = {"targets": np.full((4, 3), rank, np.int32)}
+    batch = parallel.shard_batch(local, mesh)
+    assert batch["targets"].shape == (8, 3)
+    total = jax.jit(lambda x: x.sum())(batch["targets"])
+    parallel.sync_global("after sum")
+    print("RESULT", rank, parallel.is_primary(), int(total), parallel.describe_mesh(mesh))
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_cpu_processes_form_one_mesh(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SLURM_"))}
+    base["PYTHONPATH"] = repo
+    base["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{_free_port()}"
+    base["JAX_NUM_PROCESSES"] = "2"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**base, "JAX_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out)
+        assert p.returncode == 0, out
+    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
+    # rows of process 1 hold 1s: 4 rows * 3 columns = 12
+    assert lines[0].startswith("RESULT 0 True 12 mesh data=4 fsdp=1 tensor=1 | 4 cpu devices, 2 proc")
+    assert lines[1].startswith("RESULT 1 False 12")
