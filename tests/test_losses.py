@@ -1,0 +1,137 @@
+"""Cross-entropy with label smoothing (tensor2tensor convention), pad masking, z-loss, metrics."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax.training import losses
+
+EPS = 0.1  # the paper's ε_ls
+RNG = np.random.default_rng(0)
+
+
+def _logits(*shape, scale=1.0):
+    return jnp.asarray(RNG.normal(size=shape) * scale, jnp.float32)
+
+
+def _targets(*shape, vocab):
+    return jnp.asarray(RNG.integers(0, vocab, size=shape), jnp.int32)
+
+
+# jit keeps these tests fast: eager dispatch over 8 simulated devices is slow.
+cross_entropy = jax.jit(losses.cross_entropy, static_argnames=("label_smoothing", "z_loss"))
+
+
+def _hand_smoothed_kl(logits_row, target, eps):
+    """KL(q || softmax(logits)) written out term by term for one token."""
+    v = len(logits_row)
+    z = math.log(sum(math.exp(x) for x in logits_row))
+    total = 0.0
+    for k, x in enumerate(logits_row):
+        q = 1.0 - eps if k == target else eps / (v - 1)
+        total += q * (math.log(q) - (x - z))
+    return total
+
+
+def test_label_smoothing_matches_hand_computation():
+    logits = np.array([[[2.0, -1.0, 0.5, 0.0, 1.5], [0.1, 0.2, 0.3, 0.4, 0.5]]], np.float32)
+    targets = np.array([[0, 3]])
+    loss_sum, weight_sum, _ = cross_entropy(logits, targets, label_smoothing=EPS)
+    expected = _hand_smoothed_kl(logits[0, 0], 0, EPS) + _hand_smoothed_kl(logits[0, 1], 3, EPS)
+    np.testing.assert_allclose(loss_sum, expected, rtol=1e-6)
+    assert float(weight_sum) == 2.0
+
+
+def test_label_smoothing_worked_example():
+    # V=3, uniform prediction p = 1/3, target 0, ε=0.1 -> q = [0.9, 0.05, 0.05]:
+    # KL = 0.9 ln(0.9 * 3) + 2 * 0.05 ln(0.05 * 3) = 0.9 ln 2.7 + 0.1 ln 0.15 = 0.7042150
+    loss_sum, _, aux = cross_entropy(jnp.zeros((1, 1, 3)), jnp.array([[0]]), None, EPS)
+    np.testing.assert_allclose(loss_sum, 0.9 * math.log(2.7) + 0.1 * math.log(0.15), rtol=1e-6)
+    np.testing.assert_allclose(loss_sum, 0.7042150, rtol=1e-6)
+    np.testing.assert_allclose(aux["nll"], math.log(3), rtol=1e-6)
+
+
+def test_loss_is_zero_at_the_smoothed_distribution_and_positive_elsewhere():
+    v = 7
+    q = np.full(v, EPS / (v - 1))
+    q[4] = 1 - EPS
+    logits = np.log(q)[None, None, :].astype(np.float32)
+    loss_sum, _, aux = cross_entropy(logits, np.array([[4]]), label_smoothing=EPS)
+    np.testing.assert_allclose(loss_sum, 0.0, atol=1e-6)
+    np.testing.assert_allclose(aux["nll"], -math.log(1 - EPS), rtol=1e-6)  # unsmoothed NLL
+    sharper, _, _ = cross_entropy(logits * 3, np.array([[4]]), label_smoothing=EPS)
+    assert float(sharper) > 0.01
+
+
+def test_gradient_is_softmax_minus_smoothed_targets():
+    logits = _logits(2, 3, 11)
+    targets = _targets(2, 3, vocab=11)
+    grad = jax.grad(lambda x: cross_entropy(x, targets, label_smoothing=EPS)[0])(logits)
+    q = jax.nn.one_hot(targets, 11) * (1 - EPS - EPS / 10) + EPS / 10
+    np.testing.assert_allclose(grad, jax.nn.softmax(logits) - q, atol=1e-6)
+
+
+def test_no_smoothing_is_negative_log_likelihood():
+    logits = _logits(3, 5, 13)
+    targets = _targets(3, 5, vocab=13)
+    loss_sum, weight_sum, aux = cross_entropy(logits, targets)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1).sum()
+    np.testing.assert_allclose(loss_sum, nll, rtol=1e-6)
+    np.testing.assert_allclose(aux["nll"], nll, rtol=1e-6)
+    assert float(weight_sum) == 15.0
+
+
+def test_weights_mask_padding():
+    logits = _logits(2, 4, 9)
+    targets = jnp.array([[5, 6, 1, 0], [3, 1, 0, 0]])
+    weights = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+    loss_sum, weight_sum, aux = cross_entropy(logits, targets, weights, EPS, 1e-3)
+    garbage = logits.at[0, 3].set(100.0).at[1, 2:].set(-50.0)
+    loss2, weight2, aux2 = cross_entropy(garbage, targets, weights, EPS, 1e-3)
+    assert float(weight_sum) == float(weight2) == 5.0
+    np.testing.assert_allclose(loss_sum, loss2, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), aux, aux2)
+
+
+def test_z_loss_adds_coefficient_times_log_z_squared():
+    logits = _logits(2, 3, 8, scale=3)
+    targets = _targets(2, 3, vocab=8)
+    base, _, _ = cross_entropy(logits, targets, label_smoothing=EPS)
+    with_z, _, aux = cross_entropy(logits, targets, label_smoothing=EPS, z_loss=1e-2)
+    expected = 1e-2 * jnp.sum(jax.nn.logsumexp(logits, -1) ** 2)
+    np.testing.assert_allclose(aux["z_loss"], expected, rtol=1e-6)
+    np.testing.assert_allclose(with_z - base, expected, rtol=1e-5)
+
+
+def test_bfloat16_logits_are_computed_in_float32():
+    logits = _logits(2, 3, 32)
+    targets = _targets(2, 3, vocab=32)
+    low, _, _ = cross_entropy(logits.astype(jnp.bfloat16), targets, label_smoothing=EPS)
+    high, _, _ = cross_entropy(logits.astype(jnp.bfloat16).astype(jnp.float32), targets, label_smoothing=EPS)
+    assert low.dtype == jnp.float32
+    np.testing.assert_allclose(low, high, rtol=1e-6)
+
+
+def test_compute_metrics():
+    logits = jnp.log(jnp.array([[[0.7, 0.2, 0.1], [0.2, 0.5, 0.3], [0.1, 0.1, 0.8]]]))
+    targets = jnp.array([[0, 2, 1]])
+    weights = jnp.array([[1.0, 1.0, 0.0]])
+    m = losses.compute_metrics(logits, targets, weights)
+    nll = -(math.log(0.7) + math.log(0.3)) / 2
+    np.testing.assert_allclose(m["loss"], nll, rtol=1e-6)
+    np.testing.assert_allclose(m["perplexity"], math.exp(nll), rtol=1e-6)
+    np.testing.assert_allclose(m["accuracy"], 0.5)
+    assert float(m["num_tokens"]) == 2.0
+    empty = losses.compute_metrics(logits, targets, jnp.zeros_like(weights))
+    assert float(empty["loss"]) == 0.0 and float(empty["accuracy"]) == 0.0
+
+
+@pytest.mark.parametrize("v, eps", [(2, 0.1), (37000, 0.1), (100, 0.0)])
+def test_smoothing_entropy(v, eps):
+    q = np.full(v, eps / (v - 1))
+    q[0] = 1 - eps
+    q = q[q > 0]
+    np.testing.assert_allclose(losses.smoothing_entropy(v, eps), -np.sum(q * np.log(q)), rtol=1e-9)
