@@ -78,6 +78,12 @@ class Tokenizer:
         self._space_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>")
                              for b in _SPACE_SYMBOL.encode("utf-8")]
 
+    def __getstate__(self):  # picklable, for grain worker processes
+        return {"model_proto": self._proto}
+
+    def __setstate__(self, state):
+        self.__init__(state["model_proto"])
+
     # -- construction -------------------------------------------------------------------------
 
     @classmethod

@@ -1,0 +1,181 @@
+"""The config-facing entry: ``dataset`` config -> (tokenizer, train iterator, eval batches).
+
+    cfg = default_dataset_config("enfr_builtin")
+    data = build_datasets(cfg, workdir)
+    batch = next(data.train_iter)      # host-local numpy batch, INTERFACES.md layout
+
+Dataset names: 'enfr_builtin', 'stdlib_lm' (offline, built on first use), 'tsv', 'text'
+(user files), 'wmt14_translate/de-en', 'wmt17_translate/de-en', 'lm1b' (prepared TFDS
+ArrayRecord files in ``data_dir``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Iterator
+
+import grain
+import ml_collections
+import numpy as np
+
+from transformer_jax.data import builders, pipeline
+from transformer_jax.data.tokenizer import Tokenizer, get_or_train_tokenizer
+
+TRANSLATION_DATASETS = ("enfr_builtin", "tsv", *builders.STANDARD_TRANSLATION)
+LM_DATASETS = ("stdlib_lm", "text", *builders.STANDARD_LM)
+DATASET_NAMES = TRANSLATION_DATASETS + LM_DATASETS
+
+_DEFAULTS = {
+    # name: (vocab_size, max_source_len, max_target_len, max_len, batch_size)
+    "enfr_builtin": (2000, 32, 32, 64, 64),
+    "tsv": (8000, 128, 128, 256, 64),
+    "wmt14_translate/de-en": (37000, 256, 256, 256, 256),
+    "wmt17_translate/de-en": (37000, 256, 256, 256, 256),
+    "stdlib_lm": (4000, 128, 128, 256, 32),
+    "text": (8000, 128, 128, 256, 32),
+    "lm1b": (32000, 128, 128, 128, 256),
+}
+
+
+def default_dataset_config(name: str = "enfr_builtin") -> ml_collections.ConfigDict:
+    """Every dataset field with its default for ``name``; configs/ start from this."""
+    if name not in _DEFAULTS:
+        raise ValueError(f"Unknown dataset {name!r}; choose one of {list(_DEFAULTS)}")
+    vocab, src_len, tgt_len, max_len, batch = _DEFAULTS[name]
+    cfg = ml_collections.ConfigDict()
+    cfg.name = name
+    cfg.builder_config = ""  # e.g. 'small' for enfr_builtin; '' = the builder's default
+    cfg.data_dir = os.path.join("~", "tensorflow_datasets")
+    cfg.train_files = ()  # 'tsv' / 'text': paths
+    cfg.eval_files = ()
+    # Translation direction: source_lang -> target_lang (feature names of the dataset);
+    # '' = the dataset's default (en -> fr, en -> de, source -> target).
+    cfg.source_lang = ""
+    cfg.target_lang = ""
+    cfg.reverse = False  # swap source and target
+    cfg.vocab_size = vocab
+    cfg.tokenizer_type = "bpe"  # 'bpe' | 'unigram'
+    cfg.tokenizer_max_chars = 20_000_000  # training text for SentencePiece
+    cfg.max_source_len = src_len  # tokens, EOS included (translation)
+    cfg.max_target_len = tgt_len
+    cfg.max_len = max_len  # tokens per row (decoder-only)
+    cfg.batch_size = batch  # global rows per step; each host gets batch_size / process_count
+    cfg.pack = True
+    cfg.pack_bins = 0  # open rows in the packer; 0 = max(per-host batch, 32)
+    # Training examples longer than the row: 'truncate' | 'drop' | 'split' (decoder-only: cut
+    # into row-sized pieces). Evaluation always truncates.
+    cfg.length_policy = "split" if name in LM_DATASETS else "truncate"
+    cfg.seed = 0
+    cfg.num_workers = 0  # grain worker processes (0 = in the main process)
+    cfg.eval_split = ""  # '' = the dataset's evaluation split
+    cfg.eval_batch_size = batch
+    cfg.max_eval_examples = 0  # 0 = all
+    return cfg
+
+
+@dataclasses.dataclass
+class Datasets:
+    tokenizer: Tokenizer
+    train_iter: Iterator[dict[str, np.ndarray]]  # a grain.DatasetIterator (get_state/set_state)
+    eval_batches: list[dict[str, np.ndarray]]
+    is_translation: bool
+    train_size: int
+    eval_size: int
+
+
+def _direction(cfg, default: tuple[str, str], available) -> tuple[str, str]:
+    src, tgt = cfg.source_lang or default[0], cfg.target_lang or default[1]
+    if cfg.reverse:
+        src, tgt = tgt, src
+    for lang in (src, tgt):
+        if lang not in available:
+            raise ValueError(f"Dataset {cfg.name!r} has no language {lang!r}; it has "
+                             f"{sorted(available)}")
+    return src, tgt
+
+
+def _open(cfg):
+    """-> (builder, train split, eval split, record fields, corpus id)."""
+    data_dir = os.path.expanduser(cfg.data_dir)
+    name = cfg.name
+    if name not in DATASET_NAMES:
+        raise ValueError(f"Unknown dataset {name!r}; choose one of {list(DATASET_NAMES)}")
+    if name in builders.STANDARD_TRANSLATION or name in builders.STANDARD_LM:
+        builder = builders.standard_builder(name, data_dir)
+        if name in builders.STANDARD_LM:
+            field, train_split, eval_split = builders.STANDARD_LM[name]
+            return builder, train_split, eval_split, (field,)
+        (lang_a, lang_b), train_split, eval_split = builders.STANDARD_TRANSLATION[name]
+        # WMT de-en: English -> German by default, as in the paper.
+        return builder, train_split, eval_split, _direction(cfg, (lang_b, lang_a),
+                                                             (lang_a, lang_b))
+    builder = builders.builtin_builder(name, data_dir, cfg.builder_config or None,
+                                       cfg.train_files, cfg.eval_files)
+    if name == "enfr_builtin":
+        return builder, "train", "test", _direction(cfg, ("en", "fr"), ("en", "fr"))
+    if name == "tsv":
+        return builder, "train", "validation", _direction(cfg, ("source", "target"),
+                                                          ("source", "target"))
+    return builder, "train", "validation", ("text",)
+
+
+def _tokenizer_texts(source, fields, max_chars: int):
+    """Yields the text of ``fields`` from an evenly spaced sample of ``source``."""
+    def texts():
+        n = len(source)
+        # Estimate characters per record from a few, to take about max_chars in all.
+        probe = [source[i] for i in range(0, n, max(1, n // 20))]
+        chars = sum(len(r[f]) for r in probe for f in fields) / max(1, len(probe))
+        step = max(1, int(n * chars / max_chars) + 1) if chars else 1
+        for i in range(0, n, step):
+            record = source[i]
+            for f in fields:
+                yield record[f].decode("utf-8", errors="replace")
+    return texts
+
+
+def build_datasets(cfg: ml_collections.ConfigDict, workdir: str, *,
+                   shard: grain.sharding.ShardOptions | None = None) -> Datasets:
+    """Builds (once) and opens the dataset, gets the tokenizer, and makes the iterators.
+
+    The tokenizer is trained on the training split (both sides for translation: one shared
+    vocabulary) and kept as ``workdir/tokenizer.model``. ``shard`` defaults to this JAX process.
+    """
+    builder, train_split, eval_split, fields = _open(cfg)
+    eval_split = cfg.eval_split or eval_split
+    if eval_split not in builder.info.splits and "validation" in builder.info.splits:
+        eval_split = "validation"
+    train_source = builders.data_source(builder, train_split)
+    eval_source = builders.data_source(builder, eval_split)
+    index, count = pipeline._shard_options(shard)
+    shard = grain.sharding.ShardOptions(index, count)
+    if cfg.batch_size % count or cfg.eval_batch_size % count:
+        raise ValueError(f"batch_size {cfg.batch_size} and eval_batch_size "
+                         f"{cfg.eval_batch_size} must divide by the {count} processes")
+
+    corpus_key = f"{builder.info.full_name}:{train_split}:{len(train_source)}:" + \
+        hashlib.sha1(",".join(sorted(set(fields))).encode()).hexdigest()[:8]
+    tokenizer = get_or_train_tokenizer(
+        workdir, corpus_key, _tokenizer_texts(train_source, sorted(set(fields)),
+                                              cfg.tokenizer_max_chars),
+        cfg.vocab_size, cfg.tokenizer_type, process_index=index,
+        max_training_chars=cfg.tokenizer_max_chars)
+
+    is_translation = len(fields) == 2
+    if is_translation:
+        features = pipeline.Features({"inputs": fields[0], "targets": fields[1]})
+        lengths = {"inputs": cfg.max_source_len, "targets": cfg.max_target_len}
+    else:
+        features = pipeline.Features({"targets": fields[0]})
+        lengths = {"targets": cfg.max_len}
+    train_iter = pipeline.make_train_iterator(
+        train_source, tokenizer, features, lengths, cfg.batch_size // count,
+        seed=cfg.seed, pack=cfg.pack, length_policy=cfg.length_policy, shard=shard,
+        num_workers=cfg.num_workers, num_bins=cfg.pack_bins or None)
+    eval_batches = pipeline.make_eval_batches(
+        eval_source, tokenizer, features, lengths, cfg.eval_batch_size // count, shard=shard,
+        max_examples=cfg.max_eval_examples or None)
+    return Datasets(tokenizer, train_iter, eval_batches, is_translation, len(train_source),
+                    len(eval_source))

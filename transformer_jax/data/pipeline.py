@@ -1,0 +1,253 @@
+"""grain input pipelines: tokenise, fit to length, pack, batch; shard per host; resume exactly.
+
+Training::
+
+    source (random access) -> this host's slice -> shuffle(seed), reshuffled every epoch
+      -> repeat -> tokenise + EOS + length policy -> pack (or pad) -> batch -> [worker processes]
+
+Evaluation: every example of this host's slice exactly once, truncated rather than dropped,
+one example per row, padded with all-zero rows (segment id 0) to the same number of batches
+on every host.
+
+Batches are dicts of host-local int32 numpy arrays in the layout of INTERFACES.md:
+``inputs``/``targets`` plus ``*_segment_ids`` and ``*_positions``; :func:`to_global_batch`
+turns them into global ``jax.Array`` s.
+
+The train iterator is a ``grain.DatasetIterator``: ``get_state()``/``set_state()`` give exact
+resume, and orbax checkpoints it with ``grain.checkpoint.CheckpointSave(iterator)`` /
+``CheckpointRestore(iterator)`` inside ``ocp.args.Composite`` (one JSON file per process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+from absl import logging
+
+from transformer_jax.data.packing import FirstFitPackIterDataset, make_row
+from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """Which record fields feed which batch keys: {batch key: record field}.
+
+    Translation: ``{'inputs': 'en', 'targets': 'fr'}``; LM: ``{'targets': 'text'}``.
+    """
+
+    fields: Mapping[str, str]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(self.fields)
+
+
+class LengthStats:
+    """Counts of examples cut or dropped by the length policy, in this process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        self._reported: set[str] = set()
+
+    def add(self, what: str, message: str) -> None:
+        with self._lock:
+            self.counts[what] = self.counts.get(what, 0) + 1
+            first = what not in self._reported
+            self._reported.add(what)
+        if first:  # once per kind of event and process; the totals stay in ``counts``
+            logging.warning("%s (reported once; further cases are only counted in "
+                            "transformer_jax.data.pipeline.LENGTH_STATS).", message)
+
+
+LENGTH_STATS = LengthStats()
+
+
+class Tokenize(grain.transforms.Map):
+    """Record -> {key: int32 token ids + EOS}, fitted to ``lengths`` by ``policy``.
+
+    ``policy='truncate'`` keeps the first ``length - 1`` tokens and the EOS; ``'drop'`` returns
+    None, which grain treats as a filtered-out element; ``'split'`` (decoder-only data only)
+    returns a list of consecutive pieces of at most ``length`` tokens (flattened by
+    :class:`SplitLong`), so no text is lost: the right policy for long documents.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, features: Features, lengths: Mapping[str, int],
+                 policy: str = "truncate", name: str = "train"):
+        if policy not in ("truncate", "drop", "split"):
+            raise ValueError(f"length_policy must be 'truncate', 'drop' or 'split', got "
+                             f"{policy!r}")
+        if policy == "split" and len(features.fields) != 1:
+            raise ValueError("length_policy='split' is for decoder-only data (one feature)")
+        self._tokenizer = tokenizer
+        self._features = features
+        self._lengths = dict(lengths)
+        self._policy = policy
+        self._name = name
+
+    def map(self, record: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+        out = {}
+        for key, field in self._features.fields.items():
+            ids = self._tokenizer.encode(record[field])
+            ids.append(EOS_ID)
+            limit = self._lengths[key]
+            if len(ids) > limit and self._policy == "split":
+                return [{key: np.asarray(ids[i:i + limit], np.int32)}
+                        for i in range(0, len(ids), limit)]
+            if len(ids) > limit:
+                if self._policy == "drop":
+                    LENGTH_STATS.add(f"{self._name}/{key}/dropped",
+                                     f"Dropping {self._name} examples whose {key} is longer "
+                                     f"than {limit} tokens ({len(ids)} seen)")
+                    return None
+                LENGTH_STATS.add(f"{self._name}/{key}/truncated",
+                                 f"Truncating {self._name} {key} longer than {limit} tokens "
+                                 f"({len(ids)} seen) to {limit} (EOS kept)")
+                ids = ids[: limit - 1] + [EOS_ID]
+            out[key] = np.asarray(ids, np.int32)
+        return [out] if self._policy == "split" else out
+
+
+class SplitLong(grain.experimental.FlatMapTransform):
+    """Flattens the lists of pieces made by ``Tokenize(policy='split')``."""
+
+    max_fan_out = 1 << 16
+
+    def flat_map(self, pieces):
+        return pieces
+
+
+class PadToRow(grain.transforms.Map):
+    """One example per row (the unpacked layout), segment id 1, positions 0..n-1."""
+
+    def __init__(self, lengths: Mapping[str, int]):
+        self._lengths = dict(lengths)
+
+    def map(self, example):
+        return make_row([example], self._lengths)
+
+
+def shard_bounds(num_records: int, process_index: int, process_count: int) -> tuple[int, int]:
+    """[start, end) of this process's contiguous slice; sizes differ by at most one."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    return (num_records * process_index // process_count,
+            num_records * (process_index + 1) // process_count)
+
+
+def _shard_options(shard: grain.sharding.ShardOptions | None) -> tuple[int, int]:
+    if shard is None:
+        import jax
+
+        return jax.process_index(), jax.process_count()
+    return shard.shard_index, shard.shard_count
+
+
+def make_train_iterator(
+    source: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    features: Features,
+    lengths: Mapping[str, int],
+    batch_size: int,
+    *,
+    seed: int = 0,
+    pack: bool = True,
+    length_policy: str = "truncate",
+    shard: grain.sharding.ShardOptions | None = None,
+    num_workers: int = 0,
+    num_bins: int | None = None,
+    read_threads: int = 2,
+) -> grain.DatasetIterator:
+    """An endless iterator of host-local batches of ``batch_size`` rows.
+
+    ``source``: random-access records (a TFDS data source, or any sequence of dicts).
+    ``shard``: this host's shard (default ``jax.process_index()`` of ``jax.process_count()``);
+    each host reads a distinct contiguous slice of the records. ``num_workers`` > 0 runs the
+    pipeline in that many worker processes (absl flags must be parsed first). ``num_bins``:
+    rows kept open by the packer (default: ``max(batch_size, 32)``).
+    """
+    index, count = _shard_options(shard)
+    start, end = shard_bounds(len(source), index, count)
+    if end <= start:
+        raise ValueError(f"process {index} of {count} has no training records "
+                         f"({len(source)} in all)")
+    ds = grain.MapDataset.source(source)[start:end]
+    ds = ds.shuffle(seed=seed).repeat(None)  # repeat reseeds the shuffle every epoch
+    ds = ds.map(Tokenize(tokenizer, features, lengths, length_policy, "train"))
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
+                                              prefetch_buffer_size=max(16, batch_size)))
+    if length_policy == "split":
+        it = grain.experimental.FlatMapIterDataset(it, SplitLong())
+    if pack:
+        it = FirstFitPackIterDataset(it, lengths, num_bins or max(batch_size, 32))
+    else:
+        it = it.map(PadToRow(lengths))
+    it = it.batch(batch_size, drop_remainder=True)
+    if num_workers > 0:
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+    return iter(it)
+
+
+def make_eval_batches(
+    source: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    features: Features,
+    lengths: Mapping[str, int],
+    batch_size: int,
+    *,
+    shard: grain.sharding.ShardOptions | None = None,
+    max_examples: int | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """Every evaluation example of this host's slice once, one per row, in order.
+
+    Examples longer than ``lengths`` are truncated (an evaluation set drops nothing). The last
+    batches are filled with all-zero rows (segment id 0, so loss weight 0); every host gets
+    ``ceil(ceil(n / process_count) / batch_size)`` batches, so multi-host steps stay in step.
+    """
+    index, count = _shard_options(shard)
+    n = len(source) if max_examples is None else min(len(source), max_examples)
+    if n == 0:
+        raise ValueError("evaluation set is empty")
+    start, end = shard_bounds(n, index, count)
+    tokenize = Tokenize(tokenizer, features, lengths, "truncate", "eval")
+    rows = [make_row([tokenize.map(source[i])], lengths) for i in range(start, end)]
+    num_batches = math.ceil(math.ceil(n / count) / batch_size)
+    empty = make_row([], lengths)
+    rows += [empty] * (num_batches * batch_size - len(rows))
+    return [{k: np.stack([r[k] for r in rows[b * batch_size:(b + 1) * batch_size]])
+             for k in empty} for b in range(num_batches)]
+
+
+def to_global_batch(batch: Mapping[str, np.ndarray], mesh, sharding=None) -> dict[str, Any]:
+    """Host-local batch -> global ``jax.Array`` s, the batch axis split over the mesh.
+
+    ``sharding``: a ``jax.sharding.Sharding`` (or a ``PartitionSpec`` used with ``mesh``); by
+    default the batch axis is split over the mesh's 'data' and 'fsdp' axes (or its first axis)
+    and replicated over the rest. Each process passes its own rows
+    (``jax.make_array_from_process_local_data``); the global batch is the hosts' rows stacked in
+    process order.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if sharding is None:
+        axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp")) or mesh.axis_names[:1]
+        sharding = NamedSharding(mesh, PartitionSpec(axes))
+    elif isinstance(sharding, PartitionSpec):
+        sharding = NamedSharding(mesh, sharding)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+            for k, v in batch.items()}
+
+
+def checkpoint_args(iterator: grain.DatasetIterator, *, restore: bool = False):
+    """The orbax argument that saves (or restores) ``iterator``'s state, for
+    ``ocp.args.Composite(..., data=checkpoint_args(it))``."""
+    import grain.checkpoint as gc
+
+    return gc.CheckpointRestore(iterator) if restore else gc.CheckpointSave(iterator)
