@@ -33,9 +33,7 @@ def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> t
     shown = ", ".join(f"mesh.{k}={v}" for k, v in sizes.items())
     bad = [k for k, v in sizes.items() if v == 0 or v < -1]
     if bad:
-        raise ValueError(
-            f"Mesh sizes must be positive or -1 (fill with the remaining devices); got {shown}."
-        )
+        raise ValueError(f"Mesh sizes must be positive or -1 (fill with the remaining devices); got {shown}.")
     fill = [k for k, v in sizes.items() if v == -1]
     if len(fill) > 1:
         raise ValueError(
@@ -76,17 +74,13 @@ def _device_array(shape: tuple[int, int, int], devices: Sequence[Any]) -> np.nda
     try:
         if num_slices > 1 and shape[0] % num_slices == 0:
             ici_shape = (shape[0] // num_slices, shape[1], shape[2])
-            return mesh_utils.create_hybrid_device_mesh(
-                ici_shape, (num_slices, 1, 1), devices=devices
-            )
+            return mesh_utils.create_hybrid_device_mesh(ici_shape, (num_slices, 1, 1), devices=devices)
         return mesh_utils.create_device_mesh(shape, devices=devices)
     except (ValueError, NotImplementedError, AssertionError):
         return np.asarray(devices, dtype=object).reshape(shape)
 
 
-def create_mesh(
-    data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None
-) -> Mesh:
+def create_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
     """Builds a ``Mesh`` with axes ``('data', 'fsdp', 'tensor')`` over ``devices``.
 
     Args:

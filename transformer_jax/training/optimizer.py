@@ -95,9 +95,7 @@ def create_optimizer(
     chain = []
     if float(get("grad_clip_norm")) > 0:
         chain.append(optax.clip_by_global_norm(float(get("grad_clip_norm"))))
-    chain.append(
-        optax.scale_by_adam(b1=float(get("b1")), b2=float(get("b2")), eps=float(get("eps")))
-    )
+    chain.append(optax.scale_by_adam(b1=float(get("b1")), b2=float(get("b2")), eps=float(get("eps"))))
     if weight_decay > 0:
         decay_embeddings = bool(get("decay_embeddings"))
         mask = lambda params: weight_decay_mask(params, decay_embeddings)
@@ -117,8 +115,7 @@ def _split_micro_batches(batch: Any, num_micro_batches: int) -> Any:
     def split(x):
         if x.shape[0] % num_micro_batches:
             raise ValueError(
-                f"Batch size {x.shape[0]} is not divisible by optimizer.grad_accum_steps="
-                f"{num_micro_batches}."
+                f"Batch size {x.shape[0]} is not divisible by optimizer.grad_accum_steps={num_micro_batches}."
             )
         x = x.reshape((x.shape[0] // num_micro_batches, num_micro_batches) + x.shape[1:])
         return jnp.swapaxes(x, 0, 1)
@@ -149,9 +146,7 @@ def accumulate_gradients(
       Sums are kept in float32 for lower-precision gradients and cast back at the end.
     """
     rngs = None if rng is None else jax.random.split(rng, num_micro_batches)
-    call = lambda mb, key: (
-        loss_and_grad_fn(params, mb) if key is None else loss_and_grad_fn(params, mb, key)
-    )
+    call = lambda mb, key: loss_and_grad_fn(params, mb) if key is None else loss_and_grad_fn(params, mb, key)
     if num_micro_batches == 1:
         return call(batch, None if rngs is None else rngs[0])
 

@@ -54,9 +54,7 @@ def warmup_cosine(
         step = _step(count)
         progress = jnp.clip((step - warmup_steps) / decay_len, 0.0, 1.0)
         cosine = end_value + (peak_value - end_value) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-        return jnp.where(
-            step < warmup_steps, peak_value * _warmup_fraction(step, warmup_steps), cosine
-        )
+        return jnp.where(step < warmup_steps, peak_value * _warmup_fraction(step, warmup_steps), cosine)
 
     return schedule
 
