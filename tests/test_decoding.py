@@ -1,0 +1,384 @@
+"""The sampler and beam search against fake step functions (no model needed).
+
+Two fakes:
+- ``bigram_step``: next-token logits depend only on the current token (``params`` is a [V, V]
+  table), so expected outputs can be worked out by hand.
+- ``history_step``: a cache-dependent fake LM. Its cache holds every token written so far and the
+  per-row lengths; the logits at each position hash (previous token read from the cache, token,
+  absolute position) into a row of ``params``. Getting ragged prefill, positions or beam
+  reordering of the cache wrong changes its outputs.
+"""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import decoding
+from transformer_jax.decoding import beam_search, generate, length_penalty
+from transformer_jax.decoding.beam_search import _beam_search_jit
+from transformer_jax.decoding.sampling import _generate_jit
+
+V = 11  # a prime vocabulary size, distinct from every other dimension below
+EOS, PAD = 1, 0
+
+
+def bigram_step(params, tokens, cache, num_valid):
+    return params[tokens], {"lengths": cache["lengths"] + num_valid}
+
+
+def bigram_cache(batch):
+    return {"lengths": jnp.zeros((batch,), jnp.int32)}
+
+
+def history_step(params, tokens, cache, num_valid):
+    batch, length = tokens.shape
+    rows = jnp.arange(batch)[:, None]
+    pos = cache["lengths"][:, None] + jnp.arange(length)  # [B, L] absolute positions
+    # Like a real KV cache, padding is written too and overwritten by the next call.
+    buffer = cache["tokens"].at[rows, pos].set(tokens, mode="drop")
+    prev = jnp.where(pos > 0, buffer[rows, jnp.maximum(pos - 1, 0)], 0)
+    index = (prev * 31 + tokens * 7 + pos * 3) % params.shape[0]
+    return params[index], {"tokens": buffer, "lengths": cache["lengths"] + num_valid}
+
+
+def history_cache(batch, size=32):
+    return {"tokens": jnp.zeros((batch, size), jnp.int32), "lengths": jnp.zeros((batch,), jnp.int32)}
+
+
+def history_params(seed=0, rows=97, scale=3.0):
+    return scale * jax.random.normal(jax.random.key(seed), (rows, V), jnp.float32)
+
+
+def rescore(params, prompt, generated):
+    """log P(generated | prompt) under history_step, recomputed in numpy token by token."""
+    table, seq = np.asarray(params, np.float64), list(prompt) + list(generated)
+    total = 0.0
+    for pos in range(len(prompt) - 1, len(seq) - 1):
+        prev = seq[pos - 1] if pos > 0 else 0
+        row = table[(prev * 31 + seq[pos] * 7 + pos * 3) % table.shape[0]]
+        total += row[seq[pos + 1]] - np.log(np.sum(np.exp(row - row.max()))) - row.max()
+    return total
+
+
+def shift_table(scale=10.0):
+    """Token t is followed by t + 1 (mod V) with near certainty."""
+    return scale * jax.nn.one_hot((jnp.arange(V) + 1) % V, V)
+
+
+def trim(tokens, length):
+    return [int(t) for t in tokens[: int(length)]]
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_next_token_is_token_plus_one_until_eos():
+    prompts = jnp.array([[3, 0, 0], [5, 6, 7], [8, 0, 0]], jnp.int32)
+    out = generate(bigram_step, shift_table(), bigram_cache(3), prompts, jnp.array([1, 3, 1]),
+                   max_new_tokens=8, eos_id=EOS, pad_id=PAD)
+    # Row 0 never reaches EOS (token 1) within 8 tokens; rows 1 and 2 stop there, then pad.
+    np.testing.assert_array_equal(out.tokens, [[4, 5, 6, 7, 8, 9, 10, 0],
+                                               [8, 9, 10, 0, EOS, PAD, PAD, PAD],
+                                               [9, 10, 0, EOS, PAD, PAD, PAD, PAD]])
+    np.testing.assert_array_equal(out.lengths, [8, 5, 4])
+    assert out.tokens.dtype == jnp.int32 and out.logprobs.shape == (3, 8)
+    assert np.all(np.asarray(out.logprobs[1, 5:]) == 0.0)
+    assert np.all(np.asarray(out.logprobs[1, :5]) < 0.0)
+
+
+def test_min_new_tokens_masks_eos():
+    # EOS is by far the likeliest token everywhere; the runner-up is token 5.
+    table = jnp.zeros((V, V)).at[:, EOS].set(8.0).at[:, 5].set(4.0)
+    out = generate(bigram_step, table, bigram_cache(1), jnp.array([[2]]), jnp.array([1]),
+                   max_new_tokens=6, min_new_tokens=3)
+    np.testing.assert_array_equal(out.tokens, [[5, 5, 5, EOS, PAD, PAD]])
+    assert int(out.lengths[0]) == 4
+    sampled = generate(bigram_step, table, bigram_cache(256), jnp.full((256, 1), 2),
+                       jnp.ones(256, jnp.int32), max_new_tokens=6, min_new_tokens=2,
+                       temperature=1.0, rng=jax.random.key(3))
+    assert not np.any(np.asarray(sampled.tokens[:, :2]) == EOS)
+    assert np.all(np.asarray(sampled.lengths) >= 3)
+
+
+def _sample_bigram(table, *, batch=256, steps=24, seed=0, **kwargs):
+    prompts = jax.random.randint(jax.random.key(seed + 100), (batch, 1), 0, V)
+    out = generate(bigram_step, table, bigram_cache(batch), prompts, jnp.ones(batch, jnp.int32),
+                   max_new_tokens=steps, rng=jax.random.key(seed), eos_id=None, **kwargs)
+    previous = np.concatenate([np.asarray(prompts), np.asarray(out.tokens[:, :-1])], axis=1)
+    return previous, np.asarray(out.tokens)
+
+
+def _allowed_top_p(row, temperature, top_p):
+    probs = np.exp(row / temperature - np.max(row / temperature))
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    return set(order[before < top_p].tolist())
+
+
+def test_top_k_never_leaves_the_top_k():
+    table = np.asarray(history_params(1, rows=V))
+    previous, tokens = _sample_bigram(jnp.asarray(table), temperature=1.5, top_k=3)
+    allowed = {t: set(np.argsort(-table[t])[:3].tolist()) for t in range(V)}
+    assert all(tok in allowed[p] for p, tok in zip(previous.ravel(), tokens.ravel()))
+    # With three choices and a high temperature, more than one of them does get sampled.
+    assert len(set(tokens[previous == 4].tolist())) > 1
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_top_p_never_leaves_the_nucleus(top_k):
+    table = np.asarray(history_params(2, rows=V))
+    previous, tokens = _sample_bigram(jnp.asarray(table), temperature=1.0, top_p=0.7, top_k=top_k)
+    for t in range(V):
+        allowed = _allowed_top_p(table[t], 1.0, 0.7)
+        if top_k:
+            allowed &= set(np.argsort(-table[t])[:top_k].tolist())
+        assert set(tokens[previous == t].tolist()) <= allowed, t
+
+
+def test_temperature_sampling_matches_softmax():
+    logits = jnp.asarray([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, 0.2, -1.0, 0.8, 0.3, -2.0])
+    table = jnp.broadcast_to(logits, (V, V))
+    temperature, draws = 0.8, 256 * 24
+    _, tokens = _sample_bigram(table, temperature=temperature)
+    counts = np.bincount(tokens.ravel(), minlength=V)
+    expected = draws * np.asarray(jax.nn.softmax(logits / temperature))
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    assert chi2 < 35.0, chi2  # 10 degrees of freedom: P(chi2 > 35) ~ 1e-4
+    # ... and a clearly different temperature would not pass the same test.
+    hot = draws * np.asarray(jax.nn.softmax(logits / 2.0))
+    assert float(np.sum((counts - hot) ** 2 / hot)) > 200.0
+
+
+def test_same_key_same_tokens():
+    table = history_params(4, rows=V)
+    a = _sample_bigram(table, seed=5, temperature=1.0, top_p=0.9)[1]
+    b = _sample_bigram(table, seed=5, temperature=1.0, top_p=0.9)[1]
+    c = _sample_bigram(table, seed=6, temperature=1.0, top_p=0.9)[1]
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+RAGGED = [[5, 9, 2, 7, 3, 4], [6], [8, 2, 10, 4]]
+
+
+def _ragged_batch(prompts, width=8):
+    tokens, lengths = decoding.pad_prompts(prompts, buckets=[width])
+    return jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+def test_ragged_batch_equals_one_by_one_and_logprobs_match_rescoring():
+    params = history_params()
+    tokens, lengths = _ragged_batch(RAGGED)
+    batched = generate(history_step, params, history_cache(3), tokens, lengths, max_new_tokens=8)
+    for row, prompt in enumerate(RAGGED):
+        alone = generate(history_step, params, history_cache(1), jnp.asarray([prompt]),
+                         jnp.asarray([len(prompt)]), max_new_tokens=8)
+        np.testing.assert_array_equal(batched.tokens[row], alone.tokens[0])
+        np.testing.assert_allclose(batched.logprobs[row], alone.logprobs[0], atol=1e-5)
+        generated = trim(batched.tokens[row], batched.lengths[row])
+        total = float(batched.logprobs[row].sum())
+        assert total == pytest.approx(rescore(params, prompt, generated), abs=1e-4)
+
+
+def test_prompt_bucketing_shares_compilations():
+    assert [decoding.bucket_length(n) for n in (1, 8, 9, 17, 64)] == [8, 8, 16, 32, 64]
+    assert decoding.bucket_length(5, buckets=[4, 16, 6]) == 6
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        decoding.bucket_length(20, buckets=[4, 16])
+    assert decoding.pad_to_bucket(np.ones((2, 3), np.int32), pad_id=0).shape == (2, 8)
+    params = history_params()
+    traces = []
+
+    def counting_step(params, tokens, cache, num_valid):
+        traces.append(tokens.shape)
+        return history_step(params, tokens, cache, num_valid)
+
+    outputs = []
+    for prompt in (RAGGED[2], RAGGED[0]):  # lengths 4 and 6
+        tokens, lengths = decoding.pad_prompts([prompt])
+        assert tokens.shape == (1, 8)
+        outputs.append(generate(counting_step, params, history_cache(1), tokens, lengths,
+                                max_new_tokens=8))
+        exact = generate(history_step, params, history_cache(1), jnp.asarray([prompt]),
+                         jnp.asarray([len(prompt)]), max_new_tokens=8)
+        np.testing.assert_array_equal(outputs[-1].tokens, exact.tokens)
+    assert len(traces) == 2  # one prefill + one decode-step trace: a single compilation
+
+
+def test_repeated_calls_do_not_recompile():
+    traces = []
+
+    def counting_step(params, tokens, cache, num_valid):
+        traces.append(1)
+        return bigram_step(params, tokens, cache, num_valid)
+
+    prompts, lengths = jnp.array([[3, 4], [5, 0]]), jnp.array([2, 1])
+    kwargs = dict(max_new_tokens=4, rng=jax.random.key(0), top_k=5, top_p=0.9)
+    generate(counting_step, shift_table(), bigram_cache(2), prompts, lengths, temperature=1.0,
+             min_new_tokens=1, **kwargs)
+    first, size = len(traces), _generate_jit._cache_size()
+    for seed in range(3):  # new params values, temperature, top-p mass, min length: no retrace
+        generate(counting_step, history_params(seed, rows=V), bigram_cache(2), prompts, lengths,
+                 temperature=0.5 + seed, min_new_tokens=seed, **{**kwargs, "top_p": 0.5})
+    assert len(traces) == first and _generate_jit._cache_size() == size
+    generate(counting_step, shift_table(), bigram_cache(2), prompts, lengths, max_new_tokens=5)
+    assert len(traces) > first  # a new static configuration does compile
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=-3), "max_new_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(min_new_tokens=-1), "min_new_tokens"),
+        (dict(temperature=1.0), "rng"),
+        (dict(prompt_lengths=[2, 0]), "empty prompt"),
+        (dict(prompt_lengths=[2, 3]), "exceed"),
+        (dict(prompt_tokens=jnp.zeros((2, 0), jnp.int32)), "length 0"),
+        (dict(prompt_tokens=jnp.zeros((2, 2, 1), jnp.int32)), r"\[batch, length\]"),
+    ],
+)
+def test_argument_errors(kwargs, message):
+    args = dict(prompt_tokens=jnp.array([[3, 4], [5, 0]]), prompt_lengths=jnp.array([2, 1]),
+                max_new_tokens=3)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        generate(bigram_step, shift_table(), bigram_cache(2), **args)
+
+
+# ----------------------------------------------------------------------------- beam search
+
+
+def _peaked_table():
+    """From the start token 2, greedy takes 3 (p=.6) but 4 (p=.4) leads on to EOS with p=.95."""
+    probs = np.full((V, V), 1e-6)
+    probs[2, [3, 4]] = [0.6, 0.4]
+    probs[3, [5, 4, EOS, 3]] = [0.3, 0.25, 0.25, 0.2]
+    probs[4, EOS] = 0.95
+    probs[5, EOS] = 0.9
+    probs[[0, 1, 6, 7, 8, 9, 10], EOS] = 1.0
+    return jnp.log(jnp.asarray(probs / probs.sum(1, keepdims=True), jnp.float32))
+
+
+def test_beam_search_beats_greedy():
+    table, start = _peaked_table(), jnp.array([[2]])
+    greedy = generate(bigram_step, table, bigram_cache(1), start, jnp.array([1]), max_new_tokens=6)
+    np.testing.assert_array_equal(greedy.tokens, [[3, 5, EOS, PAD, PAD, PAD]])
+    beams = beam_search(bigram_step, table, bigram_cache(1), start, jnp.array([1]),
+                        max_new_tokens=4, beam_size=2, alpha=0.0)
+    np.testing.assert_array_equal(beams.tokens[0, 0], [4, EOS, PAD, PAD])
+    expected = float(table[2, 4] + table[4, EOS])
+    assert float(beams.logprobs[0, 0]) == pytest.approx(expected, abs=1e-4)
+    assert float(beams.logprobs[0, 0]) > float(greedy.logprobs.sum()) + 0.5
+    np.testing.assert_array_equal(beams.lengths[0], [2, 3])
+
+
+def test_length_penalty_trades_length_for_probability():
+    # From 2: EOS (p=.4) now, or 3 (p=.35) -> 4 (p=.95) -> EOS (p=.95).
+    probs = np.full((V, V), 1e-6)
+    probs[2, [EOS, 3, 5]] = [0.4, 0.35, 0.25]
+    probs[3, 4] = probs[4, EOS] = 0.95
+    probs[3, 6] = probs[4, 6] = 0.05
+    probs[[0, 1, 5, 6, 7, 8, 9, 10], EOS] = 1.0
+    table = jnp.log(jnp.asarray(probs / probs.sum(1, keepdims=True), jnp.float32))
+    short, long = math.log(0.4), math.log(0.35 * 0.95 * 0.95)
+    for alpha, best in [(0.0, [EOS, PAD, PAD, PAD]), (1.0, [3, 4, EOS, PAD])]:
+        out = beam_search(bigram_step, table, bigram_cache(1), jnp.array([[2]]), jnp.array([1]),
+                          max_new_tokens=4, beam_size=2, alpha=alpha)
+        np.testing.assert_array_equal(out.tokens[0, 0], best)
+        expected = sorted([short / length_penalty(1, alpha), long / length_penalty(3, alpha)])[::-1]
+        np.testing.assert_allclose(out.scores[0], expected, atol=1e-4)
+    assert float(length_penalty(3, 0.6)) == pytest.approx((8 / 6) ** 0.6)
+
+
+@pytest.mark.parametrize(("alpha", "eos_id"), [(0.0, EOS), (0.6, None)])
+def test_beam_of_one_is_greedy(alpha, eos_id):
+    params = history_params(7)
+    tokens, lengths = _ragged_batch(RAGGED)
+    greedy = generate(history_step, params, history_cache(3), tokens, lengths, max_new_tokens=8,
+                      eos_id=eos_id)
+    beams = beam_search(history_step, params, history_cache(3), tokens, lengths,
+                        max_new_tokens=8, beam_size=1, alpha=alpha, eos_id=eos_id)
+    # Where greedy ends with EOS it is also the single beam's answer. Where greedy runs to
+    # max_new_tokens, beam search may instead keep an EOS-ended prefix it passed on the way:
+    # the finished set remembers it, and it is never less probable than greedy's output.
+    ended = np.asarray(greedy.lengths) < 8 if eos_id is not None else np.ones(3, bool)
+    assert ended.sum() >= 2
+    np.testing.assert_array_equal(beams.tokens[ended, 0], greedy.tokens[ended])
+    np.testing.assert_array_equal(beams.lengths[ended, 0], greedy.lengths[ended])
+    greedy_logp = np.asarray(greedy.logprobs.sum(1))
+    np.testing.assert_allclose(beams.logprobs[ended, 0], greedy_logp[ended], atol=1e-4)
+    assert np.all(np.asarray(beams.logprobs[:, 0]) >= greedy_logp - 1e-4)
+
+
+def test_beam_hypotheses_are_consistent_with_the_model():
+    """Every hypothesis of a ragged batch rescores to its reported log-probability (so the
+    prefill was right and cache rows followed their parent beams); batched == alone."""
+    params, beam = history_params(8), 3
+    tokens, lengths = _ragged_batch(RAGGED)
+    out = beam_search(history_step, params, history_cache(3, 64), tokens, lengths,
+                      max_new_tokens=9, beam_size=beam, alpha=0.6)
+    assert out.tokens.shape == (3, beam, 9) and out.scores.shape == (3, beam)
+    assert np.all(np.diff(np.asarray(out.scores), axis=1) <= 1e-6)  # best first
+    alone = beam_search(history_step, params, history_cache(1, 64), jnp.asarray(RAGGED[:1]),
+                        jnp.asarray([len(RAGGED[0])]), max_new_tokens=9, beam_size=beam)
+    np.testing.assert_array_equal(out.tokens[0], alone.tokens[0])
+    for row, prompt in enumerate(RAGGED):
+        for k in range(beam):
+            length = int(out.lengths[row, k])
+            hyp = np.asarray(out.tokens[row, k])
+            assert np.all(hyp[length:] == PAD)
+            assert EOS not in hyp[: length - 1].tolist()
+            logp = rescore(params, prompt, trim(hyp, length))
+            assert float(out.logprobs[row, k]) == pytest.approx(logp, abs=1e-4)
+            score = logp / float(length_penalty(length, 0.6))
+            assert float(out.scores[row, k]) == pytest.approx(score, abs=1e-4)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_wide_beam_finds_the_exhaustive_best(alpha):
+    """With beams wider than the search space, beam search is exact: compare with brute force."""
+    params, steps, prompt = history_params(9, scale=2.0), 3, [4, 7]
+    out = beam_search(history_step, params, history_cache(1), jnp.asarray([prompt]),
+                      jnp.asarray([2]), max_new_tokens=steps, beam_size=V * V, alpha=alpha)
+    best = -np.inf
+    for seq in set(itertools.product(range(V), repeat=steps)):
+        hyp = list(seq[: seq.index(EOS) + 1]) if EOS in seq else list(seq)
+        best = max(best, rescore(params, prompt, hyp) / float(length_penalty(len(hyp), alpha)))
+    assert float(out.scores[0, 0]) == pytest.approx(best, abs=1e-4)
+
+
+def test_beam_search_compiles_once_and_validates():
+    traces = []
+
+    def counting_step(params, tokens, cache, num_valid):
+        traces.append(1)
+        return bigram_step(params, tokens, cache, num_valid)
+
+    start, one = jnp.array([[2], [3]]), jnp.array([1, 1])
+    beam_search(counting_step, _peaked_table(), bigram_cache(2), start, one, max_new_tokens=5)
+    first, size = len(traces), _beam_search_jit._cache_size()
+    for alpha in (0.0, 1.0):
+        beam_search(counting_step, shift_table(), bigram_cache(2), start, one, max_new_tokens=5,
+                    alpha=alpha)
+    assert len(traces) == first and _beam_search_jit._cache_size() == size
+    for kwargs, message in [
+        (dict(beam_size=0), "beam_size"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(alpha=-1.0), "alpha"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            beam_search(bigram_step, shift_table(), bigram_cache(2), start, one,
+                        **{"max_new_tokens": 5, **kwargs})
+    with pytest.raises(ValueError, match="empty prompt"):
+        beam_search(bigram_step, shift_table(), bigram_cache(2), start, jnp.array([1, 0]),
+                    max_new_tokens=5)
