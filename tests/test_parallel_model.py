@@ -1,0 +1,43 @@
+"""The real model under the logical axis rules: sharded forward passes equal unsharded ones."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import transformer_jax as tj
+from transformer_jax import parallel
+
+# flax 0.12.8: nn.DenseGeneral with a multi-dim kernel and nn.with_logical_partitioning applies the
+# 3-name constraint to its flat 2-D kernel whenever a mesh is set (init *and* apply). Reported to
+# modeling in INTERFACES.md; drop this marker once the attention projections build their own kernels.
+dense_general_bug = pytest.mark.xfail(
+    raises=ValueError, strict=False, reason="DenseGeneral multi-dim kernel + logical names under a mesh"
+)
+
+
+def _model_and_inputs(kind):
+    config = tj.presets.tiny()
+    tokens = jax.random.randint(jax.random.key(1), (4, 7), 3, config.vocab_size)
+    if kind == "lm":
+        return tj.TransformerLM(config), (tokens,)
+    return tj.Transformer(config), (tokens, tokens[:, ::-1])
+
+
+@dense_general_bug
+@pytest.mark.parametrize("kind", ["lm", "encoder_decoder"])
+def test_sharded_model_matches_unsharded(kind):
+    model, inputs = _model_and_inputs(kind)
+    params = nn.unbox(model.init(jax.random.key(0), *inputs))
+    reference = jax.jit(model.apply)(params, *inputs)
+
+    mesh = parallel.create_mesh(2, 2, 2)
+    abstract = jax.eval_shape(lambda k: model.init(k, *inputs), jax.random.key(0))
+    shardings = parallel.logical_to_sharding(abstract, mesh)
+    specs = [s.spec for s in jax.tree.leaves(shardings)]
+    assert any("fsdp" in spec for spec in specs) and any("tensor" in spec for spec in specs)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.DEFAULT_RULES):
+        sharded_params = jax.device_put(params, shardings)
+        batch = [jax.device_put(x, parallel.batch_sharding(mesh)) for x in inputs]
+        logits = jax.jit(model.apply)(sharded_params, *batch)
+    np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
