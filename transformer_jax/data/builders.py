@@ -323,8 +323,14 @@ def builtin_builder(name: str, data_dir: str, config: str | None = None,
     if name in ("tsv", "text"):
         if not train_files:
             raise ValueError(f"dataset {name!r} needs dataset.train_files")
+        config = files_config(train_files, eval_files)  # checks that the files exist
+        for tag, files in (("train_files", train_files), ("eval_files", eval_files)):
+            if files and next(read_lines(files, tsv=name == "tsv"), None) is None:
+                raise ValueError(f"dataset {name!r}: no usable lines in {tag} {list(files)} "
+                                 f"(empty, whitespace-only, invalid UTF-8 or, for TSV, not "
+                                 f"'source<TAB>target')")
         cls = TranslationFiles if name == "tsv" else TextFiles
-        return prepare(cls(config=files_config(train_files, eval_files), **kwargs))
+        return prepare(cls(config=config, **kwargs))
     raise ValueError(f"Unknown built-in dataset {name!r}")
 
 

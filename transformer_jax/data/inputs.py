@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import grain
 import ml_collections
 import numpy as np
+from absl import logging
 
 from transformer_jax.data import builders, pipeline
 from transformer_jax.data.tokenizer import Tokenizer, get_or_train_tokenizer
@@ -148,7 +149,13 @@ def build_datasets(cfg: ml_collections.ConfigDict, workdir: str, *,
     if eval_split not in builder.info.splits and "validation" in builder.info.splits:
         eval_split = "validation"
     train_source = builders.data_source(builder, train_split)
-    eval_source = builders.data_source(builder, eval_split)
+    if eval_split not in builder.info.splits and cfg.name in ("tsv", "text"):
+        # No eval_files: evaluate on (up to 1,000 of) the training examples, and say so.
+        eval_source = [train_source[i] for i in range(min(1000, len(train_source)))]
+        logging.warning("dataset %s has no eval_files: evaluating on %d training examples",
+                        cfg.name, len(eval_source))
+    else:
+        eval_source = builders.data_source(builder, eval_split)
     index, count = pipeline._shard_options(shard)
     shard = grain.sharding.ShardOptions(index, count)
     if cfg.batch_size % count or cfg.eval_batch_size % count:

@@ -97,26 +97,19 @@ class Tokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], settings: TokenizerSettings) -> Tokenizer:
         """Trains a tokenizer on ``texts`` (any iterable of strings; long ones are cut)."""
-        buf = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_sentences(texts, settings),
-            model_writer=buf,
-            model_type=settings.model_type,
-            vocab_size=settings.vocab_size,
-            # A small corpus may not support the requested size; take what it has.
-            hard_vocab_limit=False,
-            character_coverage=1.0,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            byte_fallback=True,
-            split_digits=True,
-            allow_whitespace_only_pieces=True,
-            max_sentence_length=settings.max_sentence_chars * 4,
-            pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
-            pad_piece="<pad>", eos_piece="</s>", bos_piece="<s>", unk_piece="<unk>",
-            num_threads=max(1, os.cpu_count() or 1),
-            minloglevel=2,
-        )
+        sentences = list(_training_sentences(texts, settings))
+        if not sentences:
+            raise ValueError("no text to train the tokenizer on")
+        # Every character seen gets its own piece (coverage 1.0) unless there are too many for
+        # the vocabulary; then the rarest are left to byte fallback, which still spells them.
+        for coverage in (1.0, 0.9999, 0.9995, 0.999, 0.995, 0.99, 0.98, 0.95):
+            buf = io.BytesIO()
+            try:
+                _train(sentences, buf, settings, coverage)
+                break
+            except RuntimeError as e:
+                if "required_chars" not in str(e) or coverage == 0.95:
+                    raise
         return cls(buf.getvalue())
 
     # -- properties ---------------------------------------------------------------------------
@@ -174,6 +167,28 @@ class Tokenizer:
             ids += self._space_bytes
             ids += self._sp_no_prefix.encode(part) if part else []
         return ids
+
+
+def _train(sentences, buf, settings: TokenizerSettings, coverage: float) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=buf,
+        model_type=settings.model_type,
+        vocab_size=settings.vocab_size,
+        # A small corpus may not support the requested size; take what it has.
+        hard_vocab_limit=False,
+        character_coverage=coverage,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        byte_fallback=True,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        max_sentence_length=settings.max_sentence_chars * 4,
+        pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
+        pad_piece="<pad>", eos_piece="</s>", bos_piece="<s>", unk_piece="<unk>",
+        num_threads=max(1, os.cpu_count() or 1),
+        minloglevel=2,
+    )
 
 
 def _as_text(text: str | bytes) -> str:

@@ -1,0 +1,342 @@
+"""grain pipeline: packing, determinism, exact resume, per-host shards, eval coverage, datasets."""
+
+import collections
+
+import grain
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from transformer_jax.data import builders, inputs, packing, pipeline
+from transformer_jax.data import tokenizer as tk
+
+tfds.disable_progress_bar()
+SOURCE = [{"src": f"sentence number {i} " + "x" * (i % 7), "tgt": f"phrase {i} " + "y" * (i % 5)}
+          for i in range(97)]
+TRANSLATION = pipeline.Features({"inputs": "src", "targets": "tgt"})
+LENGTHS = {"inputs": 24, "targets": 20}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = [r["src"] for r in SOURCE] + [r["tgt"] for r in SOURCE]
+    return tk.Tokenizer.train(texts, tk.TokenizerSettings(vocab_size=320))
+
+
+def shard(i=0, n=1):
+    return grain.sharding.ShardOptions(i, n)
+
+
+def _segments(batch, key):
+    """The examples in a batch: lists of token ids, one per (row, segment)."""
+    out = []
+    for row, seg in zip(batch[key], batch[f"{key}_segment_ids"]):
+        for s in range(1, seg.max() + 1):
+            out.append(tuple(row[seg == s]))
+    return out
+
+
+def _check_layout(batch, key, eos=True):
+    tokens, seg, pos = batch[key], batch[f"{key}_segment_ids"], batch[f"{key}_positions"]
+    assert tokens.dtype == seg.dtype == pos.dtype == np.int32
+    assert np.all(tokens[seg == 0] == 0) and np.all(pos[seg == 0] == 0)
+    for row_seg, row_pos, row_tok in zip(seg, pos, tokens):
+        n = int(row_seg.max())
+        ends = []
+        for s in range(1, n + 1):
+            idx = np.flatnonzero(row_seg == s)
+            assert np.array_equal(idx, np.arange(idx[0], idx[-1] + 1))  # contiguous
+            assert np.array_equal(row_pos[idx], np.arange(len(idx)))  # positions restart
+            if eos:  # each example ends with its only EOS
+                assert row_tok[idx[-1]] == tk.EOS_ID and tk.EOS_ID not in row_tok[idx[:-1]]
+            ends.append(idx[-1])
+        assert ends == sorted(ends)  # segments in order, padding only at the end
+        assert np.all(row_seg[: ends[-1] + 1] > 0) if n else True
+
+
+def test_make_row_literal():
+    row = packing.make_row([{"t": [5, 6, 1]}, {"t": [7, 1]}], {"t": 7})
+    np.testing.assert_array_equal(row["t"], [5, 6, 1, 7, 1, 0, 0])
+    np.testing.assert_array_equal(row["t_segment_ids"], [1, 1, 1, 2, 2, 0, 0])
+    np.testing.assert_array_equal(row["t_positions"], [0, 1, 2, 0, 1, 0, 0])
+    with pytest.raises(ValueError, match="fit"):
+        packing.make_row([{"t": [1] * 8}], {"t": 7})
+
+
+def test_packing_keeps_every_token_and_pairs_segments(tok):
+    examples = [pipeline.Tokenize(tok, TRANSLATION, LENGTHS).map(r) for r in SOURCE]
+    ds = grain.MapDataset.source(examples).to_iter_dataset()
+    rows = list(packing.FirstFitPackIterDataset(ds, LENGTHS, num_bins=4))
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    for key in LENGTHS:
+        _check_layout(batch, key)
+    # each example's source and target share the segment id of one row
+    np.testing.assert_array_equal(batch["inputs_segment_ids"].max(1),
+                                  batch["targets_segment_ids"].max(1))
+    packed = list(zip(_segments(batch, "inputs"), _segments(batch, "targets")))
+    expected = [(tuple(e["inputs"]), tuple(e["targets"])) for e in examples]
+    assert collections.Counter(packed) == collections.Counter(expected)
+    assert len(rows) < len(examples) / 2  # several examples per row
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def _equal(a, b):
+    return all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in x) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_train_iterator_deterministic_and_resumable(tok, pack):
+    make = lambda seed=0: pipeline.make_train_iterator(
+        SOURCE, tok, TRANSLATION, LENGTHS, 4, seed=seed, pack=pack, shard=shard())
+    it = make()
+    first = _take(it, 3)
+    for key in LENGTHS:
+        _check_layout(first[0], key)
+    state = it.get_state()
+    after = _take(it, 40)  # runs through several epochs
+    assert _equal(first, _take(make(), 3))
+    assert not _equal(first, _take(make(seed=1), 3))
+    resumed = make()
+    resumed.set_state(state)
+    assert _equal(after, _take(resumed, 40))
+
+
+def test_resume_through_orbax(tok, tmp_path):
+    import orbax.checkpoint as ocp
+
+    make = lambda: pipeline.make_train_iterator(SOURCE, tok, TRANSLATION, LENGTHS, 4,
+                                                shard=shard())
+    it = make()
+    _take(it, 5)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(5, args=ocp.args.Composite(data=pipeline.checkpoint_args(it)))
+        mngr.wait_until_finished()
+    expected = _take(it, 5)
+    fresh = make()
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.restore(5, args=ocp.args.Composite(
+            data=pipeline.checkpoint_args(fresh, restore=True)))
+    assert _equal(expected, _take(fresh, 5))
+
+
+def test_two_processes_read_disjoint_complete_shards(tok):
+    seen = []
+    for i in range(2):
+        it = pipeline.make_train_iterator(SOURCE, tok, TRANSLATION, LENGTHS, 1, pack=False,
+                                          shard=shard(i, 2))
+        start, end = pipeline.shard_bounds(len(SOURCE), i, 2)
+        epoch = [tok.decode(b["inputs"][0]) for b in _take(it, end - start)]
+        assert len(set(epoch)) == end - start  # one epoch = the whole slice once
+        seen.append(set(epoch))
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == {r["src"] for r in SOURCE}
+
+
+def test_eval_covers_every_example_once(tok):
+    per_host = []
+    for i in range(2):
+        batches = pipeline.make_eval_batches(SOURCE, tok, TRANSLATION, LENGTHS, 8,
+                                             shard=shard(i, 2))
+        assert len(batches) == 7  # ceil(ceil(97 / 2) / 8) on both hosts
+        rows = [row for b in batches for row, s in zip(b["targets"], b["targets_segment_ids"])
+                if s.max() > 0]
+        for b in batches:
+            _check_layout(b, "inputs")
+            assert set(np.unique(b["targets_segment_ids"])) <= {0, 1}
+        per_host.append([tok.decode(r) for r in rows])
+    everything = per_host[0] + per_host[1]
+    assert sorted(everything) == sorted(r["tgt"] for r in SOURCE)
+    limited = pipeline.make_eval_batches(SOURCE, tok, TRANSLATION, LENGTHS, 8, shard=shard(),
+                                         max_examples=10)
+    assert sum(int((b["targets_segment_ids"].max(1) > 0).sum()) for b in limited) == 10
+
+
+def test_length_policies(tok):
+    long = [{"text": "word " * 200}, {"text": "short"}]
+    lm = pipeline.Features({"targets": "text"})
+    cut = pipeline.Tokenize(tok, lm, {"targets": 16}, "truncate").map(long[0])
+    assert len(cut["targets"]) == 16 and cut["targets"][-1] == tk.EOS_ID
+    assert pipeline.Tokenize(tok, lm, {"targets": 16}, "drop").map(long[0]) is None
+    it = pipeline.make_train_iterator(long, tok, lm, {"targets": 16}, 2, length_policy="drop",
+                                      shard=shard())
+    b = next(it)
+    assert all(tok.decode(r) == "short" for r in _segments(b, "targets"))
+    pieces = pipeline.Tokenize(tok, lm, {"targets": 16}, "split").map(long[0])
+    joined = np.concatenate([p["targets"] for p in pieces])
+    assert tok.decode(joined) == long[0]["text"] and joined[-1] == tk.EOS_ID
+    assert pipeline.LENGTH_STATS.counts["train/targets/dropped"] >= 1
+    with pytest.raises(ValueError, match="length_policy"):
+        pipeline.Tokenize(tok, lm, {"targets": 16}, "wrap")
+
+
+def test_to_global_batch_on_eight_devices():
+    import jax
+    from jax.sharding import AxisType, PartitionSpec
+
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    batch = packing.make_row([{"targets": [4, 5, 1]}], {"targets": 6})
+    batch = {k: np.stack([v] * 8) for k, v in batch.items()}
+    out = pipeline.to_global_batch(batch, mesh)
+    assert out["targets"].shape == (8, 6)
+    assert out["targets"].sharding.spec == PartitionSpec(("data",))
+    np.testing.assert_array_equal(np.asarray(out["targets"]), batch["targets"])
+
+
+# -- datasets --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def _cfg(name, data_dir, **kw):
+    cfg = inputs.default_dataset_config(name)
+    cfg.data_dir = data_dir
+    cfg.vocab_size = 400
+    cfg.batch_size = cfg.eval_batch_size = 8
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_enfr_builtin_end_to_end(data_dir, tmp_path):
+    cfg = _cfg("enfr_builtin", data_dir, builder_config="small", max_eval_examples=50)
+    data = inputs.build_datasets(cfg, str(tmp_path), shard=shard())
+    assert data.is_translation and data.train_size == 3000
+    assert (tmp_path / "tokenizer.model").exists()
+    batch = next(data.train_iter)
+    assert set(batch) == {"inputs", "inputs_segment_ids", "inputs_positions", "targets",
+                          "targets_segment_ids", "targets_positions"}
+    assert batch["inputs"].shape == (8, 32)
+    src = builders.data_source(builders.builtin_builder("enfr_builtin", data_dir, "small"),
+                               "train")
+    pairs = {(r["en"].decode(), r["fr"].decode()) for r in src}
+    assert ("I love chocolates", "j'aime les chocolats") in pairs
+    english = lambda split: {r["en"] for r in builders.data_source(
+        builders.builtin_builder("enfr_builtin", data_dir, "small"), split)}
+    assert not english("train") & english("test") and not english("validation") & english("test")
+    rev = inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small",
+                                     reverse=True), str(tmp_path), shard=shard())
+    row = rev.eval_batches[0]
+    assert "'" in rev.tokenizer.decode(row["inputs"][0]) or len(rev.eval_batches)  # fr -> en
+
+
+def test_stdlib_lm_end_to_end(data_dir, tmp_path):
+    cfg = _cfg("stdlib_lm", data_dir, builder_config=f"{builders._PY}_small", max_len=64)
+    data = inputs.build_datasets(cfg, str(tmp_path), shard=shard())
+    assert not data.is_translation
+    batch = next(data.train_iter)
+    assert set(batch) == {"targets", "targets_segment_ids", "targets_positions"}
+    _check_layout(batch, "targets", eos=False)  # 'split': pieces of long documents
+    assert (batch["targets_segment_ids"] > 0).mean() > 0.9  # long documents fill the rows
+
+
+def test_stdlib_documents_capped():
+    docs = builders.split_document("a = 1\n" * 1000 + "x" * 5000, 2000)
+    assert all(len(d) <= 2000 for d in docs) and "".join(docs) == "a = 1\n" * 1000 + "x" * 5000
+
+
+def test_user_files_and_bad_input(data_dir, tmp_path):
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_bytes(b"hello\tbonjour\n\n   \nno tab\n\xff\xfe\tbad utf8\n \t empty side\n"
+                    b"a\tb\tc\n" + b"long " * 400 + b"\tlong\n" + b"cat\tchat\r\n")
+    cfg = _cfg("tsv", data_dir, train_files=[str(tsv)], eval_files=[str(tsv)],
+               max_source_len=16, max_target_len=16)
+    data = inputs.build_datasets(cfg, str(tmp_path / "w"), shard=shard())
+    assert data.train_size == 3  # hello, the long line, cat
+    _take(data.train_iter, 5)  # the long line is truncated, never a crash
+    texts = sorted(data.tokenizer.decode(r) for b in data.eval_batches
+                   for r, s in zip(b["targets"], b["targets_segment_ids"]) if s.max())
+    assert texts == ["bonjour", "chat", "long"]
+    txt = tmp_path / "mono.txt"
+    txt.write_bytes(b"first line\n\n\xc3\x28 broken\nsecond line\n")
+    data = inputs.build_datasets(_cfg("text", data_dir, train_files=[str(txt)],
+                                      eval_files=[str(txt)]), str(tmp_path / "m"),
+                                 shard=shard())
+    assert data.train_size == 2
+
+
+def test_config_errors(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="Unknown dataset 'nope'"):
+        inputs.default_dataset_config("nope")
+    cfg = _cfg("text", data_dir)
+    cfg.name = "nope"
+    with pytest.raises(ValueError, match="Unknown dataset 'nope'"):
+        inputs.build_datasets(cfg, str(tmp_path), shard=shard())
+    with pytest.raises(ValueError, match="not found.*missing.txt"):
+        inputs.build_datasets(_cfg("text", data_dir, train_files=[str(tmp_path / "missing.txt")]),
+                              str(tmp_path), shard=shard())
+    with pytest.raises(ValueError, match="train_files"):
+        inputs.build_datasets(_cfg("tsv", data_dir), str(tmp_path), shard=shard())
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("\n\nno tab\n")
+    with pytest.raises(ValueError, match="no usable lines"):
+        inputs.build_datasets(_cfg("tsv", data_dir, train_files=[str(empty)]), str(tmp_path),
+                              shard=shard())
+    with pytest.raises(ValueError, match="not prepared.*lm1b"):
+        inputs.build_datasets(_cfg("lm1b", str(tmp_path / "none")), str(tmp_path),
+                              shard=shard())
+    with pytest.raises(ValueError, match="language 'xx'"):
+        inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small",
+                                   source_lang="xx"), str(tmp_path), shard=shard())
+
+
+# Stand-ins for the prepared WMT and LM1B datasets: same names, configs, features and splits.
+# The real builders import TensorFlow; our reader never imports them, it reads prepared files.
+
+
+class _FakeWmt(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    name = "wmt14_translate"
+    code_path = None
+    VERSION = tfds.core.Version("1.0.0")
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="de-en")]
+
+    def _info(self):
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(
+            languages=("de", "en")), supervised_keys=("de", "en"))
+
+    def _split_generators(self, dl_manager):
+        return {s: self._generate_examples(s) for s in ("train", "validation", "test")}
+
+    def _generate_examples(self, split):
+        for i in range(20):
+            yield i, {"de": f"die katze {i} {split}", "en": f"the cat {i} {split}"}
+
+
+class _FakeLm1b(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    name = "lm1b"
+    code_path = None
+    VERSION = tfds.core.Version("1.1.0")
+
+    def _info(self):
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+            {"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+        return {s: self._generate_examples(s) for s in ("train", "test")}
+
+    def _generate_examples(self, split):
+        for i in range(30):
+            yield i, {"text": f"sentence {i} of the {split} split ."}
+
+
+def test_wmt_and_lm1b_read_from_prepared_files(tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    for cls in (_FakeWmt, _FakeLm1b):
+        builders.prepare(cls(data_dir=data_dir, file_format="array_record"))
+    wmt = inputs.build_datasets(_cfg("wmt14_translate/de-en", data_dir, vocab_size=300),
+                                str(tmp_path / "w"), shard=shard())
+    assert wmt.is_translation and wmt.train_size == 20
+    row = wmt.eval_batches[0]
+    assert wmt.tokenizer.decode(row["inputs"][0]).startswith("the cat")  # EN -> DE default
+    assert wmt.tokenizer.decode(row["targets"][0]).startswith("die katze")
+    de_en = inputs.build_datasets(_cfg("wmt14_translate/de-en", data_dir, vocab_size=300,
+                                       reverse=True), str(tmp_path / "w"), shard=shard())
+    assert de_en.tokenizer.decode(de_en.eval_batches[0]["inputs"][0]).startswith("die katze")
+    lm = inputs.build_datasets(_cfg("lm1b", data_dir, vocab_size=300), str(tmp_path / "l"),
+                               shard=shard())
+    assert lm.eval_size == 30 and "targets" in next(lm.train_iter)

@@ -1,0 +1,99 @@
+"""Tokenizer: exact round trip on any text, fixed special ids, cached training across processes."""
+
+import json
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transformer_jax.data import tokenizer as tk
+
+TEXTS = ["the tired engineer drank the cold coffee", "l'ingénieur fatigué a bu le café froid",
+         "I love chocolates", "j'aime les chocolats", "def f(x):\n    return x  # 42",
+         "your cat is a great cat", "ton chat est un grand chat"] * 30
+
+
+@pytest.fixture(scope="module", params=["bpe", "unigram"])
+def tok(request):
+    return tk.Tokenizer.train(TEXTS, tk.TokenizerSettings(vocab_size=400,
+                                                          model_type=request.param))
+
+
+def test_special_ids(tok):
+    assert (tk.PAD_ID, tk.EOS_ID, tk.BOS_ID, tk.UNK_ID) == (0, 1, 2, 3)
+    assert tok.id_to_piece(tk.EOS_ID) == "</s>"
+    assert tok.id_to_piece(tk.PAD_ID) == "<pad>"
+    assert 300 <= tok.vocab_size <= 400
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60))
+def test_round_trip_any_unicode(tok, text):
+    ids = tok.encode(text)
+    assert all(tk.UNK_ID < i < tok.vocab_size for i in ids)  # byte fallback: never <unk>
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", ["", " ", "  lead", "trail  ", "a\u2581b", "\u2581", " \u2581x",
+                                  "\x00\x01\n\t\r\x7f", "é漢字🙂\ufeff", "a  b\n\n c"])
+def test_round_trip_edge_cases(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode_batch(tok.encode_batch([text, "x"])) == [text, "x"]
+
+
+def test_bad_input_does_not_crash(tok):
+    assert tok.decode(tok.encode("x\ud800y")) == "x\ufffdy"  # lone surrogate
+    assert tok.decode(tok.encode(b"ok \xff\xfe")) == "ok \ufffd\ufffd"  # invalid UTF-8 bytes
+    assert tok.decode([5, 99999, -1, tk.EOS_ID, tk.PAD_ID]) == tok.decode([5])
+
+
+def test_save_load_pickle(tok, tmp_path):
+    import pickle
+
+    tok.save(tmp_path / "t.model")
+    again = tk.Tokenizer.load(tmp_path / "t.model")
+    assert again.encode("I love chocolates") == tok.encode("I love chocolates")
+    assert pickle.loads(pickle.dumps(tok)).encode("abc") == tok.encode("abc")
+
+
+def test_get_or_train_reuses_and_retrains(tmp_path):
+    calls = []
+
+    def texts():
+        calls.append(1)
+        return TEXTS
+
+    a = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+    b = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+    assert len(calls) == 1 and a.model_proto == b.model_proto
+    meta = json.loads((tmp_path / tk.METADATA_FILENAME).read_text())
+    assert meta["settings"]["corpus_key"] == "c1" and meta["settings"]["vocab_size"] == 350
+    tk.get_or_train_tokenizer(tmp_path, "c1", texts, 360, "bpe", process_index=0)
+    tk.get_or_train_tokenizer(tmp_path, "c2", texts, 360, "bpe", process_index=0)
+    tk.get_or_train_tokenizer(tmp_path, "c2", texts, 360, "unigram", process_index=0)
+    assert len(calls) == 4
+
+
+def test_other_processes_wait_for_process_zero(tmp_path):
+    results = {}
+
+    def worker():
+        results["p1"] = tk.get_or_train_tokenizer(tmp_path, "k", lambda: 1 / 0, 350, "bpe",
+                                                  process_index=1, wait_timeout_s=60)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    p0 = tk.get_or_train_tokenizer(tmp_path, "k", lambda: TEXTS, 350, "bpe", process_index=0)
+    t.join(60)
+    assert results["p1"].model_proto == p0.model_proto
+    with pytest.raises(TimeoutError, match="shared"):
+        tk.get_or_train_tokenizer(tmp_path, "other", lambda: TEXTS, 350, "bpe",
+                                  process_index=1, wait_timeout_s=0.2)
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="model_type"):
+        tk.TokenizerSettings(model_type="wordpiece")
+    with pytest.raises(ValueError, match="vocab_size"):
+        tk.TokenizerSettings(vocab_size=100)
