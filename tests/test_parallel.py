@@ -180,12 +180,12 @@ def _loss_and_logits(params, tokens):
 def reference():
     """Unsharded params, logits and gradients (one device, no mesh)."""
     tokens = jax.random.randint(jax.random.key(1), (8, 3), 0, V)
-    params = nn.unbox(TinyBlock().init(jax.random.key(0), tokens))
+    params = jax.jit(lambda k: nn.unbox(TinyBlock().init(k, tokens)))(jax.random.key(0))
     (_, logits), grads = jax.jit(jax.value_and_grad(_loss_and_logits, has_aux=True))(params, tokens)
     return tokens, params, logits, grads
 
 
-@pytest.mark.parametrize("sizes", [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)])
+@pytest.mark.parametrize("sizes", [(1, 8, 1), (1, 1, 8), (2, 2, 2)])
 def test_sharded_forward_and_grad_match_unsharded(reference, sizes):
     tokens, ref_params, ref_logits, ref_grads = reference
     mesh = parallel.create_mesh(*sizes)
