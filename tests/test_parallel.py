@@ -210,7 +210,7 @@ def test_jitted_init_places_params_by_the_rules(reference):
     tokens, ref_params, _, _ = reference
     mesh = parallel.create_mesh(2, 2, 2)
     shardings = parallel.logical_to_sharding(_abstract_params(), mesh)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.DEFAULT_RULES):
+    with parallel.sharding_context(mesh):
         init = jax.jit(lambda k: nn.unbox(TinyBlock().init(k, tokens)), out_shardings=shardings)
         params = init(jax.random.key(0))
     assert params["params"]["embedding"].sharding.spec == P("tensor", "fsdp")

@@ -20,6 +20,7 @@ from transformer_jax.parallel.rules import (
     logical_to_mesh_spec,
     logical_to_sharding,
     shard_batch,
+    sharding_context,
 )
 
 __all__ = [
@@ -37,5 +38,6 @@ __all__ = [
     "logical_to_sharding",
     "mesh_from_config",
     "shard_batch",
+    "sharding_context",
     "sync_global",
 ]

@@ -18,7 +18,8 @@ So every activation constraint that names ``'embed'`` must also name ``'batch'``
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -45,6 +46,17 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 def logical_to_mesh_spec(names: Sequence[str | None], rules: LogicalRules = DEFAULT_RULES):
     """Logical dimension names -> mesh ``PartitionSpec``; names without a rule are replicated."""
     return nn.logical_to_mesh_axes(tuple(names), rules)
+
+
+@contextlib.contextmanager
+def sharding_context(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterator[Mesh]:
+    """``with jax.set_mesh(mesh), nn.logical_axis_rules(rules):`` in one line.
+
+    Wrap model init, jit and apply in it: without the rules, Linen's activation constraints
+    silently do nothing; without the mesh, parameter boxes are not constrained at all.
+    """
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield mesh
 
 
 def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
