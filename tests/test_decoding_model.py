@@ -1,0 +1,170 @@
+"""Decoding the real models: cached decoding equals full recomputation (tokens and, in float32,
+log-probabilities to 1e-5), ragged batches equal one-by-one, beam search runs on the
+encoder-decoder, and repeated calls with the same model do not recompile."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import transformer_jax as tj
+from transformer_jax.decoding import beam_search, generate, pad_prompts
+from transformer_jax.decoding.model_steps import (
+    LMStep,
+    RecomputeLMStep,
+    Seq2SeqStep,
+    encode_source,
+    recompute_cache,
+)
+from transformer_jax.decoding.sampling import _generate_jit
+
+CONFIG = tj.presets.tiny()
+PROMPTS = [[5, 17, 3, 40, 9, 22], [7], [12, 0, 33]]  # token 0 (= pad id) inside a real prompt
+STEPS = 7
+
+
+def _random_params(model, *args, seed=0):
+    """Random parameters of the right shapes, drawn in numpy (nothing to compile), larger than
+    the initializers' so that outputs vary from token to token."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0), *args)["params"]
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:
+            return 1.0 + 0.3 * rng.standard_normal(leaf.shape, np.float32)
+        fan_in = leaf.shape[0] if leaf.ndim > 1 else 10.0
+        return rng.standard_normal(leaf.shape, np.float32) / np.sqrt(fan_in)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    model = tj.TransformerLM(CONFIG)
+    return model, _random_params(model, jnp.ones((1, 8), jnp.int32))
+
+
+@pytest.fixture(scope="module")
+def seq2seq():
+    model = tj.Transformer(CONFIG.replace(num_encoder_layers=1))
+    ones = jnp.ones((1, 8), jnp.int32)
+    return model, _random_params(model, ones, ones, seed=2)
+
+
+def _full_logprobs(model, params, sequences, lengths):
+    """log-softmax of one cache-free forward pass over right-padded sequences [B, S]."""
+    return np.asarray(_full_logprobs_jit(model, params, jnp.asarray(sequences),
+                                         jnp.asarray(lengths)))
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _full_logprobs_jit(model, params, seq, lengths):
+    real = (jnp.arange(seq.shape[1]) < lengths[:, None]).astype(jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
+    logits = model.apply({"params": params}, seq, segment_ids=real, positions=positions)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def _check_against_full_forward(logp, prompt_len, generated, step_logprobs, greedy):
+    """logp: [S, V] full-forward log-probs of prompt + generated for one row."""
+    for t, token in enumerate(generated):
+        row = logp[prompt_len - 1 + t]
+        if greedy:
+            assert token == int(np.argmax(row)), t
+        assert step_logprobs[t] == pytest.approx(row[token], abs=1e-5), t
+
+
+def test_lm_cached_step_logits_equal_full_forward(lm):
+    model, params = lm
+    step = jax.jit(LMStep(model))
+    tokens, lengths = pad_prompts(PROMPTS)
+    cache = tj.init_cache(CONFIG, 3, 16)
+    logits, cache = step(params, jnp.asarray(tokens), cache, jnp.asarray(lengths))
+    seqs = [list(p) for p in PROMPTS]
+    for _ in range(3):
+        full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0],
+                              [len(s) for s in seqs])
+        for row, seq in enumerate(seqs):
+            here = logits[row, len(PROMPTS[row]) - 1 if len(seq) == len(PROMPTS[row]) else 0]
+            np.testing.assert_allclose(jax.nn.log_softmax(here), full[row, len(seq) - 1],
+                                       atol=1e-5)
+        nxt = jnp.asarray([[31 + row] for row in range(3)], jnp.int32)
+        for row in range(3):
+            seqs[row].append(31 + row)
+        logits, cache = step(params, nxt, cache, jnp.ones(3, jnp.int32))
+
+
+def test_lm_decoding_equals_full_recomputation(lm):
+    model, params = lm
+    tokens, lengths = pad_prompts(PROMPTS)
+    width = tokens.shape[1] + STEPS
+    runs = {
+        "greedy": generate(LMStep(model), params, tj.init_cache(CONFIG, 3, width), tokens,
+                           lengths, max_new_tokens=STEPS, eos_id=None),
+        "sampled": generate(LMStep(model), params, tj.init_cache(CONFIG, 3, width), tokens,
+                            lengths, max_new_tokens=STEPS, eos_id=None, temperature=1.0,
+                            rng=jax.random.key(4)),
+    }
+    recomputed = generate(RecomputeLMStep(model), params, recompute_cache(3, width), tokens,
+                          lengths, max_new_tokens=STEPS, eos_id=None)
+    np.testing.assert_array_equal(recomputed.tokens, runs["greedy"].tokens)
+    np.testing.assert_allclose(recomputed.logprobs, runs["greedy"].logprobs, atol=1e-5)
+    assert len(set(np.asarray(runs["sampled"].tokens).ravel().tolist())) > 5
+    for name, out in runs.items():
+        seqs = [p + np.asarray(out.tokens[row]).tolist() for row, p in enumerate(PROMPTS)]
+        full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0],
+                              [len(s) for s in seqs])
+        for row, prompt in enumerate(PROMPTS):
+            _check_against_full_forward(full[row], len(prompt), seqs[row][len(prompt):],
+                                        np.asarray(out.logprobs[row]), name == "greedy")
+    # Ragged batch == one by one (the one-token prompt, padded most in the batch).
+    alone = generate(LMStep(model), params, tj.init_cache(CONFIG, 1, 1 + STEPS),
+                     jnp.asarray([PROMPTS[1]]), jnp.asarray([1]), max_new_tokens=STEPS,
+                     eos_id=None)
+    np.testing.assert_array_equal(alone.tokens[0], runs["greedy"].tokens[1])
+    np.testing.assert_allclose(alone.logprobs[0], runs["greedy"].logprobs[1], atol=1e-5)
+    # A fresh module with the same config and new parameter values reuses the compilation.
+    size = _generate_jit._cache_size()
+    generate(LMStep(tj.TransformerLM(CONFIG)), jax.tree.map(lambda x: -x, params),
+             tj.init_cache(CONFIG, 3, width), tokens, lengths, max_new_tokens=STEPS, eos_id=None)
+    assert _generate_jit._cache_size() == size
+
+
+SOURCES = [[9, 4, 27, 1], [30, 11, 1, 0], [5, 1, 0, 0]]  # right-padded, ending with EOS
+
+
+def test_seq2seq_greedy_and_beam_search_match_the_full_model(seq2seq):
+    model, params = seq2seq
+    src = jnp.asarray(SOURCES)
+    start = jnp.full((3, 1), CONFIG.decoder_start_id, jnp.int32)
+    cache = encode_source(model, params, src, STEPS + 1)
+    out = generate(Seq2SeqStep(model), params, cache, start, jnp.ones(3, jnp.int32),
+                   max_new_tokens=STEPS, eos_id=None)
+    beams = beam_search(Seq2SeqStep(model), params, cache, start, jnp.ones(3, jnp.int32),
+                        max_new_tokens=STEPS, beam_size=2, alpha=0.6)
+    assert beams.tokens.shape == (3, 2, STEPS)
+    assert np.all(np.asarray(beams.scores[:, 0] >= beams.scores[:, 1]))
+
+    @jax.jit
+    def full_logprobs(targets):  # teacher-forced, no cache: [B, STEPS, V]
+        tgt_in = jnp.concatenate([start, targets[:, :-1]], axis=1)
+        ones = jnp.ones(tgt_in.shape, jnp.int32)
+        logits = model.apply({"params": params}, src, tgt_in, tgt_segment_ids=ones,
+                             tgt_positions=jnp.cumsum(ones, axis=1) - 1)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    full = np.asarray(full_logprobs(out.tokens))
+    for row in range(3):
+        _check_against_full_forward(full[row], 1, np.asarray(out.tokens[row]).tolist(),
+                                    np.asarray(out.logprobs[row]), greedy=True)
+    for k in range(2):
+        full = np.asarray(full_logprobs(beams.tokens[:, k]))
+        for row in range(3):
+            length = int(beams.lengths[row, k])
+            hyp = np.asarray(beams.tokens[row, k, :length])
+            total = full[row, np.arange(length), hyp].sum()
+            assert float(beams.logprobs[row, k]) == pytest.approx(total, abs=1e-4)
+    assert np.all(np.asarray(beams.logprobs[:, 0]) >= np.asarray(out.logprobs.sum(1)) - 1e-4)
