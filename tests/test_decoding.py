@@ -78,12 +78,21 @@ def trim(tokens, length):
 
 def test_next_token_is_token_plus_one_until_eos():
     prompts = jnp.array([[3, 0, 0], [5, 6, 7], [8, 0, 0]], jnp.int32)
-    out = generate(bigram_step, shift_table(), bigram_cache(3), prompts, jnp.array([1, 3, 1]),
-                   max_new_tokens=8, eos_id=EOS, pad_id=PAD)
+    out = generate(
+        bigram_step,
+        shift_table(),
+        bigram_cache(3),
+        prompts,
+        jnp.array([1, 3, 1]),
+        max_new_tokens=8,
+        eos_id=EOS,
+        pad_id=PAD,
+    )
     # Row 0 never reaches EOS (token 1) within 8 tokens; rows 1 and 2 stop there, then pad.
-    np.testing.assert_array_equal(out.tokens, [[4, 5, 6, 7, 8, 9, 10, 0],
-                                               [8, 9, 10, 0, EOS, PAD, PAD, PAD],
-                                               [9, 10, 0, EOS, PAD, PAD, PAD, PAD]])
+    np.testing.assert_array_equal(
+        out.tokens,
+        [[4, 5, 6, 7, 8, 9, 10, 0], [8, 9, 10, 0, EOS, PAD, PAD, PAD], [9, 10, 0, EOS, PAD, PAD, PAD, PAD]],
+    )
     np.testing.assert_array_equal(out.lengths, [8, 5, 4])
     assert out.tokens.dtype == jnp.int32 and out.logprobs.shape == (3, 8)
     assert np.all(np.asarray(out.logprobs[1, 5:]) == 0.0)
@@ -93,21 +102,45 @@ def test_next_token_is_token_plus_one_until_eos():
 def test_min_new_tokens_masks_eos():
     # EOS is by far the likeliest token everywhere; the runner-up is token 5.
     table = jnp.zeros((V, V)).at[:, EOS].set(8.0).at[:, 5].set(4.0)
-    out = generate(bigram_step, table, bigram_cache(1), jnp.array([[2]]), jnp.array([1]),
-                   max_new_tokens=6, min_new_tokens=3)
+    out = generate(
+        bigram_step,
+        table,
+        bigram_cache(1),
+        jnp.array([[2]]),
+        jnp.array([1]),
+        max_new_tokens=6,
+        min_new_tokens=3,
+    )
     np.testing.assert_array_equal(out.tokens, [[5, 5, 5, EOS, PAD, PAD]])
     assert int(out.lengths[0]) == 4
-    sampled = generate(bigram_step, table, bigram_cache(256), jnp.full((256, 1), 2),
-                       jnp.ones(256, jnp.int32), max_new_tokens=6, min_new_tokens=2,
-                       temperature=1.0, rng=jax.random.key(3))
+    sampled = generate(
+        bigram_step,
+        table,
+        bigram_cache(256),
+        jnp.full((256, 1), 2),
+        jnp.ones(256, jnp.int32),
+        max_new_tokens=6,
+        min_new_tokens=2,
+        temperature=1.0,
+        rng=jax.random.key(3),
+    )
     assert not np.any(np.asarray(sampled.tokens[:, :2]) == EOS)
     assert np.all(np.asarray(sampled.lengths) >= 3)
 
 
 def _sample_bigram(table, *, batch=256, steps=24, seed=0, **kwargs):
     prompts = jax.random.randint(jax.random.key(seed + 100), (batch, 1), 0, V)
-    out = generate(bigram_step, table, bigram_cache(batch), prompts, jnp.ones(batch, jnp.int32),
-                   max_new_tokens=steps, rng=jax.random.key(seed), eos_id=None, **kwargs)
+    out = generate(
+        bigram_step,
+        table,
+        bigram_cache(batch),
+        prompts,
+        jnp.ones(batch, jnp.int32),
+        max_new_tokens=steps,
+        rng=jax.random.key(seed),
+        eos_id=None,
+        **kwargs,
+    )
     previous = np.concatenate([np.asarray(prompts), np.asarray(out.tokens[:, :-1])], axis=1)
     return previous, np.asarray(out.tokens)
 
@@ -176,8 +209,14 @@ def test_ragged_batch_equals_one_by_one_and_logprobs_match_rescoring():
     tokens, lengths = _ragged_batch(RAGGED)
     batched = generate(history_step, params, history_cache(3), tokens, lengths, max_new_tokens=8)
     for row, prompt in enumerate(RAGGED):
-        alone = generate(history_step, params, history_cache(1), jnp.asarray([prompt]),
-                         jnp.asarray([len(prompt)]), max_new_tokens=8)
+        alone = generate(
+            history_step,
+            params,
+            history_cache(1),
+            jnp.asarray([prompt]),
+            jnp.asarray([len(prompt)]),
+            max_new_tokens=8,
+        )
         np.testing.assert_array_equal(batched.tokens[row], alone.tokens[0])
         np.testing.assert_allclose(batched.logprobs[row], alone.logprobs[0], atol=1e-5)
         generated = trim(batched.tokens[row], batched.lengths[row])
@@ -202,10 +241,15 @@ def test_prompt_bucketing_shares_compilations():
     for prompt in (RAGGED[2], RAGGED[0]):  # lengths 4 and 6
         tokens, lengths = decoding.pad_prompts([prompt])
         assert tokens.shape == (1, 8)
-        outputs.append(generate(counting_step, params, history_cache(1), tokens, lengths,
-                                max_new_tokens=8))
-        exact = generate(history_step, params, history_cache(1), jnp.asarray([prompt]),
-                         jnp.asarray([len(prompt)]), max_new_tokens=8)
+        outputs.append(generate(counting_step, params, history_cache(1), tokens, lengths, max_new_tokens=8))
+        exact = generate(
+            history_step,
+            params,
+            history_cache(1),
+            jnp.asarray([prompt]),
+            jnp.asarray([len(prompt)]),
+            max_new_tokens=8,
+        )
         np.testing.assert_array_equal(outputs[-1].tokens, exact.tokens)
     assert len(traces) == 2  # one prefill + one decode-step trace: a single compilation
 
@@ -219,12 +263,28 @@ def test_repeated_calls_do_not_recompile():
 
     prompts, lengths = jnp.array([[3, 4], [5, 0]]), jnp.array([2, 1])
     kwargs = dict(max_new_tokens=4, rng=jax.random.key(0), top_k=5, top_p=0.9)
-    generate(counting_step, shift_table(), bigram_cache(2), prompts, lengths, temperature=1.0,
-             min_new_tokens=1, **kwargs)
+    generate(
+        counting_step,
+        shift_table(),
+        bigram_cache(2),
+        prompts,
+        lengths,
+        temperature=1.0,
+        min_new_tokens=1,
+        **kwargs,
+    )
     first, size = len(traces), _generate_jit._cache_size()
     for seed in range(3):  # new params values, temperature, top-p mass, min length: no retrace
-        generate(counting_step, history_params(seed, rows=V), bigram_cache(2), prompts, lengths,
-                 temperature=0.5 + seed, min_new_tokens=seed, **{**kwargs, "top_p": 0.5})
+        generate(
+            counting_step,
+            history_params(seed, rows=V),
+            bigram_cache(2),
+            prompts,
+            lengths,
+            temperature=0.5 + seed,
+            min_new_tokens=seed,
+            **{**kwargs, "top_p": 0.5},
+        )
     assert len(traces) == first and _generate_jit._cache_size() == size
     generate(counting_step, shift_table(), bigram_cache(2), prompts, lengths, max_new_tokens=5)
     assert len(traces) > first  # a new static configuration does compile
@@ -248,8 +308,7 @@ def test_repeated_calls_do_not_recompile():
     ],
 )
 def test_argument_errors(kwargs, message):
-    args = dict(prompt_tokens=jnp.array([[3, 4], [5, 0]]), prompt_lengths=jnp.array([2, 1]),
-                max_new_tokens=3)
+    args = dict(prompt_tokens=jnp.array([[3, 4], [5, 0]]), prompt_lengths=jnp.array([2, 1]), max_new_tokens=3)
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         generate(bigram_step, shift_table(), bigram_cache(2), **args)
@@ -273,8 +332,9 @@ def test_beam_search_beats_greedy():
     table, start = _peaked_table(), jnp.array([[2]])
     greedy = generate(bigram_step, table, bigram_cache(1), start, jnp.array([1]), max_new_tokens=6)
     np.testing.assert_array_equal(greedy.tokens, [[3, 5, EOS, PAD, PAD, PAD]])
-    beams = beam_search(bigram_step, table, bigram_cache(1), start, jnp.array([1]),
-                        max_new_tokens=4, beam_size=2, alpha=0.0)
+    beams = beam_search(
+        bigram_step, table, bigram_cache(1), start, jnp.array([1]), max_new_tokens=4, beam_size=2, alpha=0.0
+    )
     np.testing.assert_array_equal(beams.tokens[0, 0], [4, EOS, PAD, PAD])
     expected = float(table[2, 4] + table[4, EOS])
     assert float(beams.logprobs[0, 0]) == pytest.approx(expected, abs=1e-4)
@@ -292,8 +352,16 @@ def test_length_penalty_trades_length_for_probability():
     table = jnp.log(jnp.asarray(probs / probs.sum(1, keepdims=True), jnp.float32))
     short, long = math.log(0.4), math.log(0.35 * 0.95 * 0.95)
     for alpha, best in [(0.0, [EOS, PAD, PAD, PAD]), (1.0, [3, 4, EOS, PAD])]:
-        out = beam_search(bigram_step, table, bigram_cache(1), jnp.array([[2]]), jnp.array([1]),
-                          max_new_tokens=4, beam_size=2, alpha=alpha)
+        out = beam_search(
+            bigram_step,
+            table,
+            bigram_cache(1),
+            jnp.array([[2]]),
+            jnp.array([1]),
+            max_new_tokens=4,
+            beam_size=2,
+            alpha=alpha,
+        )
         np.testing.assert_array_equal(out.tokens[0, 0], best)
         expected = sorted([short / length_penalty(1, alpha), long / length_penalty(3, alpha)])[::-1]
         np.testing.assert_allclose(out.scores[0], expected, atol=1e-4)
@@ -304,10 +372,20 @@ def test_length_penalty_trades_length_for_probability():
 def test_beam_of_one_is_greedy(alpha, eos_id):
     params = history_params(7)
     tokens, lengths = _ragged_batch(RAGGED)
-    greedy = generate(history_step, params, history_cache(3), tokens, lengths, max_new_tokens=8,
-                      eos_id=eos_id)
-    beams = beam_search(history_step, params, history_cache(3), tokens, lengths,
-                        max_new_tokens=8, beam_size=1, alpha=alpha, eos_id=eos_id)
+    greedy = generate(
+        history_step, params, history_cache(3), tokens, lengths, max_new_tokens=8, eos_id=eos_id
+    )
+    beams = beam_search(
+        history_step,
+        params,
+        history_cache(3),
+        tokens,
+        lengths,
+        max_new_tokens=8,
+        beam_size=1,
+        alpha=alpha,
+        eos_id=eos_id,
+    )
     # Where greedy ends with EOS it is also the single beam's answer. Where greedy runs to
     # max_new_tokens, beam search may instead keep an EOS-ended prefix it passed on the way:
     # the finished set remembers it, and it is never less probable than greedy's output.
@@ -325,12 +403,27 @@ def test_beam_hypotheses_are_consistent_with_the_model():
     prefill was right and cache rows followed their parent beams); batched == alone."""
     params, beam = history_params(8), 3
     tokens, lengths = _ragged_batch(RAGGED)
-    out = beam_search(history_step, params, history_cache(3, 64), tokens, lengths,
-                      max_new_tokens=9, beam_size=beam, alpha=0.6)
+    out = beam_search(
+        history_step,
+        params,
+        history_cache(3, 64),
+        tokens,
+        lengths,
+        max_new_tokens=9,
+        beam_size=beam,
+        alpha=0.6,
+    )
     assert out.tokens.shape == (3, beam, 9) and out.scores.shape == (3, beam)
     assert np.all(np.diff(np.asarray(out.scores), axis=1) <= 1e-6)  # best first
-    alone = beam_search(history_step, params, history_cache(1, 64), jnp.asarray(RAGGED[:1]),
-                        jnp.asarray([len(RAGGED[0])]), max_new_tokens=9, beam_size=beam)
+    alone = beam_search(
+        history_step,
+        params,
+        history_cache(1, 64),
+        jnp.asarray(RAGGED[:1]),
+        jnp.asarray([len(RAGGED[0])]),
+        max_new_tokens=9,
+        beam_size=beam,
+    )
     np.testing.assert_array_equal(out.tokens[0], alone.tokens[0])
     for row, prompt in enumerate(RAGGED):
         for k in range(beam):
@@ -348,8 +441,16 @@ def test_beam_hypotheses_are_consistent_with_the_model():
 def test_wide_beam_finds_the_exhaustive_best(alpha):
     """With beams wider than the search space, beam search is exact: compare with brute force."""
     params, steps, prompt = history_params(9, scale=2.0), 3, [4, 7]
-    out = beam_search(history_step, params, history_cache(1), jnp.asarray([prompt]),
-                      jnp.asarray([2]), max_new_tokens=steps, beam_size=V * V, alpha=alpha)
+    out = beam_search(
+        history_step,
+        params,
+        history_cache(1),
+        jnp.asarray([prompt]),
+        jnp.asarray([2]),
+        max_new_tokens=steps,
+        beam_size=V * V,
+        alpha=alpha,
+    )
     best = -np.inf
     for seq in set(itertools.product(range(V), repeat=steps)):
         hyp = list(seq[: seq.index(EOS) + 1]) if EOS in seq else list(seq)
@@ -368,8 +469,7 @@ def test_beam_search_compiles_once_and_validates():
     beam_search(counting_step, _peaked_table(), bigram_cache(2), start, one, max_new_tokens=5)
     first, size = len(traces), _beam_search_jit._cache_size()
     for alpha in (0.0, 1.0):
-        beam_search(counting_step, shift_table(), bigram_cache(2), start, one, max_new_tokens=5,
-                    alpha=alpha)
+        beam_search(counting_step, shift_table(), bigram_cache(2), start, one, max_new_tokens=5, alpha=alpha)
     assert len(traces) == first and _beam_search_jit._cache_size() == size
     for kwargs, message in [
         (dict(beam_size=0), "beam_size"),
@@ -377,8 +477,8 @@ def test_beam_search_compiles_once_and_validates():
         (dict(alpha=-1.0), "alpha"),
     ]:
         with pytest.raises(ValueError, match=message):
-            beam_search(bigram_step, shift_table(), bigram_cache(2), start, one,
-                        **{"max_new_tokens": 5, **kwargs})
+            beam_search(
+                bigram_step, shift_table(), bigram_cache(2), start, one, **{"max_new_tokens": 5, **kwargs}
+            )
     with pytest.raises(ValueError, match="empty prompt"):
-        beam_search(bigram_step, shift_table(), bigram_cache(2), start, jnp.array([1, 0]),
-                    max_new_tokens=5)
+        beam_search(bigram_step, shift_table(), bigram_cache(2), start, jnp.array([1, 0]), max_new_tokens=5)

@@ -56,8 +56,7 @@ def seq2seq():
 
 def _full_logprobs(model, params, sequences, lengths):
     """log-softmax of one cache-free forward pass over right-padded sequences [B, S]."""
-    return np.asarray(_full_logprobs_jit(model, params, jnp.asarray(sequences),
-                                         jnp.asarray(lengths)))
+    return np.asarray(_full_logprobs_jit(model, params, jnp.asarray(sequences), jnp.asarray(lengths)))
 
 
 @functools.partial(jax.jit, static_argnames="model")
@@ -85,12 +84,10 @@ def test_lm_cached_step_logits_equal_full_forward(lm):
     logits, cache = step(params, jnp.asarray(tokens), cache, jnp.asarray(lengths))
     seqs = [list(p) for p in PROMPTS]
     for _ in range(3):
-        full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0],
-                              [len(s) for s in seqs])
+        full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0], [len(s) for s in seqs])
         for row, seq in enumerate(seqs):
             here = logits[row, len(PROMPTS[row]) - 1 if len(seq) == len(PROMPTS[row]) else 0]
-            np.testing.assert_allclose(jax.nn.log_softmax(here), full[row, len(seq) - 1],
-                                       atol=1e-5)
+            np.testing.assert_allclose(jax.nn.log_softmax(here), full[row, len(seq) - 1], atol=1e-5)
         nxt = jnp.asarray([[31 + row] for row in range(3)], jnp.int32)
         for row in range(3):
             seqs[row].append(31 + row)
@@ -102,34 +99,73 @@ def test_lm_decoding_equals_full_recomputation(lm):
     tokens, lengths = pad_prompts(PROMPTS)
     width = tokens.shape[1] + STEPS
     runs = {
-        "greedy": generate(LMStep(model), params, tj.init_cache(CONFIG, 3, width), tokens,
-                           lengths, max_new_tokens=STEPS, eos_id=None),
-        "sampled": generate(LMStep(model), params, tj.init_cache(CONFIG, 3, width), tokens,
-                            lengths, max_new_tokens=STEPS, eos_id=None, temperature=1.0,
-                            rng=jax.random.key(4)),
+        "greedy": generate(
+            LMStep(model),
+            params,
+            tj.init_cache(CONFIG, 3, width),
+            tokens,
+            lengths,
+            max_new_tokens=STEPS,
+            eos_id=None,
+        ),
+        "sampled": generate(
+            LMStep(model),
+            params,
+            tj.init_cache(CONFIG, 3, width),
+            tokens,
+            lengths,
+            max_new_tokens=STEPS,
+            eos_id=None,
+            temperature=1.0,
+            rng=jax.random.key(4),
+        ),
     }
-    recomputed = generate(RecomputeLMStep(model), params, recompute_cache(3, width), tokens,
-                          lengths, max_new_tokens=STEPS, eos_id=None)
+    recomputed = generate(
+        RecomputeLMStep(model),
+        params,
+        recompute_cache(3, width),
+        tokens,
+        lengths,
+        max_new_tokens=STEPS,
+        eos_id=None,
+    )
     np.testing.assert_array_equal(recomputed.tokens, runs["greedy"].tokens)
     np.testing.assert_allclose(recomputed.logprobs, runs["greedy"].logprobs, atol=1e-5)
     assert len(set(np.asarray(runs["sampled"].tokens).ravel().tolist())) > 5
     for name, out in runs.items():
         seqs = [p + np.asarray(out.tokens[row]).tolist() for row, p in enumerate(PROMPTS)]
-        full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0],
-                              [len(s) for s in seqs])
+        full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0], [len(s) for s in seqs])
         for row, prompt in enumerate(PROMPTS):
-            _check_against_full_forward(full[row], len(prompt), seqs[row][len(prompt):],
-                                        np.asarray(out.logprobs[row]), name == "greedy")
+            _check_against_full_forward(
+                full[row],
+                len(prompt),
+                seqs[row][len(prompt) :],
+                np.asarray(out.logprobs[row]),
+                name == "greedy",
+            )
     # Ragged batch == one by one (the one-token prompt, padded most in the batch).
-    alone = generate(LMStep(model), params, tj.init_cache(CONFIG, 1, 1 + STEPS),
-                     jnp.asarray([PROMPTS[1]]), jnp.asarray([1]), max_new_tokens=STEPS,
-                     eos_id=None)
+    alone = generate(
+        LMStep(model),
+        params,
+        tj.init_cache(CONFIG, 1, 1 + STEPS),
+        jnp.asarray([PROMPTS[1]]),
+        jnp.asarray([1]),
+        max_new_tokens=STEPS,
+        eos_id=None,
+    )
     np.testing.assert_array_equal(alone.tokens[0], runs["greedy"].tokens[1])
     np.testing.assert_allclose(alone.logprobs[0], runs["greedy"].logprobs[1], atol=1e-5)
     # A fresh module with the same config and new parameter values reuses the compilation.
     size = _generate_jit._cache_size()
-    generate(LMStep(tj.TransformerLM(CONFIG)), jax.tree.map(lambda x: -x, params),
-             tj.init_cache(CONFIG, 3, width), tokens, lengths, max_new_tokens=STEPS, eos_id=None)
+    generate(
+        LMStep(tj.TransformerLM(CONFIG)),
+        jax.tree.map(lambda x: -x, params),
+        tj.init_cache(CONFIG, 3, width),
+        tokens,
+        lengths,
+        max_new_tokens=STEPS,
+        eos_id=None,
+    )
     assert _generate_jit._cache_size() == size
 
 
@@ -141,10 +177,19 @@ def test_seq2seq_greedy_and_beam_search_match_the_full_model(seq2seq):
     src = jnp.asarray(SOURCES)
     start = jnp.full((3, 1), CONFIG.decoder_start_id, jnp.int32)
     cache = encode_source(model, params, src, STEPS + 1)
-    out = generate(Seq2SeqStep(model), params, cache, start, jnp.ones(3, jnp.int32),
-                   max_new_tokens=STEPS, eos_id=None)
-    beams = beam_search(Seq2SeqStep(model), params, cache, start, jnp.ones(3, jnp.int32),
-                        max_new_tokens=STEPS, beam_size=2, alpha=0.6)
+    out = generate(
+        Seq2SeqStep(model), params, cache, start, jnp.ones(3, jnp.int32), max_new_tokens=STEPS, eos_id=None
+    )
+    beams = beam_search(
+        Seq2SeqStep(model),
+        params,
+        cache,
+        start,
+        jnp.ones(3, jnp.int32),
+        max_new_tokens=STEPS,
+        beam_size=2,
+        alpha=0.6,
+    )
     assert beams.tokens.shape == (3, 2, STEPS)
     assert np.all(np.asarray(beams.scores[:, 0] >= beams.scores[:, 1]))
 
@@ -152,14 +197,16 @@ def test_seq2seq_greedy_and_beam_search_match_the_full_model(seq2seq):
     def full_logprobs(targets):  # teacher-forced, no cache: [B, STEPS, V]
         tgt_in = jnp.concatenate([start, targets[:, :-1]], axis=1)
         ones = jnp.ones(tgt_in.shape, jnp.int32)
-        logits = model.apply({"params": params}, src, tgt_in, tgt_segment_ids=ones,
-                             tgt_positions=jnp.cumsum(ones, axis=1) - 1)
+        logits = model.apply(
+            {"params": params}, src, tgt_in, tgt_segment_ids=ones, tgt_positions=jnp.cumsum(ones, axis=1) - 1
+        )
         return jax.nn.log_softmax(logits, axis=-1)
 
     full = np.asarray(full_logprobs(out.tokens))
     for row in range(3):
-        _check_against_full_forward(full[row], 1, np.asarray(out.tokens[row]).tolist(),
-                                    np.asarray(out.logprobs[row]), greedy=True)
+        _check_against_full_forward(
+            full[row], 1, np.asarray(out.tokens[row]).tolist(), np.asarray(out.logprobs[row]), greedy=True
+        )
     for k in range(2):
         full = np.asarray(full_logprobs(beams.tokens[:, k]))
         for row in range(3):

@@ -81,9 +81,7 @@ def _expand(live: _Beams, finished: _Beams, logprobs, step, alpha, *, eos_id):
     cand_tokens = _take(live.tokens, parent).at[:, :, step].set(token)
     length = jnp.full(parent.shape, step + 1, jnp.int32)
     is_eos = jnp.zeros_like(token, bool) if eos_id is None else token == eos_id
-    candidates = _Beams(
-        cand_tokens, cand_logprobs, cand_logprobs / length_penalty(step + 1, alpha), length
-    )
+    candidates = _Beams(cand_tokens, cand_logprobs, cand_logprobs / length_penalty(step + 1, alpha), length)
 
     live_rank = jnp.where(is_eos, NEG_INF * 2, cand_logprobs)
     _, live_index = jax.lax.top_k(live_rank, beam)
@@ -102,9 +100,7 @@ def _reorder(cache, parent: jax.Array):
     return jax.tree.map(lambda x: x[rows], cache)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("step_fn", "beam_size", "max_new_tokens", "eos_id", "pad_id")
-)
+@functools.partial(jax.jit, static_argnames=("step_fn", "beam_size", "max_new_tokens", "eos_id", "pad_id"))
 def _beam_search_jit(
     step_fn,
     params,
@@ -151,9 +147,7 @@ def _beam_search_jit(
         )
         return step + 1, live, finished, _reorder(cache, parent)
 
-    step, live, finished, _ = jax.lax.while_loop(
-        keep_going, body, (jnp.int32(1), live, finished, cache)
-    )
+    step, live, finished, _ = jax.lax.while_loop(keep_going, body, (jnp.int32(1), live, finished, cache))
 
     # Hypotheses still live when decoding ends (cut off at max_new_tokens) compete too.
     live = live._replace(

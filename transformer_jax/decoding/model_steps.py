@@ -48,9 +48,7 @@ class Seq2SeqStep:
     model: nn.Module
 
     def __call__(self, params, tokens, cache, num_valid):
-        return self.model.apply(
-            {"params": params}, None, tokens, cache=cache, num_valid=num_valid
-        )
+        return self.model.apply({"params": params}, None, tokens, cache=cache, num_valid=num_valid)
 
 
 def lm_step_fn(model: nn.Module) -> LMStep:

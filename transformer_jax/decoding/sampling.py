@@ -71,9 +71,7 @@ class SamplingConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if int(self.min_new_tokens) != self.min_new_tokens or self.min_new_tokens < 0:
-            raise ValueError(
-                f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens}"
-            )
+            raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -130,9 +128,7 @@ def pad_to_bucket(
     """Right-pads an already batched ``[B, P]`` prompt array along P up to its bucket length."""
     prompt_tokens = np.asarray(prompt_tokens)
     width = bucket_length(prompt_tokens.shape[1], buckets, min_length)
-    return np.pad(
-        prompt_tokens, ((0, 0), (0, width - prompt_tokens.shape[1])), constant_values=pad_id
-    )
+    return np.pad(prompt_tokens, ((0, 0), (0, width - prompt_tokens.shape[1])), constant_values=pad_id)
 
 
 # --------------------------------------------------------------------------- token choice
@@ -156,9 +152,7 @@ def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(logits < cutoff, NEG_INF, logits)
 
 
-def _choose(
-    logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, top_k, use_top_p, eos_id
-):
+def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, top_k, use_top_p, eos_id):
     """Picks one token per row from next-token logits [B, V]; returns (tokens [B], logprobs [B])."""
     logits = logits.astype(jnp.float32)
     if eos_id is not None:
