@@ -8,13 +8,6 @@ import pytest
 import transformer_jax as tj
 from transformer_jax import parallel
 
-# flax 0.12.8: nn.DenseGeneral with a multi-dim kernel and nn.with_logical_partitioning applies the
-# 3-name constraint to its flat 2-D kernel whenever a mesh is set (init *and* apply). Reported to
-# modeling in INTERFACES.md; drop this marker once the attention projections build their own kernels.
-dense_general_bug = pytest.mark.xfail(
-    raises=ValueError, strict=False, reason="DenseGeneral multi-dim kernel + logical names under a mesh"
-)
-
 
 def _model_and_inputs(kind):
     config = tj.presets.tiny()
@@ -24,7 +17,6 @@ def _model_and_inputs(kind):
     return tj.Transformer(config), (tokens, tokens[:, ::-1])
 
 
-@dense_general_bug
 @pytest.mark.parametrize("kind", ["lm", "encoder_decoder"])
 def test_sharded_model_matches_unsharded(kind):
     model, inputs = _model_and_inputs(kind)

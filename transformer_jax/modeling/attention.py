@@ -83,17 +83,44 @@ def dot_product_attention(
     raise NotImplementedError(f"attention_impl={impl!r} is not available in this build")
 
 
+class Projection(nn.Module):
+    """y = x W + b contracting `axis` of x with the leading axes of a full-shape kernel.
+
+    The kernel is created in its real shape (e.g. [D, H, K]) so that its logical axis names
+    `names` (input axes, then output axes) line up with its dimensions under a mesh.
+    """
+
+    features: tuple[int, ...]
+    names: tuple[str, ...]
+    axis: tuple[int, ...] = (-1,)
+    use_bias: bool = True
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        axis = tuple(a % x.ndim for a in self.axis)
+        n_in = len(axis)
+        shape = tuple(x.shape[a] for a in axis) + self.features
+        init = nn.initializers.xavier_uniform(in_axis=tuple(range(n_in)),
+                                              out_axis=tuple(range(n_in, len(shape))))
+        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.names), shape,
+                            self.param_dtype)
+        y = jax.lax.dot_general(x.astype(self.dtype), jnp.asarray(kernel, self.dtype),
+                                ((axis, tuple(range(n_in))), ((), ())))
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                    self.names[n_in:]),
+                              self.features, self.param_dtype)
+            y = y + jnp.asarray(bias, self.dtype)
+        return y
+
+
 def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name):
-    """A DenseGeneral whose kernel and bias carry logical axis names `names` (inputs then outputs)."""
+    """A `Projection` to `features` (int or tuple) whose parameters carry logical `names`."""
     features = tuple(features) if isinstance(features, tuple | list) else (features,)
-    in_axes = len(axis) if isinstance(axis, tuple) else 1
-    # DenseGeneral initialises the kernel flattened to 2-D, so Glorot uses the full fan-in/out.
-    return nn.DenseGeneral(
-        features=features, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[in_axes:]),
-        name=name,
-    )
+    axis = axis if isinstance(axis, tuple) else (axis,)
+    return Projection(features, tuple(names), axis, use_bias, dtype, param_dtype, name=name)
 
 
 class MultiHeadAttention(nn.Module):

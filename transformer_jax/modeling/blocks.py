@@ -75,8 +75,8 @@ class TransformerBlock(nn.Module):
         return self.cross_attention_layer.project_kv(memory)
 
     def __call__(
-        self, x, *, self_mask, positions=None, memory=None, cross_mask=None, cross_kv=None,
-        cache=None, cache_index=None, deterministic=True,
+        self, x, deterministic=True, *, self_mask, positions=None, memory=None, cross_mask=None,
+        cross_kv=None, cache=None, cache_index=None,
     ):
         """x: [B, L, D]; self_mask: [B, 1, L, S]; memory: encoder output [B, S_src, D] (or
         `cross_kv`, its projected K/V from a cache); cross_mask: [B, 1, L, S_src].

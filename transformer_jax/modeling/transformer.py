@@ -31,8 +31,9 @@ def make_embed(config: ModelConfig, name: str) -> Embed:
 def make_blocks(config: ModelConfig, count: int, cross_attention: bool, prefix: str):
     block = TransformerBlock
     if config.remat != "none":
+        # `deterministic` (argument 2, after self and x) decides Python control flow: static.
         block = nn.remat(TransformerBlock, policy=_REMAT_POLICIES[config.remat],
-                         static_argnums=(), prevent_cse=True)
+                         static_argnums=(2,), prevent_cse=True)
     return [
         block(
             d_model=config.d_model, num_heads=config.num_heads, head_dim=config.qk_dim,
@@ -117,7 +118,7 @@ class Encoder(_Stack):
             mask = masks.key_padding_mask(self.valid_tokens(tokens))
         x = self.embed_tokens(tokens, positions, deterministic)
         for block in self.blocks:
-            x, _ = block(x, self_mask=mask, positions=positions, deterministic=deterministic)
+            x, _ = block(x, deterministic, self_mask=mask, positions=positions)
         return self.finish(x)
 
 
@@ -187,8 +188,8 @@ class Decoder(_Stack):
                 cross_mask = masks.key_padding_mask(memory_valid)
         x = self.embed_tokens(tokens, positions, deterministic)
         for block in self.blocks:
-            x, _ = block(x, self_mask=self_mask, positions=positions, memory=memory,
-                         cross_mask=cross_mask, deterministic=deterministic)
+            x, _ = block(x, deterministic, self_mask=self_mask, positions=positions,
+                         memory=memory, cross_mask=cross_mask)
         return self.logits(self.finish(x)), None
 
     def _decode_cached(self, tokens, cache, num_valid, deterministic):
@@ -205,9 +206,9 @@ class Decoder(_Stack):
             cross_kv = None
             if cache.cross is not None:
                 cross_kv = (cache.cross[i]["k"], cache.cross[i]["v"])
-            x, layer = block(x, self_mask=self_mask, positions=positions, cross_mask=cross_mask,
-                             cross_kv=cross_kv, cache=cache.layers[i], cache_index=lengths,
-                             deterministic=deterministic)
+            x, layer = block(x, deterministic, self_mask=self_mask, positions=positions,
+                             cross_mask=cross_mask, cross_kv=cross_kv, cache=cache.layers[i],
+                             cache_index=lengths)
             new_layers.append(layer)
         if num_valid is None:
             num_valid = jnp.full((B,), L, jnp.int32)

@@ -1,0 +1,75 @@
+"""ModelConfig validation, presets and parameter counts against the paper's Table 3."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import transformer_jax as tj
+
+
+def test_defaults_are_the_papers_base_model():
+    c = tj.presets.transformer_base()
+    assert (c.num_encoder_layers, c.d_model, c.d_ff, c.num_heads, c.qk_dim) == (6, 512, 2048, 8, 64)
+    assert (c.dropout_rate, c.norm, c.activation, c.position) == (0.1, "post", "relu", "sinusoidal")
+    assert c.share_embeddings and c.tie_output and c.scale_embeddings
+
+
+def test_presets_accept_overrides():
+    assert tj.presets.transformer_big(vocab_size=1000).vocab_size == 1000
+    assert tj.presets.transformer_big().dropout_rate == 0.3
+    assert tj.presets.gpt2_small(num_decoder_layers=2).num_decoder_layers == 2
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("d_model", 0), ("vocab_size", -3), ("num_heads", 0), ("d_ff", 1.5),
+        ("num_heads", 7),  # 512 is not divisible by 7
+        ("num_kv_heads", 3),  # does not divide 8 heads
+        ("dropout_rate", 1.0), ("attention_dropout_rate", -0.1),
+        ("norm", "middle"), ("activation", "tanh"), ("position", "absolute"),
+        ("attention_impl", "magic"), ("dtype", "int8"), ("num_encoder_layers", -1),
+        ("eos_id", 40000), ("pad_id", -1), ("norm_eps", 0.0),
+    ],
+)
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}="):
+        tj.ModelConfig(**{field: value})
+
+
+def test_head_dim_allows_indivisible_d_model():
+    c = tj.ModelConfig(d_model=510, num_heads=7, head_dim=64)
+    assert c.qk_dim == 64
+
+
+def test_round_trip_and_diff():
+    c = tj.presets.tiny(norm="pre")
+    assert tj.ModelConfig.from_dict(c.to_dict()) == c
+    assert c.diff(c.replace(d_ff=128)) == {"d_ff": (64, 128)}
+    with pytest.raises(ValueError, match="no field"):
+        tj.ModelConfig.from_dict({**c.to_dict(), "depth": 3})
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tj.presets.tiny().d_model = 8
+
+
+def test_param_counts_against_table_3():
+    # With a 37,000-token shared vocabulary the Table 3 sizes give exactly these counts:
+    base = tj.count_params(tj.presets.transformer_base(vocab_size=37000))
+    big = tj.count_params(tj.presets.transformer_big(vocab_size=37000))
+    assert base == 63_082_496
+    assert big == 214_245_376
+    assert abs(base - 65e6) / 65e6 < 0.05  # paper: 65M
+    assert abs(big - 213e6) / 213e6 < 0.01  # paper: 213M
+    assert tj.count_params(tj.presets.gpt2_small()) == 124_439_808  # GPT-2 "124M"
+
+
+def test_eval_shape_of_big_presets_allocates_nothing():
+    before = sum(x.nbytes for x in jax.live_arrays())
+    shapes = tj.params.param_shapes(tj.presets.transformer_big())
+    after = sum(x.nbytes for x in jax.live_arrays())
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
+    assert after - before < 1_000_000  # 214M float32 params would be 857 MB

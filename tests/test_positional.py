@@ -1,0 +1,62 @@
+"""Sinusoidal encodings (section 3.5) and rotary embeddings."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import transformer_jax as tj
+from transformer_jax.modeling import apply_rope, sinusoidal_encoding
+
+
+def test_sinusoidal_equals_the_formula():
+    d = 22
+    pe = np.asarray(sinusoidal_encoding(jnp.arange(13), d))
+    for pos in range(13):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            assert math.isclose(pe[pos, 2 * i], math.sin(angle), abs_tol=1e-5)
+            assert math.isclose(pe[pos, 2 * i + 1], math.cos(angle), abs_tol=1e-5)
+
+
+def test_concat_layout_is_a_permutation_of_interleaved():
+    inter = sinusoidal_encoding(jnp.arange(7), 10)
+    concat = sinusoidal_encoding(jnp.arange(7), 10, layout="concat")
+    np.testing.assert_allclose(concat[:, :5], inter[:, 0::2])
+    np.testing.assert_allclose(concat[:, 5:], inter[:, 1::2])
+
+
+def test_position_one_gets_the_same_vector_in_any_sentence():
+    """'Cat drinks milk' and 'I love chocolates': what the model adds at position 1 is the same
+    vector in both sentences, whatever the words."""
+    cfg = tj.presets.tiny(dropout_rate=0.0)
+    model = tj.TransformerLM(cfg)
+    cat_drinks_milk, i_love_chocolates = jnp.array([[7, 8, 9]]), jnp.array([[11, 12, 13, 14]])
+    params = model.init(jax.random.key(0), cat_drinks_milk)["params"]
+
+    def position_part(tokens):
+        def added(m, t):
+            positions = jnp.arange(t.shape[1])[None]
+            return m.decoder.embed_tokens(t, positions, True) - m.embed(t)
+
+        return model.apply({"params": params}, tokens, method=added)[0]
+
+    a, b = position_part(cat_drinks_milk), position_part(i_love_chocolates)
+    np.testing.assert_allclose(a[1], b[1], atol=1e-6)
+    np.testing.assert_allclose(a[1], sinusoidal_encoding(jnp.array(1), cfg.d_model), atol=1e-6)
+    assert not np.allclose(a[1], a[2])
+
+
+def test_rope_depends_only_on_relative_position():
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, 16))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
+
+    def score(m, n):
+        qm = apply_rope(q, jnp.array([[m]]))
+        kn = apply_rope(k, jnp.array([[n]]))
+        return float(jnp.sum(qm * kn))
+
+    assert math.isclose(score(3, 1), score(10, 8), rel_tol=1e-4)
+    assert math.isclose(score(0, 0), float(jnp.sum(q * k)), rel_tol=1e-5)
+    assert not math.isclose(score(3, 1), score(3, 2), rel_tol=1e-3)

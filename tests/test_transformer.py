@@ -1,0 +1,242 @@
+"""Behaviour of the full models: shapes, causality, padding, the KV cache, dtypes, variants.
+
+Sizes are distinct primes where they can be (B=3, L=7, S=11, F=13, V=37, H=5 heads; D=30 must
+split into heads) so a transposed axis cannot pass unnoticed.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import transformer_jax as tj
+from transformer_jax.modeling import dot_product_attention
+
+B, L, S, V = 3, 7, 11, 37
+VARIANTS = {
+    "paper": dict(),
+    "pre_ln_gelu_rope_gqa": dict(norm="pre", activation="gelu", position="rope", num_kv_heads=1,
+                                 head_dim=6),
+    "rmsnorm_swiglu_learned_untied": dict(norm="pre", norm_type="rmsnorm", activation="swiglu",
+                                          position="learned", tie_output=False, logits_bias=True,
+                                          share_embeddings=False, use_bias=False),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def japply(model):
+    """A jitted `model.apply`: one compilation per shape instead of one per primitive."""
+    return jax.jit(model.apply, static_argnames=("method", "mutable", "deterministic"))
+
+
+def config(**overrides):
+    base = dict(vocab_size=V, d_model=30, num_heads=5, d_ff=13, num_encoder_layers=2,
+                num_decoder_layers=2, dropout_rate=0.0, max_len=64)
+    return tj.ModelConfig(**{**base, **overrides})
+
+
+def tokens(key, shape, low=3):
+    return jax.random.randint(jax.random.key(key), shape, low, V)
+
+
+def init_lm(cfg, t):
+    model = tj.TransformerLM(cfg)
+    return model, jax.jit(model.init)(jax.random.key(0), t)["params"]
+
+
+def init_ed(cfg, src, tgt):
+    model = tj.Transformer(cfg)
+    return model, jax.jit(model.init)(jax.random.key(0), src, tgt)["params"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_shapes_and_dtypes(variant):
+    cfg = config(**VARIANTS[variant])
+    src, tgt = tokens(1, (B, S)), tokens(2, (B, L))
+    model, params = init_ed(cfg, src, tgt)
+    logits = japply(model)({"params": params}, src, tgt)
+    assert logits.shape == (B, L, V) and logits.dtype == jnp.float32
+    lm, lm_params = init_lm(cfg, tgt)
+    assert japply(lm)({"params": lm_params}, tgt).shape == (B, L, V)
+    kernel = params["decoder"]["layer_0"]["self_attention"]["query"]["kernel"]
+    assert kernel.unbox().shape == (30, 5, cfg.qk_dim)
+    assert kernel.names == ("embed", "heads", "kv")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decoder_is_causal(variant):
+    cfg = config(**VARIANTS[variant])
+    src, tgt = tokens(1, (B, S)), tokens(2, (B, L))
+    model, params = init_ed(cfg, src, tgt)
+    base = japply(model)({"params": params}, src, tgt)
+    for t in range(L - 1):
+        changed = tgt.at[:, t + 1].set((tgt[:, t + 1] + 5) % V)
+        out = japply(model)({"params": params}, src, changed)
+        np.testing.assert_allclose(out[:, : t + 1], base[:, : t + 1], atol=1e-5)
+        assert not np.allclose(out[:, t + 1], base[:, t + 1])
+
+
+def test_source_padding_changes_nothing_that_is_not_padding():
+    cfg = config()
+    src, tgt = tokens(1, (B, S)), tokens(2, (B, L))
+    src = src.at[:, 8:].set(0)  # pad_id = 0
+    model, params = init_ed(cfg, src, tgt)
+    base = japply(model)({"params": params}, src, tgt)
+    longer = jnp.pad(src, ((0, 0), (0, 6)))  # more padding
+    np.testing.assert_allclose(japply(model)({"params": params}, longer, tgt), base, atol=1e-5)
+    trimmed = src[:, :8]  # no padding at all
+    np.testing.assert_allclose(japply(model)({"params": params}, trimmed, tgt), base, atol=1e-5)
+
+
+def test_target_right_padding_changes_no_real_position():
+    cfg = config(norm="pre")
+    t = tokens(3, (B, L))
+    lm, params = init_lm(cfg, t)
+    padded = jnp.pad(t, ((0, 0), (0, 4)))
+    np.testing.assert_allclose(japply(lm)({"params": params}, padded)[:, :L],
+                               japply(lm)({"params": params}, t), atol=1e-5)
+
+
+def test_packed_rows_equal_separate_examples():
+    cfg = config(norm="pre")
+    a, b = tokens(4, (1, 4)), tokens(5, (1, 3))
+    lm, params = init_lm(cfg, a)
+    packed = jnp.concatenate([a, b], axis=1)
+    seg = jnp.array([[1, 1, 1, 1, 2, 2, 2]])
+    pos = jnp.array([[0, 1, 2, 3, 0, 1, 2]])
+    out = japply(lm)({"params": params}, packed, segment_ids=seg, positions=pos)
+    np.testing.assert_allclose(out[:, :4], japply(lm)({"params": params}, a), atol=1e-5)
+    np.testing.assert_allclose(out[:, 4:], japply(lm)({"params": params}, b), atol=1e-5)
+
+
+def test_fully_masked_rows_give_zeros_not_nan():
+    q = jax.random.normal(jax.random.key(0), (2, 3, 4, 5))
+    k = jax.random.normal(jax.random.key(1), (2, 7, 4, 5))
+    mask = jnp.ones((2, 1, 3, 7), bool).at[0, :, 1].set(False)
+    for impl in ("reference", "xla"):
+        out, _ = dot_product_attention(q, k, k, mask, impl=impl)
+        assert not jnp.isnan(out).any()
+        np.testing.assert_array_equal(out[0, 1], 0.0)
+    _, probs = dot_product_attention(q, k, k, mask, impl="reference", return_weights=True)
+    np.testing.assert_array_equal(probs[0, :, 1], 0.0)
+    np.testing.assert_allclose(probs[1].sum(-1), 1.0, atol=1e-6)
+
+
+def test_backends_agree():
+    q = jax.random.normal(jax.random.key(0), (3, 7, 6, 5))
+    k = jax.random.normal(jax.random.key(1), (3, 11, 2, 5))  # grouped-query: 6 heads, 2 kv heads
+    v = jax.random.normal(jax.random.key(2), (3, 11, 2, 5))
+    mask = jax.random.bernoulli(jax.random.key(3), 0.7, (3, 1, 7, 11))
+    ref, _ = dot_product_attention(q, k, v, mask, impl="reference")
+    xla, _ = dot_product_attention(q, k, v, mask, impl="xla")
+    np.testing.assert_allclose(ref, xla, atol=1e-5)
+
+
+def test_attention_weights_on_request_only():
+    cfg = config()
+    src, tgt = tokens(1, (B, S)), tokens(2, (B, L))
+    model, params = init_ed(cfg, src, tgt)
+    logits, state = japply(model)({"params": params}, src, tgt, mutable="intermediates")
+    np.testing.assert_allclose(logits, japply(model)({"params": params}, src, tgt), atol=1e-5)
+    layer = state["intermediates"]["decoder"]["layer_1"]
+    (self_w,) = layer["self_attention"]["attention_weights"]
+    (cross_w,) = layer["cross_attention"]["attention_weights"]
+    assert self_w.shape == (B, 5, L, L) and cross_w.shape == (B, 5, L, S)
+    np.testing.assert_allclose(self_w.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(jnp.triu(self_w, 1), 0.0)  # causal
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lm_cache_with_ragged_prompts_equals_full_recomputation(variant):
+    cfg = config(**VARIANTS[variant])
+    full_tokens = tokens(6, (B, 13))
+    lm, params = init_lm(cfg, full_tokens)
+    full = japply(lm)({"params": params}, full_tokens)
+    lengths = jnp.array([3, 7, 5])
+    prompt = jnp.where(jnp.arange(7) < lengths[:, None], full_tokens[:, :7], 0)
+    cache = tj.init_cache(cfg, B, 13)
+    logits, cache = japply(lm)({"params": params}, prompt, cache=cache, num_valid=lengths)
+    for b in range(B):
+        np.testing.assert_allclose(logits[b, : lengths[b]], full[b, : lengths[b]], atol=1e-5)
+    for _ in range(5):
+        position = cache.lengths
+        step = full_tokens[jnp.arange(B), position][:, None]
+        logits, cache = japply(lm)({"params": params}, step, cache=cache)
+        np.testing.assert_allclose(logits[:, 0], full[jnp.arange(B), position], atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, lengths + 5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_encoder_decoder_cache_equals_full_recomputation(variant):
+    cfg = config(**VARIANTS[variant])
+    src = tokens(1, (B, S)).at[0, 5:].set(0).at[2, 9:].set(0)
+    tgt = tokens(2, (B, L))
+    model, params = init_ed(cfg, src, tgt)
+    full = japply(model)({"params": params}, src, tgt)
+    start = jax.jit(lambda p, s: model.apply(p, s, L, method="init_cache"))
+    cache = start({"params": params}, src)
+    assert cache.cross[0]["k"].shape == (B, S, cfg.kv_heads, cfg.qk_dim)
+    logits, cache = japply(model)({"params": params}, None, tgt[:, :2], cache=cache)
+    np.testing.assert_allclose(logits, full[:, :2], atol=1e-5)
+    for t in range(2, L):
+        logits, cache = japply(model)({"params": params}, None, tgt[:, t : t + 1], cache=cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+    cfg32 = config(d_model=64, num_heads=4, d_ff=128)
+    cfg16 = cfg32.replace(dtype="bfloat16")
+    src, tgt = tokens(1, (B, S)), tokens(2, (B, L))
+    model, params = init_ed(cfg32, src, tgt)
+    ref = japply(model)({"params": params}, src, tgt)
+    out = japply(tj.Transformer(cfg16))({"params": params}, src, tgt)
+    assert out.dtype == jnp.float32  # logits for the loss stay float32
+    assert params["embed"]["embedding"].unbox().dtype == jnp.float32
+    err = jnp.abs(out - ref).max() / jnp.abs(ref).max()
+    assert err < 0.05, err
+    np.testing.assert_array_equal(out.argmax(-1)[ref.max(-1) - jnp.sort(ref, -1)[..., -2] > 0.5],
+                                  ref.argmax(-1)[ref.max(-1) - jnp.sort(ref, -1)[..., -2] > 0.5])
+
+
+def test_dropout_needs_rng_only_in_training():
+    cfg = config(dropout_rate=0.3, attention_dropout_rate=0.2)
+    t = tokens(2, (B, L))
+    lm, params = init_lm(cfg, t)
+    a = japply(lm)({"params": params}, t)
+    np.testing.assert_allclose(a, japply(lm)({"params": params}, t))
+    d1 = japply(lm)({"params": params}, t, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    d2 = japply(lm)({"params": params}, t, deterministic=False, rngs={"dropout": jax.random.key(2)})
+    assert not np.allclose(d1, a) and not np.allclose(d1, d2)
+
+
+def test_remat_gives_the_same_gradients():
+    t = tokens(2, (B, L))
+    grads = []
+    for remat in ("none", "full", "dots_saveable"):
+        cfg = config(remat=remat)
+        lm, params = init_lm(cfg, t)
+        loss = lambda p, lm=lm: lm.apply({"params": p}, t).mean()
+        grads.append(jax.jit(jax.grad(loss))(params))
+    for g in grads[1:]:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads[0], g)
+
+
+def test_linen_modules_work_from_nnx():
+    from flax import nnx
+    from flax.nnx import bridge
+
+    cfg = config()
+    t = tokens(2, (B, L))
+    linen_lm = tj.TransformerLM(cfg)
+    # Logical axis names become shardings only under a mesh; without one, build unsharded.
+    with nnx.use_eager_sharding(False):
+        nnx_lm = bridge.ToNNX(linen_lm, rngs=nnx.Rngs(0))
+        bridge.lazy_init(nnx_lm, t)
+        out = nnx_lm(t)
+    assert out.shape == (B, L, V)
+    # The same parameters through Linen give the same logits.
+    params = nnx.state(nnx_lm, nnx.Param)
+    linen_params = jax.tree.map(lambda x: x, nnx.to_pure_dict(params))
+    np.testing.assert_allclose(japply(linen_lm)({"params": linen_params}, t), out, atol=1e-6)
