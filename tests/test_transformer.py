@@ -25,7 +25,7 @@ VARIANTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def japply(model):
     """A jitted `model.apply`: one compilation per shape instead of one per primitive."""
     return jax.jit(model.apply, static_argnames=("method", "mutable", "deterministic"))
