@@ -1,0 +1,240 @@
+"""Decoding speed: prefill and per-token decode throughput, with and without the KV cache.
+
+    python benchmarks/bench_decode.py --quick            # ~2-3 minutes on a 2-core CPU
+    python benchmarks/bench_decode.py --out decode.json  # adds 512 new tokens and batch 8 baselines
+
+Models (random weights, float32 unless --dtype): a GPT-2-small-shaped decoder (tj.presets.gpt2_small)
+and the paper's base encoder-decoder (tj.presets.transformer_base), 32-token prompts / sources.
+
+For each (model, batch, new tokens) it reports
+  compile_s         compiling the whole decode program (prefill + lax.scan loop),
+  prefill_tok_s     prompt tokens processed per second by the single prefill call
+                    (for the encoder-decoder: encoding the source),
+  decode_tok_s      generated tokens per second over the scan (batch * steps / time),
+  roofline_frac     time a step must take at least, reading every parameter and the whole allocated
+                    KV cache once at the measured memory bandwidth, divided by the measured step time.
+The no-cache baseline runs the whole model over the full (prompt + new tokens) buffer each step
+(static shapes, as a jit-compiled decoder without a cache must); its per-step cost does not depend on
+the step, so a few steps measure it. `speedup_at_512` = cached / no-cache decode tokens per second.
+Bandwidth is measured in the same run, at its start and end (a jitted sum and a matrix-vector product
+over a 512 MiB float32 array; the best is used), because timings on a shared machine vary 1.5-2x:
+compare ratios from one run. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import transformer_jax as tj
+from transformer_jax.decoding import generate
+from transformer_jax.decoding.model_steps import (
+    LMStep,
+    RecomputeLMStep,
+    Seq2SeqStep,
+    encode_source,
+    recompute_cache,
+)
+from transformer_jax.decoding.sampling import _generate_jit
+
+PROMPT = 32
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def best_time(fn, repeats: int) -> float:
+    """Fastest of `repeats` runs of fn() (blocking on its result), in seconds."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def memory_bandwidth(mib: int = 512) -> float:
+    """Bytes per second read from a large float32 array: the faster of a jitted sum and a
+    matrix-vector product (the operation that dominates decoding)."""
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    matrix, vector = x.reshape(-1, 8192), jnp.ones((8192,), jnp.float32)
+    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+    jax.block_until_ready((total(x), matvec(matrix, vector)))
+    return x.nbytes / min(best_time(lambda: total(x), 5), best_time(lambda: matvec(matrix, vector), 5))
+
+
+def random_params(model, *args, dtype):
+    """Random weights of the right shapes, drawn in numpy (no large compile)."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0), *args)["params"]
+    rng = np.random.default_rng(0)
+    draw = lambda s: (rng.standard_normal(s.shape, np.float32) * 0.02).astype(dtype)
+    return jax.tree.map(lambda s: jnp.asarray(draw(s)), shapes)
+
+
+def timed_generate(step_fn, params, make_cache, prompt, lengths, steps, repeats):
+    """(compile seconds, best run seconds) of generate with a fresh cache per run."""
+    args = (step_fn, params, make_cache(), prompt, lengths, jax.random.key(0))
+    scalars = (jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
+    static = dict(max_new_tokens=steps, greedy=True, top_k=0, use_top_p=False, eos_id=None, pad_id=0)
+    start = time.perf_counter()
+    _generate_jit.lower(*args, *scalars, **static).compile()
+    compile_s = time.perf_counter() - start
+    run = lambda: generate(step_fn, params, make_cache(), prompt, lengths, max_new_tokens=steps, eos_id=None)
+    jax.block_until_ready(run())  # fills the jit cache (the lowering above does not)
+    return compile_s, best_time(run, repeats)
+
+
+def bench_lm(config, batches, new_tokens, no_cache_steps, bandwidth, repeats):
+    model = tj.TransformerLM(config)
+    params = random_params(model, jnp.ones((1, 8), jnp.int32), dtype=config.param_dtype)
+    rows = []
+    for batch in batches:
+        prompt = jax.random.randint(jax.random.key(1), (batch, PROMPT), 3, config.vocab_size)
+        lengths = jnp.full((batch,), PROMPT, jnp.int32)
+        for steps in new_tokens:
+            rows.append(lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats))
+            print(json.dumps(rows[-1]), flush=True)
+        if batch in no_cache_steps:
+            rows.append(bench_no_cache(model, params, prompt, lengths, no_cache_steps[batch]))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
+    batch = prompt.shape[0]
+    make_cache = lambda: tj.init_cache(config, batch, PROMPT + steps)
+    prefill = jax.jit(LMStep(model))
+    prefill_s = best_time(lambda: prefill(params, prompt, make_cache(), lengths), repeats + 1)
+    compile_s, total_s = timed_generate(LMStep(model), params, make_cache, prompt, lengths, steps, repeats)
+    decode_s = max(total_s - prefill_s, 1e-9) / (steps - 1)
+    step_bytes = tree_bytes(params) + tree_bytes(make_cache().layers)
+    return dict(
+        model="gpt2_small",
+        batch=batch,
+        new_tokens=steps,
+        compile_s=round(compile_s, 2),
+        prefill_tok_s=round(batch * PROMPT / prefill_s, 1),
+        decode_tok_s=round(batch / decode_s, 1),
+        decode_step_ms=round(1e3 * decode_s, 2),
+        bytes_per_step=step_bytes,
+        roofline_frac=round(step_bytes / bandwidth / decode_s, 3),
+    )
+
+
+def bench_no_cache(model, params, prompt, lengths, steps, total_new=512):
+    """Per-step cost of decoding without a cache in a buffer of PROMPT + total_new tokens."""
+    batch = prompt.shape[0]
+    make_cache = lambda: recompute_cache(batch, PROMPT + total_new)
+    compile_s, total_s = timed_generate(RecomputeLMStep(model), params, make_cache, prompt, lengths, steps, 1)
+    step_s = total_s / steps  # the prefill call costs the same as a step here
+    return dict(
+        model="gpt2_small",
+        batch=batch,
+        new_tokens=total_new,
+        cache=False,
+        steps_measured=steps,
+        compile_s=round(compile_s, 2),
+        decode_tok_s=round(batch / step_s, 2),
+        decode_step_ms=round(1e3 * step_s, 1),
+    )
+
+
+def bench_seq2seq(config, batches, new_tokens, bandwidth, repeats):
+    model = tj.Transformer(config)
+    ones = jnp.ones((1, 8), jnp.int32)
+    params = random_params(model, ones, ones, dtype=config.param_dtype)
+    rows = []
+    for batch in batches:
+        src = jax.random.randint(jax.random.key(2), (batch, PROMPT), 3, config.vocab_size)
+        for steps in new_tokens:
+            rows.append(seq2seq_row(config, model, params, src, steps, bandwidth, repeats))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def seq2seq_row(config, model, params, src, steps, bandwidth, repeats):
+    batch = src.shape[0]
+    start = jnp.full((batch, 1), config.decoder_start_id, jnp.int32)
+    encode = lambda: encode_source(model, params, src, steps)
+    encode_s = best_time(encode, repeats + 1)
+    ones = jnp.ones((batch,), jnp.int32)
+    compile_s, total_s = timed_generate(Seq2SeqStep(model), params, encode, start, ones, steps, repeats)
+    decode_s = max(total_s - encode_s, 1e-9) / steps  # the timed run includes encoding the source
+    cache = encode()
+    decoder_bytes = tree_bytes(params) - tree_bytes(params["encoder"])
+    step_bytes = decoder_bytes + tree_bytes((cache.layers, cache.cross))
+    return dict(
+        model="transformer_base",
+        batch=batch,
+        new_tokens=steps,
+        compile_s=round(compile_s, 2),
+        prefill_tok_s=round(batch * PROMPT / encode_s, 1),
+        decode_tok_s=round(batch / decode_s, 1),
+        decode_step_ms=round(1e3 * decode_s, 2),
+        bytes_per_step=step_bytes,
+        roofline_frac=round(step_bytes / bandwidth / decode_s, 3),
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="128 new tokens only; no-cache at batch 1")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    bandwidth = memory_bandwidth()
+    new_tokens = (128,) if args.quick else (128, 512)
+    no_cache_steps = {1: 4} if args.quick else {1: 6, 8: 2}
+    dtypes = dict(dtype=args.dtype, param_dtype=args.dtype)
+    gpt2 = tj.presets.gpt2_small(dropout_rate=0.0, **dtypes)
+    base = tj.presets.transformer_base(dropout_rate=0.0, **dtypes)
+    lm_rows = bench_lm(gpt2, (1, 8), new_tokens, no_cache_steps, bandwidth, args.repeats)
+    s2s_rows = bench_seq2seq(base, (1, 8), new_tokens, bandwidth, args.repeats)
+    # Measured again at the end; the higher figure keeps roofline fractions conservative under load.
+    later = memory_bandwidth()
+    if later > bandwidth:
+        for row in lm_rows + s2s_rows:
+            if "roofline_frac" in row:
+                row["roofline_frac"] = round(row["roofline_frac"] * bandwidth / later, 3)
+        bandwidth = later
+    speedup = {}
+    for row in lm_rows:
+        if row.get("cache") is False:
+            cached = [r for r in lm_rows if r["batch"] == row["batch"] and "cache" not in r]
+            best = max(cached, key=lambda r: r["new_tokens"])  # 512 in the full run
+            speedup[f"batch{row['batch']}"] = dict(
+                cached_tok_s=best["decode_tok_s"],
+                cached_new_tokens=best["new_tokens"],
+                no_cache_tok_s=row["decode_tok_s"],
+                speedup=round(best["decode_tok_s"] / row["decode_tok_s"], 1),
+            )
+    result = dict(
+        benchmark="decode",
+        device=str(jax.devices()[0].device_kind),
+        platform=jax.default_backend(),
+        host=platform.machine(),
+        jax=jax.__version__,
+        dtype=args.dtype,
+        prompt_tokens=PROMPT,
+        memory_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+        results=lm_rows + s2s_rows,
+        speedup_at_512=speedup,
+    )
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
