@@ -1,0 +1,146 @@
+"""Reading a local Hugging Face model directory: config.json and the weight files.
+
+Weights come from ``model.safetensors`` (or a sharded ``model.safetensors.index.json``), read here
+with numpy alone: the format is an 8-byte little-endian header size, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the raw bytes. ``pytorch_model.bin`` is read only
+through ``torch.load(weights_only=True)``, which refuses any pickle that would run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+
+CONFIG_FILENAME = "config.json"
+GENERATION_CONFIG_FILENAME = "generation_config.json"
+SAFETENSORS_FILENAME = "model.safetensors"
+SAFETENSORS_INDEX_FILENAME = "model.safetensors.index.json"
+TORCH_FILENAME = "pytorch_model.bin"
+TORCH_INDEX_FILENAME = "pytorch_model.bin.index.json"
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be loaded: missing files, unsupported options, missing or mis-shaped
+    tensors. The message names the file, option or tensor."""
+
+
+def require(module: str, package: str | None = None):
+    """Imports an optional dependency, or fails with the command that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConversionError(
+            f"this needs the optional package {package or module!r}: pip install {package or module}"
+        ) from e
+
+
+def read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_config(directory: str) -> dict:
+    """config.json of a checkpoint directory, with a clear error when it is not one."""
+    if not os.path.isdir(directory):
+        raise ConversionError(f"{directory!r} is not a directory (expected a local Hugging Face "
+                              "checkpoint: config.json + model.safetensors)")
+    path = os.path.join(directory, CONFIG_FILENAME)
+    if not os.path.exists(path):
+        raise ConversionError(f"no {CONFIG_FILENAME} in {directory!r}: not a Hugging Face checkpoint")
+    return read_json(path)
+
+
+def read_generation_config(directory: str) -> dict:
+    path = os.path.join(directory, GENERATION_CONFIG_FILENAME)
+    return read_json(path) if os.path.exists(path) else {}
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _numpy_dtype(name: str, path: str):
+    if name == "BF16":
+        import ml_dtypes  # a dependency of jax
+
+        return ml_dtypes.bfloat16
+    if name not in _SAFETENSORS_DTYPES:
+        raise ConversionError(f"{path}: unsupported safetensors dtype {name}")
+    return _SAFETENSORS_DTYPES[name]
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """{name: array} of one .safetensors file, memory-mapped (read-only, no copy until used)."""
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_size))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_numpy_dtype(info["dtype"], path))
+        tensors[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return tensors
+
+
+def read_torch_bin(path: str) -> dict[str, np.ndarray]:
+    """{name: array} of a PyTorch pickle, loaded with ``weights_only=True`` (never arbitrary code)."""
+    torch = require("torch")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises pickle.UnpicklingError (or RuntimeError) for unsafe pickles
+        raise ConversionError(
+            f"{path}: refused to load: torch.load(weights_only=True) failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Only plain tensor state dicts are "
+            "accepted; convert the file to safetensors if you trust it."
+        ) from e
+    if not isinstance(state, Mapping):
+        raise ConversionError(f"{path}: expected a state dict of tensors, got {type(state).__name__}")
+    out = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConversionError(f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor")
+        value = value.detach()
+        if value.dtype == torch.bfloat16:
+            value = value.float()
+        out[name] = value.numpy()
+    return out
+
+
+def _sharded(directory: str, index_name: str, reader) -> dict[str, np.ndarray]:
+    index = read_json(os.path.join(directory, index_name))
+    tensors = {}
+    for filename in sorted(set(index["weight_map"].values())):
+        tensors.update(reader(os.path.join(directory, filename)))
+    return tensors
+
+
+def read_weights(directory: str) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory; safetensors preferred over PyTorch pickles."""
+    def exists(name):
+        return os.path.exists(os.path.join(directory, name))
+
+    if exists(SAFETENSORS_FILENAME):
+        return read_safetensors(os.path.join(directory, SAFETENSORS_FILENAME))
+    if exists(SAFETENSORS_INDEX_FILENAME):
+        return _sharded(directory, SAFETENSORS_INDEX_FILENAME, read_safetensors)
+    if exists(TORCH_FILENAME):
+        return read_torch_bin(os.path.join(directory, TORCH_FILENAME))
+    if exists(TORCH_INDEX_FILENAME):
+        return _sharded(directory, TORCH_INDEX_FILENAME, read_torch_bin)
+    raise ConversionError(
+        f"no weights in {directory!r}: expected {SAFETENSORS_FILENAME}, {SAFETENSORS_INDEX_FILENAME}, "
+        f"{TORCH_FILENAME} or {TORCH_INDEX_FILENAME}"
+    )

@@ -1,0 +1,151 @@
+"""Tokenizers stored beside a Hugging Face checkpoint, without the transformers library.
+
+* GPT-2: byte-level BPE, from tokenizer.json or vocab.json + merges.txt (the ``tokenizers`` package).
+* Marian: SentencePiece models source.spm / target.spm whose pieces are mapped to model ids by
+  vocab.json (the ``sentencepiece`` package). The source side is encoded with source.spm, model
+  output decoded with target.spm, as ``MarianTokenizer`` does. (``MarianTokenizer`` also applies
+  Moses punctuation normalisation when sacremoses is installed; we do not.)
+
+Both give ``encode(text) -> ids`` without special tokens and ``decode(ids) -> text`` without them;
+the caller appends EOS to Marian sources (see `HFTokenizer.encode_source`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from transformer_jax.convert.hf_files import ConversionError, read_config, read_json, require
+
+
+class HFTokenizer:
+    """Common surface of the checkpoint tokenizers (the same methods as `data.Tokenizer`)."""
+
+    eos_id: int | None = None
+    special_ids: frozenset = frozenset()
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def encode_source(self, text: str) -> list[int]:
+        """Encoder input: the text's ids followed by EOS."""
+        return self.encode(text) + ([] if self.eos_id is None else [self.eos_id])
+
+    def encode_batch(self, texts) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode_batch(self, batch) -> list[str]:
+        return [self.decode(ids) for ids in batch]
+
+
+class ByteLevelBPETokenizer(HFTokenizer):
+    """GPT-2's byte-level BPE: any text round-trips (decode(encode(t)) == t)."""
+
+    def __init__(self, tokenizer, eos_id: int | None):
+        self._tok = tokenizer
+        self.eos_id = eos_id
+        self.special_ids = frozenset({eos_id} - {None})
+
+    @classmethod
+    def from_directory(cls, directory: str, eos_id: int | None = None) -> ByteLevelBPETokenizer:
+        tokenizers = require("tokenizers")
+        path = os.path.join(directory, "tokenizer.json")
+        if os.path.exists(path):
+            return cls(tokenizers.Tokenizer.from_file(path), eos_id)
+        vocab, merges = (os.path.join(directory, n) for n in ("vocab.json", "merges.txt"))
+        if not (os.path.exists(vocab) and os.path.exists(merges)):
+            raise ConversionError(f"no tokenizer in {directory!r}: expected tokenizer.json or "
+                                  "vocab.json + merges.txt")
+        from tokenizers import decoders, models, pre_tokenizers
+
+        tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return cls(tok, eos_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids if int(i) not in self.special_ids]
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class MarianSentencePieceTokenizer(HFTokenizer):
+    """source.spm / target.spm pieces <-> ids of vocab.json (pieces missing from it are <unk>).
+
+    A leading language code such as ``>>fr<<`` (multilingual opus-mt models) is one token.
+    """
+
+    def __init__(self, source_spm: str, target_spm: str, vocab: dict[str, int], *, eos="</s>",
+                 unk="<unk>", pad="<pad>"):
+        spm = require("sentencepiece")
+        self._source = spm.SentencePieceProcessor(model_file=source_spm)
+        self._target = spm.SentencePieceProcessor(model_file=target_spm)
+        if unk not in vocab:
+            raise ConversionError(f"vocab.json has no {unk!r} entry")
+        self._vocab = dict(vocab)
+        self._pieces = {i: p for p, i in vocab.items()}
+        self.unk_id = vocab[unk]
+        self.eos_id = vocab.get(eos)
+        self.pad_id = vocab.get(pad)
+        self.special_ids = frozenset({self.eos_id, self.pad_id, self.unk_id} - {None})
+
+    @classmethod
+    def from_directory(cls, directory: str) -> MarianSentencePieceTokenizer:
+        paths = {n: os.path.join(directory, n) for n in ("source.spm", "target.spm", "vocab.json")}
+        missing = [n for n, p in paths.items() if not os.path.exists(p)]
+        if missing:
+            raise ConversionError(f"Marian tokenizer files missing from {directory!r}: {missing}")
+        options = {}
+        if os.path.exists(os.path.join(directory, "tokenizer_config.json")):
+            options = read_json(os.path.join(directory, "tokenizer_config.json"))
+        if options.get("separate_vocabs"):
+            raise ConversionError("Marian tokenizers with separate source/target vocabularies are not "
+                                  "supported")
+        names = {k: options[f"{k}_token"] for k in ("eos", "unk", "pad")
+                 if isinstance(options.get(f"{k}_token"), str)}
+        return cls(paths["source.spm"], paths["target.spm"], read_json(paths["vocab.json"]), **names)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    def encode(self, text: str) -> list[int]:
+        code = []
+        if text.startswith(">>") and (end := text.find("<<")) != -1:
+            code, text = [text[: end + 2]], text[end + 2:]
+        pieces = code + self._source.encode(text, out_type=str)
+        return [self._vocab.get(p, self.unk_id) for p in pieces]
+
+    def decode(self, ids) -> str:
+        pieces = [self._pieces[int(i)] for i in ids if int(i) not in self.special_ids and int(i) in self._pieces]
+        return self._target.decode_pieces(pieces).replace("\u2581", " ").strip()
+
+
+def load_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
+    """The tokenizer stored with a GPT-2 or Marian checkpoint (dispatch on config.json's
+    model_type; a directory without config.json is tried as GPT-2-style BPE files)."""
+    directory = os.fspath(path)
+    model_type = "gpt2"
+    eos_id = None
+    if os.path.exists(os.path.join(directory, "config.json")):
+        config = read_config(directory)
+        model_type = config.get("model_type")
+        eos_id = config.get("eos_token_id")
+    if model_type == "gpt2":
+        return ByteLevelBPETokenizer.from_directory(directory, eos_id)
+    if model_type == "marian":
+        return MarianSentencePieceTokenizer.from_directory(directory)
+    raise ConversionError(f"{directory}: no tokenizer for model_type {model_type!r}; supported: "
+                          "['gpt2', 'marian']")
