@@ -8,12 +8,24 @@ GPT-2's ``Conv1D`` layers store weights as [in, out] (the transpose of ``nn.Line
 from __future__ import annotations
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.convert.mapping import ParamBuilder, check_options, heads_bias, heads_in, heads_out, strip_prefix
+from transformer_jax.convert.mapping import (
+    ParamBuilder,
+    check_options,
+    heads_bias,
+    heads_in,
+    heads_out,
+    strip_prefix,
+)
 
 # Hugging Face activation names -> ours ("gelu_new" is GPT-2's tanh approximation).
 ACTIVATIONS = {
-    "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-    "gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
 }
 
 
@@ -21,8 +33,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
     """ModelConfig for a GPT-2 config.json; every option we cannot express is listed in one error."""
     problems = []
     if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
-        problems.append(f"activation_function={hf['activation_function']!r} (supported: "
-                        f"{sorted(ACTIVATIONS)})")
+        problems.append(
+            f"activation_function={hf['activation_function']!r} (supported: {sorted(ACTIVATIONS)})"
+        )
     if not hf.get("scale_attn_weights", True):
         problems.append("scale_attn_weights=False (attention without the 1/sqrt(d_k) scale)")
     if hf.get("scale_attn_by_inverse_layer_idx", False):
@@ -36,15 +49,28 @@ def config_from_hf(hf: dict) -> ModelConfig:
     eos = hf.get("eos_token_id", 50256)
     bos = hf.get("bos_token_id", eos)
     return ModelConfig(
-        vocab_size=hf.get("vocab_size", 50257), d_model=d_model, num_heads=heads,
-        d_ff=hf.get("n_inner") or 4 * d_model, num_encoder_layers=0,
-        num_decoder_layers=hf.get("n_layer", 12), max_len=hf.get("n_positions", 1024),
+        vocab_size=hf.get("vocab_size", 50257),
+        d_model=d_model,
+        num_heads=heads,
+        d_ff=hf.get("n_inner") or 4 * d_model,
+        num_encoder_layers=0,
+        num_decoder_layers=hf.get("n_layer", 12),
+        max_len=hf.get("n_positions", 1024),
         dropout_rate=float(hf.get("resid_pdrop", 0.1)),
         attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)),
-        norm="pre", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), final_norm=True,
-        activation=ACTIVATIONS[hf.get("activation_function", "gelu_new")], position="learned",
-        scale_embeddings=False, tie_output=hf.get("tie_word_embeddings", True), logits_bias=False,
-        use_bias=True, pad_id=hf.get("pad_token_id"), eos_id=eos, bos_id=bos, decoder_start_id=bos,
+        norm="pre",
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        final_norm=True,
+        activation=ACTIVATIONS[hf.get("activation_function", "gelu_new")],
+        position="learned",
+        scale_embeddings=False,
+        tie_output=hf.get("tie_word_embeddings", True),
+        logits_bias=False,
+        use_bias=True,
+        pad_id=hf.get("pad_token_id"),
+        eos_id=eos,
+        bos_id=bos,
+        decoder_start_id=bos,
     )
 
 
@@ -68,15 +94,26 @@ def _layer(b: ParamBuilder, cfg: ModelConfig, i: int) -> None:
         part = slice(j * d, (j + 1) * d)
         b.put(f"{dst}/self_attention/{name}/kernel", heads_in(qkv[:, part], h), f"{src}.attn.c_attn.weight")
         b.put(f"{dst}/self_attention/{name}/bias", heads_bias(qkv_bias[part], h), f"{src}.attn.c_attn.bias")
-    b.put(f"{dst}/self_attention/out/kernel", heads_out(b.take(f"{src}.attn.c_proj.weight", (d, d)), h),
-          f"{src}.attn.c_proj.weight")
-    b.put(f"{dst}/self_attention/out/bias", b.take(f"{src}.attn.c_proj.bias", (d,)), f"{src}.attn.c_proj.bias")
+    b.put(
+        f"{dst}/self_attention/out/kernel",
+        heads_out(b.take(f"{src}.attn.c_proj.weight", (d, d)), h),
+        f"{src}.attn.c_proj.weight",
+    )
+    b.put(
+        f"{dst}/self_attention/out/bias", b.take(f"{src}.attn.c_proj.bias", (d,)), f"{src}.attn.c_proj.bias"
+    )
     _norm(b, f"{src}.ln_2", f"{dst}/feed_forward_norm", d)
     for name, ours, shape in (("c_fc", "wi", (d, f)), ("c_proj", "wo", (f, d))):
-        b.put(f"{dst}/feed_forward/{ours}/kernel", b.take(f"{src}.mlp.{name}.weight", shape),
-              f"{src}.mlp.{name}.weight")
-        b.put(f"{dst}/feed_forward/{ours}/bias", b.take(f"{src}.mlp.{name}.bias", shape[1:]),
-              f"{src}.mlp.{name}.bias")
+        b.put(
+            f"{dst}/feed_forward/{ours}/kernel",
+            b.take(f"{src}.mlp.{name}.weight", shape),
+            f"{src}.mlp.{name}.weight",
+        )
+        b.put(
+            f"{dst}/feed_forward/{ours}/bias",
+            b.take(f"{src}.mlp.{name}.bias", shape[1:]),
+            f"{src}.mlp.{name}.bias",
+        )
 
 
 def params_from_hf(tensors: dict, cfg: ModelConfig) -> dict:

@@ -48,8 +48,10 @@ def read_json(path: str) -> dict:
 def read_config(directory: str) -> dict:
     """config.json of a checkpoint directory, with a clear error when it is not one."""
     if not os.path.isdir(directory):
-        raise ConversionError(f"{directory!r} is not a directory (expected a local Hugging Face "
-                              "checkpoint: config.json + model.safetensors)")
+        raise ConversionError(
+            f"{directory!r} is not a directory (expected a local Hugging Face "
+            "checkpoint: config.json + model.safetensors)"
+        )
     path = os.path.join(directory, CONFIG_FILENAME)
     if not os.path.exists(path):
         raise ConversionError(f"no {CONFIG_FILENAME} in {directory!r}: not a Hugging Face checkpoint")
@@ -64,8 +66,15 @@ def read_generation_config(directory: str) -> dict:
 # ----------------------------------------------------------------------------- safetensors
 
 _SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 
@@ -129,6 +138,7 @@ def _sharded(directory: str, index_name: str, reader) -> dict[str, np.ndarray]:
 
 def read_weights(directory: str) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint directory; safetensors preferred over PyTorch pickles."""
+
     def exists(name):
         return os.path.exists(os.path.join(directory, name))
 

@@ -15,8 +15,9 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_CONVERTERS))
 def _converter(hf_config: dict, directory: str):
     model_type = hf_config.get("model_type")
     if model_type not in _CONVERTERS:
-        raise ConversionError(f"{directory}: unsupported model_type {model_type!r}; supported: "
-                              f"{list(SUPPORTED_MODEL_TYPES)}")
+        raise ConversionError(
+            f"{directory}: unsupported model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
+        )
     return _CONVERTERS[model_type]
 
 

@@ -20,7 +20,7 @@ from transformer_jax.convert.hf_files import ConversionError
 def strip_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """Drops ``prefix`` from the names that have it (``transformer.h.0...`` -> ``h.0...``), so a
     checkpoint of the bare model and one of the model with its head read the same."""
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tensors.items()}
+    return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
 
 
 def _flatten(tree, prefix=()):
@@ -39,8 +39,12 @@ class ParamBuilder:
     """Collects our parameters one at a time: ``take`` reads a checkpoint tensor (checking its
     shape), ``put`` stores one of ours (checking it against the shape our model expects)."""
 
-    def __init__(self, tensors: Mapping[str, np.ndarray], config: ModelConfig,
-                 ignore: Callable[[str], bool] = lambda name: False):
+    def __init__(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        config: ModelConfig,
+        ignore: Callable[[str], bool] = lambda name: False,
+    ):
         from transformer_jax.params import param_shapes
 
         self._tensors = tensors
@@ -57,8 +61,7 @@ class ParamBuilder:
         """The checkpoint tensor ``name`` as float32, which must have ``shape``."""
         shape = tuple(shape)
         if name not in self._tensors:
-            raise ConversionError(f"tensor {name!r} (expected shape {shape}) is missing from the "
-                                  "checkpoint")
+            raise ConversionError(f"tensor {name!r} (expected shape {shape}) is missing from the checkpoint")
         value = self._tensors[name]
         if _shape(value) != shape:
             raise ConversionError(f"tensor {name!r} has shape {_shape(value)}, expected {shape}")
@@ -70,8 +73,10 @@ class ParamBuilder:
         if path not in self._expected:
             raise ConversionError(f"internal: {source!r} maps to {path!r}, which the model does not have")
         if _shape(value) != self._expected[path]:
-            raise ConversionError(f"tensor {source!r} becomes {path!r} with shape {_shape(value)}, "
-                                  f"but the model expects {self._expected[path]}")
+            raise ConversionError(
+                f"tensor {source!r} becomes {path!r} with shape {_shape(value)}, "
+                f"but the model expects {self._expected[path]}"
+            )
         self._values[path] = value
 
     def build(self) -> dict:

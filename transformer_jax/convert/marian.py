@@ -11,11 +11,22 @@ Post-LN with LayerNorm eps 1e-5, no final norm, ``nn.Linear`` weights stored [ou
 from __future__ import annotations
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.convert.mapping import ParamBuilder, check_options, heads_bias, heads_in, heads_out, strip_prefix
+from transformer_jax.convert.mapping import (
+    ParamBuilder,
+    check_options,
+    heads_bias,
+    heads_in,
+    heads_out,
+    strip_prefix,
+)
 
 # Hugging Face activation names -> ours (HF's "gelu" is the exact erf GELU).
 ACTIVATIONS = {
-    "swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+    "swish": "silu",
+    "silu": "silu",
+    "relu": "relu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
 }
 _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which MarianEncoderLayer/DecoderLayer use
@@ -32,8 +43,10 @@ def _unsupported(hf: dict) -> list[str]:
             problems.append(f"{enc}={hf.get(enc)} != {dec}={hf.get(dec)} (one size for both stacks)")
     decoder_vocab = hf.get("decoder_vocab_size") or hf.get("vocab_size")
     if decoder_vocab != hf.get("vocab_size"):
-        problems.append(f"decoder_vocab_size={decoder_vocab} != vocab_size={hf.get('vocab_size')} "
-                        "(separate target vocabulary)")
+        problems.append(
+            f"decoder_vocab_size={decoder_vocab} != vocab_size={hf.get('vocab_size')} "
+            "(separate target vocabulary)"
+        )
     for name in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
         if hf.get(name, 0.0):
             problems.append(f"{name}={hf[name]} (only 0 is supported)")
@@ -49,26 +62,40 @@ def config_from_hf(hf: dict) -> ModelConfig:
     check_options("marian", _unsupported(hf))
     start = hf.get("decoder_start_token_id", hf["pad_token_id"])
     return ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=hf.get("d_model", 1024),
-        num_heads=hf.get("encoder_attention_heads", 16), d_ff=hf.get("encoder_ffn_dim", 4096),
-        num_encoder_layers=hf.get("encoder_layers", 12), num_decoder_layers=hf.get("decoder_layers", 12),
+        vocab_size=hf["vocab_size"],
+        d_model=hf.get("d_model", 1024),
+        num_heads=hf.get("encoder_attention_heads", 16),
+        d_ff=hf.get("encoder_ffn_dim", 4096),
+        num_encoder_layers=hf.get("encoder_layers", 12),
+        num_decoder_layers=hf.get("decoder_layers", 12),
         dropout_rate=float(hf.get("dropout", 0.1)),
         attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
-        max_len=hf.get("max_position_embeddings", 1024), norm="post", norm_eps=_LAYER_NORM_EPS,
-        final_norm=False, activation=ACTIVATIONS[hf.get("activation_function", "gelu")],
-        position="sinusoidal", sinusoidal_layout="concat",
+        max_len=hf.get("max_position_embeddings", 1024),
+        norm="post",
+        norm_eps=_LAYER_NORM_EPS,
+        final_norm=False,
+        activation=ACTIVATIONS[hf.get("activation_function", "gelu")],
+        position="sinusoidal",
+        sinusoidal_layout="concat",
         share_embeddings=hf.get("share_encoder_decoder_embeddings", True),
-        tie_output=hf.get("tie_word_embeddings", True), logits_bias=True,
-        scale_embeddings=hf.get("scale_embedding", False), use_bias=True,
-        pad_id=hf["pad_token_id"], eos_id=hf.get("eos_token_id", 0), bos_id=start,
+        tie_output=hf.get("tie_word_embeddings", True),
+        logits_bias=True,
+        scale_embeddings=hf.get("scale_embedding", False),
+        use_bias=True,
+        pad_id=hf["pad_token_id"],
+        eos_id=hf.get("eos_token_id", 0),
+        bos_id=start,
         decoder_start_id=start,
     )
 
 
 def _is_buffer(name: str) -> bool:
     # Fixed sinusoid tables (recomputed by us), and tied copies of the shared embedding.
-    return name.endswith("embed_positions.weight") or name.endswith("embed_tokens.weight") or (
-        name == "lm_head.weight")
+    return (
+        name.endswith("embed_positions.weight")
+        or name.endswith("embed_tokens.weight")
+        or (name == "lm_head.weight")
+    )
 
 
 def _norm(b: ParamBuilder, source: str, target: str, d: int) -> None:

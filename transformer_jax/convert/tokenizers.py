@@ -60,8 +60,9 @@ class ByteLevelBPETokenizer(HFTokenizer):
             return cls(tokenizers.Tokenizer.from_file(path), eos_id)
         vocab, merges = (os.path.join(directory, n) for n in ("vocab.json", "merges.txt"))
         if not (os.path.exists(vocab) and os.path.exists(merges)):
-            raise ConversionError(f"no tokenizer in {directory!r}: expected tokenizer.json or "
-                                  "vocab.json + merges.txt")
+            raise ConversionError(
+                f"no tokenizer in {directory!r}: expected tokenizer.json or vocab.json + merges.txt"
+            )
         from tokenizers import decoders, models, pre_tokenizers
 
         tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
@@ -87,8 +88,9 @@ class MarianSentencePieceTokenizer(HFTokenizer):
     A leading language code such as ``>>fr<<`` (multilingual opus-mt models) is one token.
     """
 
-    def __init__(self, source_spm: str, target_spm: str, vocab: dict[str, int], *, eos="</s>",
-                 unk="<unk>", pad="<pad>"):
+    def __init__(
+        self, source_spm: str, target_spm: str, vocab: dict[str, int], *, eos="</s>", unk="<unk>", pad="<pad>"
+    ):
         spm = require("sentencepiece")
         self._source = spm.SentencePieceProcessor(model_file=source_spm)
         self._target = spm.SentencePieceProcessor(model_file=target_spm)
@@ -111,10 +113,14 @@ class MarianSentencePieceTokenizer(HFTokenizer):
         if os.path.exists(os.path.join(directory, "tokenizer_config.json")):
             options = read_json(os.path.join(directory, "tokenizer_config.json"))
         if options.get("separate_vocabs"):
-            raise ConversionError("Marian tokenizers with separate source/target vocabularies are not "
-                                  "supported")
-        names = {k: options[f"{k}_token"] for k in ("eos", "unk", "pad")
-                 if isinstance(options.get(f"{k}_token"), str)}
+            raise ConversionError(
+                "Marian tokenizers with separate source/target vocabularies are not supported"
+            )
+        names = {
+            k: options[f"{k}_token"]
+            for k in ("eos", "unk", "pad")
+            if isinstance(options.get(f"{k}_token"), str)
+        }
         return cls(paths["source.spm"], paths["target.spm"], read_json(paths["vocab.json"]), **names)
 
     @property
@@ -124,12 +130,14 @@ class MarianSentencePieceTokenizer(HFTokenizer):
     def encode(self, text: str) -> list[int]:
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:
-            code, text = [text[: end + 2]], text[end + 2:]
+            code, text = [text[: end + 2]], text[end + 2 :]
         pieces = code + self._source.encode(text, out_type=str)
         return [self._vocab.get(p, self.unk_id) for p in pieces]
 
     def decode(self, ids) -> str:
-        pieces = [self._pieces[int(i)] for i in ids if int(i) not in self.special_ids and int(i) in self._pieces]
+        pieces = [
+            self._pieces[int(i)] for i in ids if int(i) not in self.special_ids and int(i) in self._pieces
+        ]
         return self._target.decode_pieces(pieces).replace("\u2581", " ").strip()
 
 
@@ -147,5 +155,6 @@ def load_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
         return ByteLevelBPETokenizer.from_directory(directory, eos_id)
     if model_type == "marian":
         return MarianSentencePieceTokenizer.from_directory(directory)
-    raise ConversionError(f"{directory}: no tokenizer for model_type {model_type!r}; supported: "
-                          "['gpt2', 'marian']")
+    raise ConversionError(
+        f"{directory}: no tokenizer for model_type {model_type!r}; supported: ['gpt2', 'marian']"
+    )
