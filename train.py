@@ -1,0 +1,63 @@
+"""Trains a Transformer from a config file.
+
+    python train.py                                   # configs/default.py into runs/default
+    python train.py --config=configs/NAME.py --workdir=DIR --config.num_train_steps=2000
+
+Multi-host: run the same command on every host. Cloud TPU, SLURM and Open MPI are detected;
+elsewhere pass --coordinator_address, --num_processes and --process_id (or set the JAX_*
+environment variables). Restarting with the same workdir resumes from the latest checkpoint.
+"""
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+config_flags.DEFINE_config_file("config", os.path.join(_HERE, "configs", "default.py"),
+                                "Training config file (a get_config() Python file).",
+                                lock_config=False)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_PROFILE_START = flags.DEFINE_integer("profile_start_step", None,
+                                      "Capture a profiler trace from this step (WORKDIR/profile).")
+_PROFILE_STEPS = flags.DEFINE_integer("profile_num_steps", None, "Steps to trace.")
+
+
+def _default_workdir() -> str:
+    for arg in sys.argv[1:]:
+        if arg.startswith("--config=") or arg.startswith("--config "):
+            name = os.path.splitext(os.path.basename(arg.split("=", 1)[1].split(":")[0]))[0]
+            return os.path.join("runs", name)
+    return os.path.join("runs", "default")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from absl import logging
+
+    from transformer_jax import parallel
+
+    if not flags.FLAGS["verbosity"].present:  # library INFO logs (orbax writes many) only on request
+        logging.set_verbosity(logging.WARNING)
+    from transformer_jax.training import train_and_evaluate
+
+    parallel.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    config = flags.FLAGS.config
+    if _PROFILE_START.value is not None:
+        config.profile_start_step = _PROFILE_START.value
+    if _PROFILE_STEPS.value is not None:
+        config.profile_num_steps = _PROFILE_STEPS.value
+    workdir = _WORKDIR.value or _default_workdir()
+    final = train_and_evaluate(config, workdir)
+    if parallel.is_primary():
+        print("final: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in sorted(final.items())), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,24 @@
+"""Checkpoint averaging from the command line (section 6.1 of the paper).
+
+    python -m transformer_jax.training.average --workdir=runs/wmt14_ende_base --last=5
+
+writes ``runs/wmt14_ende_base/average_last5``, a workdir that ``transformer_jax.generate`` and
+``restore_for_inference`` load like any other.
+"""
+
+from absl import app, flags
+
+from transformer_jax.training.checkpoint import average_checkpoints
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir with checkpoints.", required=True)
+_LAST = flags.DEFINE_integer("last", 5, "How many of the newest checkpoints to average.")
+_OUTPUT = flags.DEFINE_string("output", None, "Output workdir (default WORKDIR/average_lastK).")
+
+
+def main(argv):
+    del argv
+    print(average_checkpoints(_WORKDIR.value, _LAST.value, _OUTPUT.value))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,267 @@
+"""Checkpoints: orbax ``CheckpointManager`` over ``DIR/checkpoints``, exact resume, inference loading.
+
+Each checkpoint step holds three items, written collectively by every process:
+
+* ``params``  the model parameters (sharded arrays; restored onto any mesh);
+* ``train``   ``{'step', 'opt_state', 'rng'}``: the rest of the ``TrainState``;
+* ``data``    the grain iterator state (one JSON per process), so the data order resumes exactly.
+
+``DIR/config.json`` (the resolved config) and ``DIR/tokenizer.model`` sit beside them, so a workdir
+is all that ``restore_for_inference`` (and ``python -m transformer_jax.generate``) needs.
+Saves are asynchronous: training continues while the previous checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from absl import logging
+
+from transformer_jax import parallel
+from transformer_jax.config import ModelConfig
+from transformer_jax.data import Tokenizer, checkpoint_args
+from transformer_jax.params import build_model, dummy_inputs
+from transformer_jax.training.state import TrainState
+
+CONFIG_FILENAME = "config.json"
+CHECKPOINT_DIRNAME = "checkpoints"
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIRNAME)
+
+
+# ------------------------------------------------------------------------------------ config files
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Writes ``DIR/config.json`` (process 0 only)."""
+    if not parallel.is_primary():
+        return
+    os.makedirs(workdir, exist_ok=True)
+    tmp = os.path.join(workdir, CONFIG_FILENAME + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(tmp, os.path.join(workdir, CONFIG_FILENAME))
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+    path = os.path.join(workdir, CONFIG_FILENAME)
+    if not os.path.exists(path):
+        raise ValueError(f"Workdir {workdir!r} has no {CONFIG_FILENAME}; is it a training workdir?")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+# ------------------------------------------------------------------------------------ the manager
+
+
+class Checkpointer:
+    """Saves and restores ``TrainState`` + data iterator under ``DIR/checkpoints``.
+
+    ``keep_best_metric`` (e.g. ``'eval_loss'``) keeps the ``max_to_keep`` best checkpoints by that
+    eval metric (``keep_best_mode`` 'min' or 'max') instead of the most recent ones.
+    """
+
+    def __init__(self, workdir: str, max_to_keep: int | None = 3, keep_best_metric: str = "",
+                 keep_best_mode: str = "min", async_save: bool = True, read_only: bool = False):
+        if keep_best_mode not in ("min", "max"):
+            raise ValueError(f"config.keep_best_mode must be 'min' or 'max', got {keep_best_mode!r}")
+        self.keep_best_metric = keep_best_metric
+        best_fn = (lambda m: float(m[keep_best_metric])) if keep_best_metric else None
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, best_fn=best_fn, best_mode=keep_best_mode,
+            enable_async_checkpointing=async_save, create=not read_only, read_only=read_only)
+        self.directory = checkpoint_dir(workdir)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, state: TrainState, data_iter=None, metrics: dict | None = None,
+             force: bool = False) -> bool:
+        step = int(jax.device_get(state.step))
+        if step in self.manager.all_steps():
+            return False
+        items = {"params": ocp.args.StandardSave(state.params),
+                 "train": ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state,
+                                                 "rng": state.rng})}
+        if data_iter is not None:
+            items["data"] = checkpoint_args(data_iter)
+        if self.keep_best_metric and (not metrics or self.keep_best_metric not in metrics):
+            metrics = None  # kept as a checkpoint without metrics
+        saved = self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics,
+                                  force=force)
+        if saved:
+            logging.info("Saving checkpoint %d to %s", step, self.directory)
+        return saved
+
+    def restore(self, abstract_state: TrainState, data_iter=None, step: int | None = None):
+        """-> TrainState restored onto ``abstract_state``'s shardings (any mesh); ``data_iter``'s
+        position is restored in place."""
+        step = self.latest_step() if step is None else step
+        train = {"step": abstract_state.step, "opt_state": abstract_state.opt_state,
+                 "rng": abstract_state.rng}
+        items = {"params": ocp.args.StandardRestore(abstract_state.params),
+                 "train": ocp.args.StandardRestore(train)}
+        if data_iter is not None:
+            items["data"] = checkpoint_args(data_iter, restore=True)
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        return TrainState(step=out["train"]["step"], params=out["params"],
+                          opt_state=out["train"]["opt_state"], rng=out["train"]["rng"])
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+# ------------------------------------------------------------------------------------ preemption
+
+
+class PreemptionFlag:
+    """Set by SIGTERM (what schedulers and Cloud TPU maintenance send before killing a job).
+
+    The loop polls :meth:`reached`, saves a checkpoint and returns; with several processes JAX's
+    preemption sync point makes them all stop at the same step.
+    """
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        logging.warning("SIGTERM received: saving a checkpoint and stopping.")
+        self._event.set()
+
+    def reached(self, manager: Checkpointer, step: int) -> bool:
+        if jax.process_count() > 1:
+            try:
+                if manager.manager.reached_preemption(step):
+                    return True
+            except Exception:  # no preemption service configured
+                pass
+        return self._event.is_set()
+
+    def restore_handler(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+# ------------------------------------------------------------------------------------ inference
+
+
+@dataclasses.dataclass
+class InferenceBundle:
+    model_config: ModelConfig
+    params: Any  # plain (unboxed) pytree
+    tokenizer: Tokenizer
+    config: ml_collections.ConfigDict
+    step: int
+
+
+def abstract_params(model_config: ModelConfig, mesh):
+    """Parameter ShapeDtypeStructs carrying their shardings on ``mesh``."""
+    model = build_model(model_config)
+    with parallel.sharding_context(mesh):
+        boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                                  *dummy_inputs(model_config))["params"])
+    shardings = parallel.logical_to_sharding(boxed, mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        nn.unbox(boxed), shardings)
+
+
+def _restore_params(directory: str, step: int | None, abstract):
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            return None, None
+        out = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+        return out["params"], step
+    finally:
+        manager.close()
+
+
+def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> InferenceBundle:
+    """Loads the model config, params (latest or ``step``), tokenizer and config of a workdir.
+
+    ``mesh`` defaults to all devices with params replicated (``data=-1``); pass an FSDP / tensor
+    mesh to shard a large model.
+    """
+    config = load_config(workdir)
+    model_config = ModelConfig.from_dict(dict(config.model))
+    mesh = parallel.create_mesh(data=-1) if mesh is None else mesh
+    directory = checkpoint_dir(workdir)
+    params, step = (None, None)
+    if os.path.isdir(directory):
+        params, step = _restore_params(directory, step, abstract_params(model_config, mesh))
+    if params is None:
+        raise ValueError(f"Workdir {workdir!r} has no checkpoint in {directory}.")
+    tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))
+    return InferenceBundle(model_config, params, tokenizer, config, int(step))
+
+
+# ------------------------------------------------------------------------------------ averaging
+
+
+def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None) -> str:
+    """Averages the params of the last ``last_k`` checkpoints (section 6.1: 5 for base, 20 for big).
+
+    Writes a new workdir (default ``DIR/average_last{K}``) with the config, tokenizer and one
+    params-only checkpoint at the newest step, loadable by ``restore_for_inference`` and
+    ``transformer_jax.generate``. Returns its path.
+    """
+    import shutil
+
+    import jax.numpy as jnp
+
+    config = load_config(workdir)
+    model_config = ModelConfig.from_dict(dict(config.model))
+    mesh = parallel.create_mesh(data=-1)
+    abstract = abstract_params(model_config, mesh)
+    manager = ocp.CheckpointManager(checkpoint_dir(workdir),
+                                    options=ocp.CheckpointManagerOptions(read_only=True))
+    steps = sorted(manager.all_steps())[-last_k:]
+    if not steps:
+        raise ValueError(f"Workdir {workdir!r} has no checkpoints to average.")
+    if len(steps) < last_k:
+        logging.warning("Only %d checkpoints in %s (asked for %d); averaging them all.",
+                        len(steps), workdir, last_k)
+    total = None
+    for step in steps:
+        params = manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract)))["params"]
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+        total = params if total is None else jax.tree.map(jnp.add, total, params)
+    manager.close()
+    average = jax.tree.map(lambda t, a: (t / len(steps)).astype(a.dtype), total, abstract)
+
+    output_workdir = output_workdir or os.path.join(workdir, f"average_last{last_k}")
+    if parallel.is_primary():
+        os.makedirs(output_workdir, exist_ok=True)
+        for name in (CONFIG_FILENAME, "tokenizer.model", "tokenizer.json"):
+            if os.path.exists(os.path.join(workdir, name)):
+                shutil.copy(os.path.join(workdir, name), os.path.join(output_workdir, name))
+    out = ocp.CheckpointManager(checkpoint_dir(output_workdir),
+                                options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+    out.save(steps[-1], args=ocp.args.Composite(params=ocp.args.StandardSave(average)), force=True)
+    out.wait_until_finished()
+    out.close()
+    logging.info("Averaged steps %s of %s into %s", steps, workdir, output_workdir)
+    return output_workdir

@@ -1,0 +1,87 @@
+"""Checks of a training config before anything is built, each error naming the config key."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from transformer_jax.config import ConfigError, ModelConfig
+from transformer_jax.data import DATASET_NAMES
+from transformer_jax.training.optimizer import OPTIMIZERS
+from transformer_jax.training.schedules import SCHEDULES
+
+REQUIRED = ("seed", "num_train_steps", "eval_every_steps", "checkpoint_every_steps", "log_every_steps",
+            "mesh", "model", "dataset", "optimizer")
+
+
+def training_defaults() -> ml_collections.ConfigDict:
+    """Loop settings every config gets unless it sets them (configs/ start from these)."""
+    c = ml_collections.ConfigDict()
+    c.max_checkpoints_to_keep = 3
+    c.keep_best_metric = ""  # e.g. 'eval_loss': keep the best checkpoints by it, not the newest
+    c.keep_best_mode = "min"
+    c.skip_nonfinite = False  # False: stop at a non-finite step; True: skip it
+    c.inject_nan_at_step = -1  # testing the non-finite guard
+    c.test_split = ""  # translation: BLEU / exact match on this split after training ('' = none)
+    c.beam_size = 1  # 1 = greedy decoding for BLEU
+    c.beam_alpha = 0.6
+    c.decode_max_len = 0  # 0 = dataset.max_target_len
+    c.num_printed_examples = 3
+    c.compilation_cache = True
+    c.compilation_cache_dir = ""
+    c.use_wandb = False
+    c.progress_bar = True
+    c.peak_tflops = 0.0  # per device, for the MFU estimate; 0 = look up the accelerator
+    c.profile_start_step = -1  # capture a profiler trace from this step (-1 = never)
+    c.profile_num_steps = 5
+    return c
+
+
+def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``config`` with every missing loop setting filled from :func:`training_defaults`."""
+    out = training_defaults()
+    out.update(config)
+    return out
+
+
+def _positive_int(config, key: str, minimum: int = 1) -> None:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"config.{key}={value!r} must be an integer >= {minimum}")
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Raises ``ConfigError`` (a ValueError) naming the first bad key."""
+    missing = [k for k in REQUIRED if k not in config]
+    if missing:
+        raise ConfigError(f"config is missing {', '.join('config.' + k for k in missing)}")
+    for key in ("num_train_steps", "eval_every_steps", "checkpoint_every_steps", "log_every_steps"):
+        _positive_int(config, key)
+    unknown = sorted(set(training_defaults()) - set(config))
+    if unknown:
+        raise ConfigError(f"config is missing {unknown}; start configs from "
+                          "transformer_jax.training.config_checks.with_defaults")
+    try:
+        ModelConfig.from_dict(config.model.to_dict())
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"config.model: {e}") from e
+    ds, opt = config.dataset, config.optimizer
+    if ds.name not in DATASET_NAMES:
+        raise ConfigError(f"config.dataset.name={ds.name!r} is not one of {list(DATASET_NAMES)}")
+    for key in ("batch_size", "eval_batch_size"):
+        _positive_int(ds, key)
+    if opt.name not in OPTIMIZERS:
+        raise ConfigError(f"config.optimizer.name={opt.name!r} is not one of {OPTIMIZERS}")
+    if opt.schedule not in SCHEDULES:
+        raise ConfigError(f"config.optimizer.schedule={opt.schedule!r} is not one of {SCHEDULES}")
+    _positive_int(opt, "grad_accum_steps")
+    if ds.batch_size % opt.grad_accum_steps:
+        raise ConfigError(f"config.dataset.batch_size={ds.batch_size} is not divisible by "
+                          f"config.optimizer.grad_accum_steps={opt.grad_accum_steps}")
+    if not 0.0 <= opt.label_smoothing < 1.0:
+        raise ConfigError(f"config.optimizer.label_smoothing={opt.label_smoothing} must be in [0, 1)")
+    for key in ("data", "fsdp", "tensor"):
+        value = config.mesh[key]
+        if not isinstance(value, int) or (value < 1 and value != -1):
+            raise ConfigError(f"config.mesh.{key}={value!r} must be a positive integer or -1")
+    if config.beam_size < 1:
+        raise ConfigError(f"config.beam_size={config.beam_size} must be >= 1 (1 = greedy)")

@@ -1,0 +1,108 @@
+"""Evaluation: validation loss / perplexity / token accuracy, and for translation BLEU and exact
+match of decoded outputs (greedy or beam search from ``transformer_jax.decoding``).
+
+BLEU is sacrebleu's corpus BLEU, cased, on detokenised text (our SentencePiece tokenizer
+round-trips the raw text exactly, so decoded ids are the detokenised sentence), over every example
+of the split. References come from the evaluation batches' target ids (the same round trip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from transformer_jax import parallel
+from transformer_jax.data import EOS_ID, to_global_batch
+from transformer_jax.decoding import beam_search, generate
+from transformer_jax.decoding.model_steps import Seq2SeqStep, encode_source
+from transformer_jax.training import losses
+
+
+def evaluate_loss(eval_step: Callable, params, batches: Sequence[dict], mesh) -> dict[str, float]:
+    """Token-weighted means over every batch: eval_loss, eval_nll, eval_perplexity, eval_accuracy."""
+    totals = None
+    for batch in batches:
+        sums = eval_step(params, to_global_batch(batch, mesh))
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    totals = jax.device_get(totals)
+    aux = {k: totals[k] for k in ("nll", "z_loss", "correct")}
+    metrics = losses.normalize_metrics(totals["loss_sum"], totals["weight_sum"], aux)
+    return {f"eval_{k}": float(v) for k, v in metrics.items() if k != "z_loss"}
+
+
+@dataclasses.dataclass
+class Translations:
+    sources: list[str]
+    references: list[str]
+    hypotheses: list[str]
+
+    @property
+    def exact_match(self) -> float:
+        pairs = zip(self.hypotheses, self.references)
+        return sum(h == r for h, r in pairs) / max(1, len(self.references))
+
+    def bleu(self) -> float:
+        import sacrebleu
+
+        return float(sacrebleu.corpus_bleu(self.hypotheses, [self.references]).score)
+
+    def examples(self, n: int = 3) -> str:
+        lines = []
+        for src, ref, hyp in list(zip(self.sources, self.references, self.hypotheses))[:n]:
+            lines += [f"  source:    {src}", f"  reference: {ref}", f"  output:    {hyp}", ""]
+        return "\n".join(lines)
+
+
+def _cut_at_eos(ids) -> list[int]:
+    ids = [int(i) for i in ids]
+    return ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
+
+
+def _gather(x) -> np.ndarray:
+    """A global array -> the whole array as numpy on every process."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def decode_batch(model, params, src, src_segment_ids, *, max_new_tokens: int, beam_size: int = 1,
+                 alpha: float = 0.6) -> jax.Array:
+    """Output token ids [B, T] for a global source batch; beam_size 1 = greedy."""
+    cfg = model.config
+    cache = encode_source(model, params, src, max_new_tokens + 1, src_segment_ids)
+    batch = src.shape[0]
+    start = jnp.full((batch, 1), cfg.decoder_start_id, jnp.int32)
+    ones = jnp.ones((batch,), jnp.int32)
+    step_fn = Seq2SeqStep(model)
+    if beam_size > 1:
+        out = beam_search(step_fn, params, cache, start, ones, max_new_tokens=max_new_tokens,
+                          beam_size=beam_size, alpha=alpha, eos_id=cfg.eos_id, pad_id=cfg.pad_id or 0)
+        return out.tokens[:, 0]
+    return generate(step_fn, params, cache, start, ones, max_new_tokens=max_new_tokens,
+                    eos_id=cfg.eos_id, pad_id=cfg.pad_id or 0).tokens
+
+
+def translate(model, params, batches: Sequence[dict], tokenizer, mesh, *, max_new_tokens: int,
+              beam_size: int = 1, alpha: float = 0.6) -> Translations:
+    """Decodes every example of ``batches`` (host-local eval batches, one example per row);
+    the result holds all processes' examples, in order, on every process."""
+    sources, references, hypotheses = [], [], []
+    with parallel.sharding_context(mesh):
+        for batch in batches:
+            glob = to_global_batch({k: batch[k] for k in ("inputs", "inputs_segment_ids", "targets")},
+                                   mesh)
+            # One example per row, right-padded: padding is inferred from pad ids.
+            tokens = decode_batch(model, params, glob["inputs"], None,
+                                  max_new_tokens=max_new_tokens, beam_size=beam_size, alpha=alpha)
+            src, tgt, seg = (_gather(glob[k]) for k in ("inputs", "targets", "inputs_segment_ids"))
+            real = seg[:, 0] > 0
+            out = _gather(tokens)[real]
+            sources += tokenizer.decode_batch([_cut_at_eos(r) for r in src[real]])
+            references += tokenizer.decode_batch([_cut_at_eos(r) for r in tgt[real]])
+            hypotheses += tokenizer.decode_batch([_cut_at_eos(r) for r in out])
+    return Translations(sources, references, hypotheses)

@@ -1,0 +1,203 @@
+"""``train_and_evaluate(config, workdir)``: the training program, in named sections.
+
+setup (config checks, compilation cache, mesh) -> data -> state (fresh or resumed) -> compiled
+steps -> the loop (train, log, evaluate, checkpoint, preemption) -> final evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from transformer_jax import parallel
+from transformer_jax.config import ModelConfig
+from transformer_jax.data import build_datasets, to_global_batch
+from transformer_jax.params import build_model
+from transformer_jax.training import checkpoint as ckpt_lib
+from transformer_jax.training import evaluate, steps
+from transformer_jax.training import metrics as metrics_lib
+from transformer_jax.training.config_checks import check_config
+from transformer_jax.training.optimizer import create_optimizer
+from transformer_jax.training.schedules import create_schedule
+from transformer_jax.training.state import count_params, create_train_state, state_shardings
+
+
+def enable_compilation_cache(path: str = "") -> None:
+    """The persistent XLA cache: a second run of the same config skips compilation."""
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "transformer_jax", "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _say(text: str) -> None:
+    if parallel.is_primary():
+        print(text, flush=True)
+
+
+def _compile_steps(model, tx, schedule, settings, shardings, mesh):
+    batch_sharding = parallel.batch_sharding(mesh)
+    train = jax.jit(lambda s, b: steps.train_step(s, b, model=model, tx=tx, schedule=schedule,
+                                                  settings=settings),
+                    in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
+                    donate_argnums=0)
+    evaluate_fn = jax.jit(lambda p, b: steps.eval_step(p, b, model=model, settings=settings),
+                          in_shardings=(shardings.params, batch_sharding))
+    return train, evaluate_fn
+
+
+def _non_pad_tokens(batch) -> int:
+    keys = [k for k in ("inputs_segment_ids", "targets_segment_ids") if k in batch]
+    return int(sum(np.count_nonzero(batch[k]) for k in keys)) * jax.process_count()
+
+
+def _summarise(history: list, tokens: int, seconds: float, flops: float, peak) -> dict:
+    """Means of the per-step metrics since the last log, plus throughput and MFU."""
+    host = jax.device_get(history)
+    out = {k: float(np.mean([h[k] for h in host])) for k in host[0] if k != "finite"}
+    out["tokens_per_sec"] = tokens / seconds
+    out["steps_per_sec"] = len(history) / seconds
+    if peak:
+        out["mfu"] = flops * len(history) / seconds / (peak * 1e12 * jax.device_count())
+    return out
+
+
+def _translation_eval(config, workdir, model, params, data, mesh, split: str, log, step) -> dict:
+    dataset_cfg = ml_collections.ConfigDict(config.dataset.to_dict())
+    dataset_cfg.eval_split = split
+    batches = build_datasets(dataset_cfg, workdir).eval_batches
+    start = time.time()
+    result = evaluate.translate(model, params, batches, data.tokenizer, mesh,
+                                max_new_tokens=config.decode_max_len or config.dataset.max_target_len,
+                                beam_size=config.beam_size, alpha=config.beam_alpha)
+    out = {f"{split}_bleu": result.bleu(), f"{split}_exact_match": result.exact_match,
+           f"{split}_examples": len(result.references), f"{split}_decode_seconds": time.time() - start}
+    log.message(f"step {step} {split}: BLEU {out[f'{split}_bleu']:.2f}, exact match "
+                f"{100 * result.exact_match:.1f}% of {len(result.references)} "
+                f"({'beam ' + str(config.beam_size) if config.beam_size > 1 else 'greedy'})\n"
+                + result.examples(config.num_printed_examples))
+    return out
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates.
+
+    Returns the final metrics: the last training summary, validation loss/perplexity/accuracy,
+    and for translation BLEU and exact match on ``config.test_split``.
+    """
+    # --- setup: checks before anything is compiled -----------------------------------------------
+    check_config(config)
+    if config.compilation_cache:
+        enable_compilation_cache(config.get("compilation_cache_dir", ""))
+    mesh = parallel.mesh_from_config(config.mesh)
+    parallel.check_batch_divisible(config.dataset.batch_size, mesh)
+    parallel.check_batch_divisible(config.dataset.eval_batch_size, mesh)
+    model_cfg = ModelConfig.from_dict(config.model.to_dict())
+    model = build_model(model_cfg)
+
+    # --- data --------------------------------------------------------------------------------
+    data = build_datasets(config.dataset, workdir)
+    if data.tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
+                         f"tokenizer's {data.tokenizer.vocab_size} tokens (dataset.vocab_size).")
+    ckpt_lib.save_config(config, workdir)
+
+    # --- state: fresh, or resumed from the latest checkpoint ----------------------------------
+    schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
+    tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
+    checkpointer = ckpt_lib.Checkpointer(workdir, config.max_checkpoints_to_keep,
+                                         config.keep_best_metric, config.keep_best_mode)
+    abstract, shardings = state_shardings(model, tx, mesh, config.seed)
+    if checkpointer.latest_step() is not None:
+        state = checkpointer.restore(abstract, data.train_iter)
+        _say(f"Resumed from checkpoint {checkpointer.latest_step()} in {checkpointer.directory}")
+    else:
+        state, _ = create_train_state(model, tx, mesh, config.seed)
+    start_step = int(jax.device_get(state.step))
+    _say(f"config:\n{config}\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
+         f"({jax.devices()[0].device_kind}), processes: {jax.process_count()}\n"
+         f"parameters: {count_params(state.params):,}\ntrain examples: {data.train_size:,}, "
+         f"eval examples: {data.eval_size:,}, vocabulary: {data.tokenizer.vocab_size}")
+
+    # --- compiled steps ---------------------------------------------------------------------
+    settings = steps.settings_from_config(config)
+    train_step, eval_step = _compile_steps(model, tx, schedule, settings, shardings, mesh)
+    ds = config.dataset
+    flops = metrics_lib.train_flops_per_step(model_cfg, ds.batch_size, ds.max_target_len
+                                             if data.is_translation else ds.max_len,
+                                             ds.max_source_len if data.is_translation else 0)
+    peak = metrics_lib.peak_tflops_per_device(config.peak_tflops)
+    log = metrics_lib.MetricsLogger(workdir, config.num_train_steps, start_step,
+                                    use_wandb=config.use_wandb, config=config,
+                                    progress=config.progress_bar)
+    preemption = ckpt_lib.PreemptionFlag()
+
+    # --- the loop ---------------------------------------------------------------------------
+    history, tokens, skipped, summary, eval_metrics = [], 0, 0, {}, {}
+    last_log, pending = time.time(), None
+    profile_dir = os.path.join(workdir, "profile")
+    with parallel.sharding_context(mesh):
+        for step in range(start_step, config.num_train_steps):
+            if step == config.profile_start_step:
+                jax.profiler.start_trace(profile_dir)
+            batch = next(data.train_iter)
+            tokens += _non_pad_tokens(batch)
+            state, step_metrics = train_step(state, to_global_batch(batch, mesh))
+            history.append(step_metrics)
+            if pending is not None and not bool(pending[1]["finite"]):  # checked one step late
+                skipped += _non_finite(config, pending[0], checkpointer, log)
+            pending = (step, step_metrics)
+            done = step + 1
+            profile_end = config.profile_start_step + config.profile_num_steps
+            if config.profile_start_step >= 0 and done == profile_end:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                _say(f"Profiler trace of steps {config.profile_start_step}..{done - 1} in {profile_dir}")
+            if done % config.log_every_steps == 0 or done == config.num_train_steps:
+                summary = _summarise(history, tokens, time.time() - last_log, flops, peak)
+                summary["skipped_steps"] = skipped
+                log.write(done, summary)
+                log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
+                history, tokens, last_log = [], 0, time.time()
+            if done % config.eval_every_steps == 0 or done == config.num_train_steps:
+                eval_metrics = evaluate.evaluate_loss(eval_step, state.params, data.eval_batches, mesh)
+                log.write(done, eval_metrics)
+                log.message(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+                last_log = time.time()  # evaluation time does not count against tokens/s
+            stop = preemption.reached(checkpointer, done)
+            if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps or stop:
+                if pending is not None and not bool(pending[1]["finite"]):
+                    skipped += _non_finite(config, pending[0], checkpointer, log)
+                pending = None
+                checkpointer.save(state, data.train_iter, eval_metrics, force=stop)
+            if stop:
+                log.message(f"Stopped by SIGTERM after step {done}; checkpoint saved.")
+                break
+
+    # --- final evaluation -------------------------------------------------------------------
+    checkpointer.wait()
+    final = {**summary, **eval_metrics, "step": int(jax.device_get(state.step))}
+    if data.is_translation and final["step"] == config.num_train_steps and config.test_split:
+        final.update(_translation_eval(config, workdir, model, state.params, data, mesh,
+                                       config.test_split, log, final["step"]))
+        log.write(final["step"], {k: v for k, v in final.items() if k.startswith(config.test_split)})
+    checkpointer.close()
+    log.close()
+    preemption.restore_handler()
+    return final
+
+
+def _non_finite(config, step: int, checkpointer, log) -> int:
+    """Skips (returns 1) or stops with the step number and the last good checkpoint."""
+    if config.skip_nonfinite:
+        log.message(f"step {step}: non-finite loss or gradients; step skipped (state unchanged).")
+        return 1
+    checkpointer.wait()
+    last = checkpointer.latest_step()
+    where = f"step {last} in {checkpointer.directory}" if last is not None else "none yet"
+    raise FloatingPointError(
+        f"Non-finite loss or gradients at step {step} (0-based). Last good checkpoint: {where}. "
+        "Lower the learning rate, enable optimizer.grad_clip_norm, or set config.skip_nonfinite=True.")

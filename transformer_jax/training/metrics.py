@@ -1,0 +1,236 @@
+"""Training feedback: a progress bar, ``DIR/metrics.jsonl``, TensorBoard events, optional W&B.
+
+TensorBoard's event files are written here without TensorFlow or the ``tensorboard`` package:
+an event file is a sequence of TFRecords (length, masked CRC-32C of the length, payload, masked
+CRC-32C of the payload) whose payloads are ``Event`` protocol buffers; we encode the few fields a
+scalar needs by hand (``Event.wall_time/step/file_version/summary``, ``Summary.Value.tag/
+simple_value``). Only process 0 writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+import jax
+
+from transformer_jax.config import ModelConfig
+
+# ------------------------------------------------------------------------------------ TensorBoard
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), the checksum TFRecord uses."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits, n = n & 0x7F, n >> 7
+        out.append(bits | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | wire_type) + payload
+
+
+def _length_delimited(number: int, data: bytes) -> bytes:
+    return _field(number, 2, _varint(len(data)) + data)
+
+
+def encode_event(wall_time: float, step: int, *, scalars: dict[str, float] | None = None,
+                 file_version: str | None = None) -> bytes:
+    """An ``Event`` proto: wall_time=1 (double), step=2 (int64), file_version=3, summary=5."""
+    out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
+    if file_version is not None:
+        out += _length_delimited(3, file_version.encode())
+    if scalars:
+        values = b"".join(
+            _length_delimited(1, _length_delimited(1, tag.encode())
+                              + _field(2, 5, struct.pack("<f", float(value))))
+            for tag, value in scalars.items())
+        out += _length_delimited(5, values)
+    return out
+
+
+def tfrecord(data: bytes) -> bytes:
+    length = struct.pack("<Q", len(data))
+    return length + struct.pack("<I", _masked_crc(length)) + data + struct.pack("<I", _masked_crc(data))
+
+
+class EventWriter:
+    """Appends scalar summaries to ``logdir/events.out.tfevents.<time>.<host>``."""
+
+    def __init__(self, logdir: str):
+        os.makedirs(logdir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        self.path = os.path.join(logdir, name)
+        self._file = open(self.path, "ab")  # noqa: SIM115 (kept open for the run)
+        self._file.write(tfrecord(encode_event(time.time(), 0, file_version="brain.Event:2")))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        finite = {k: v for k, v in values.items() if isinstance(v, int | float)}
+        self._file.write(tfrecord(encode_event(time.time(), step, scalars=finite)))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_events(path: str) -> list[bytes]:
+    """The payloads of a TFRecord file, checksums verified (for tests)."""
+    out = []
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos < len(data):
+        (length,) = struct.unpack_from("<Q", data, pos)
+        (crc,) = struct.unpack_from("<I", data, pos + 8)
+        if crc != _masked_crc(data[pos:pos + 8]):
+            raise ValueError("bad length checksum")
+        payload = data[pos + 12:pos + 12 + length]
+        (crc,) = struct.unpack_from("<I", data, pos + 12 + length)
+        if crc != _masked_crc(payload):
+            raise ValueError("bad payload checksum")
+        out.append(payload)
+        pos += 16 + length
+    return out
+
+
+# ------------------------------------------------------------------------------------ MFU
+
+PEAK_TFLOPS = {  # dense bf16 per device, from the vendors' data sheets
+    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0,
+    "NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0,
+}
+
+
+def peak_tflops_per_device(override: float = 0.0) -> float | None:
+    """``override`` if > 0, else looked up by ``jax.devices()[0].device_kind``; None if unknown."""
+    if override > 0:
+        return override
+    kind = jax.devices()[0].device_kind
+    for name, value in PEAK_TFLOPS.items():
+        if kind.startswith(name):
+            return value
+    return None
+
+
+def train_flops_per_step(cfg: ModelConfig, batch_size: int, target_len: int, source_len: int = 0) -> float:
+    """Model FLOPs of one training step over padded rows: 6 x multiply-adds (forward 2, backward 4).
+
+    Per token: projections ``4 D HK`` + feed-forward ``2 D F`` (x1.5 gated) per self-attention
+    layer, attention ``2 L HK``; cross-attention ``2 D HK`` (q, o) per target token plus ``2 D HK``
+    (k, v) per source token and ``2 S HK``; the output projection ``D V``.
+    """
+    d, hk, f = cfg.d_model, cfg.num_heads * cfg.qk_dim, cfg.d_ff
+    ff = 2 * d * f * (1.5 if cfg.activation in ("swiglu", "geglu") else 1.0)
+    enc = cfg.num_encoder_layers * source_len * (4 * d * hk + ff + 2 * source_len * hk)
+    dec_self = target_len * (4 * d * hk + ff + 2 * target_len * hk)
+    cross = (target_len * (2 * d * hk + 2 * source_len * hk) + source_len * 2 * d * hk) if source_len else 0
+    dec = cfg.num_decoder_layers * (dec_self + cross)
+    return 6.0 * batch_size * (enc + dec + target_len * d * cfg.vocab_size)
+
+
+# ------------------------------------------------------------------------------------ the logger
+
+
+class MetricsLogger:
+    """Writes logged steps to metrics.jsonl, TensorBoard and (if enabled) W&B; drives the bar."""
+
+    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, *, use_wandb: bool = False,
+                 config: Any = None, progress: bool = True):
+        self.primary = jax.process_index() == 0
+        self._bar = self._events = self._wandb = self._jsonl = None
+        if not self.primary:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+        self._events = EventWriter(os.path.join(workdir, "tensorboard"))
+        if use_wandb:
+            self._wandb = _start_wandb(workdir, config)
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             mininterval=1.0, smoothing=0.1)
+
+    def progress(self, step: int, **values: float) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
+            self._bar.refresh()
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.primary:
+            return
+        clean = {k: _plain(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self._jsonl.flush()
+        self._events.scalars(step, {k: v for k, v in clean.items() if _is_number(v)})
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+
+    def message(self, text: str) -> None:
+        if not self.primary:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        for thing in (self._bar, self._events, self._jsonl):
+            if thing is not None:
+                thing.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    return value
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _start_wandb(workdir: str, config: Any):
+    try:
+        import wandb
+    except ImportError:
+        print("config.use_wandb=True but wandb is not installed (pip install wandb); skipping it.")
+        return None
+    return wandb.init(dir=workdir, config=config.to_dict() if config is not None else None,
+                      name=os.path.basename(os.path.abspath(workdir)), resume="allow")
