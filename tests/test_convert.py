@@ -1,0 +1,353 @@
+"""Hugging Face checkpoint import: logits and greedy generations equal transformers' own on random
+GPT-2 and Marian models (two shapes each); tokenizers equal transformers'; bad checkpoints fail
+with errors that name the problem; pickles are only read with weights_only=True."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from test_convert_fixtures import (  # noqa: E402
+    GPT2_CONFIGS,
+    MARIAN_CONFIGS,
+    gpt2_checkpoint,
+    hf_model,
+    marian_checkpoint,
+)
+
+from transformer_jax.convert import ConversionError, load_hf_checkpoint, load_hf_tokenizer  # noqa: E402
+from transformer_jax.convert.hf_files import read_safetensors  # noqa: E402
+from transformer_jax.decoding import generate, model_steps, pad_prompts  # noqa: E402
+from transformer_jax.modeling import init_cache  # noqa: E402
+from transformer_jax.params import build_model  # noqa: E402
+
+NEW_TOKENS = 24
+
+
+def _ragged(rng, lengths, width, low, high, pad):
+    """Right-padded random token rows [B, width] and their 0/1 mask."""
+    tokens = np.full((len(lengths), width), pad, np.int64)
+    mask = np.zeros_like(tokens)
+    for r, n in enumerate(lengths):
+        tokens[r, :n] = rng.integers(low, high, n)
+        mask[r, :n] = 1
+    return tokens, mask
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_gpt2_config_maps_every_option():
+    config, _ = load_hf_checkpoint(gpt2_checkpoint("gpt2_b"))
+    assert (config.d_model, config.num_heads, config.num_decoder_layers, config.d_ff) == (32, 8, 3, 40)
+    assert (config.norm, config.final_norm, config.position, config.activation) == (
+        "pre",
+        True,
+        "learned",
+        "gelu",
+    )
+    assert config.num_encoder_layers == 0 and config.max_len == 48 and not config.tie_output
+    assert not config.scale_embeddings and config.norm_eps == 1e-5 and not config.logits_bias
+
+
+def test_marian_config_maps_every_option():
+    config, _ = load_hf_checkpoint(marian_checkpoint("marian_swish"))
+    pad = config.vocab_size - 1
+    assert (config.norm, config.use_final_norm, config.position, config.sinusoidal_layout) == (
+        "post",
+        False,
+        "sinusoidal",
+        "concat",
+    )
+    assert config.activation == "silu" and config.scale_embeddings and config.logits_bias
+    assert (config.pad_id, config.decoder_start_id, config.eos_id) == (pad, pad, 0)
+    relu, _ = load_hf_checkpoint(marian_checkpoint("marian_relu"))
+    assert relu.activation == "relu" and not relu.share_embeddings and not relu.scale_embeddings
+
+
+# ----------------------------------------------------------------------------- logits parity
+
+
+@pytest.mark.parametrize("name", sorted(GPT2_CONFIGS))
+def test_gpt2_logits_match_transformers(name):
+    directory = gpt2_checkpoint(name)
+    config, params = load_hf_checkpoint(directory)
+    tokens, mask = _ragged(np.random.default_rng(0), [11, 7, 3], 11, 0, config.vocab_size, 0)
+    with torch.no_grad():
+        ref = hf_model(directory)(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.numpy()
+    ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
+    real = mask.astype(bool)
+    assert np.abs(ref).max() > 1.0  # the random weights give non-trivial logits
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(MARIAN_CONFIGS))
+def test_marian_logits_match_transformers(name):
+    directory = marian_checkpoint(name)
+    config, params = load_hf_checkpoint(directory)
+    rng = np.random.default_rng(1)
+    pad, v = config.pad_id, config.vocab_size
+    src, src_mask = _ragged(rng, [9, 4, 6], 9, 1, v - 1, pad)
+    src[np.arange(3), src_mask.sum(1) - 1] = config.eos_id
+    tgt, tgt_mask = _ragged(rng, [7, 2, 5], 7, 0, v - 1, pad)
+    tgt[:, 0] = config.decoder_start_id
+    with torch.no_grad():
+        ref = hf_model(directory)(
+            input_ids=torch.tensor(src),
+            attention_mask=torch.tensor(src_mask),
+            decoder_input_ids=torch.tensor(tgt),
+            decoder_attention_mask=torch.tensor(tgt_mask),
+        ).logits.numpy()
+    forward = jax.jit(build_model(config).apply)
+    ours = np.asarray(forward({"params": params}, jnp.asarray(src, jnp.int32), jnp.asarray(tgt, jnp.int32)))
+    real = tgt_mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- greedy generation
+
+
+def _hf_greedy(model, input_ids, **kwargs):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([input_ids]),
+            attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=20,
+            **kwargs,
+        )
+    return out[0].tolist()
+
+
+def _ours_until_eos(tokens, lengths):
+    return [row[:n] for row, n in zip(np.asarray(tokens).tolist(), np.asarray(lengths).tolist(), strict=True)]
+
+
+@pytest.mark.parametrize("name", sorted(GPT2_CONFIGS))
+def test_gpt2_greedy_generation_matches_transformers(name):
+    directory = gpt2_checkpoint(name)
+    config, params = load_hf_checkpoint(directory)
+    prompts = [[5, 17, 200, 31, 9, 77], [250, 3]]  # ragged: one right-padded batch for us
+    tokens, lengths = pad_prompts(prompts)
+    cache = init_cache(config, len(prompts), tokens.shape[1] + NEW_TOKENS)
+    out = generate(
+        model_steps.LMStep(build_model(config)),
+        params,
+        cache,
+        tokens,
+        lengths,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=20,
+        eos_id=config.eos_id,
+    )
+    ours = _ours_until_eos(out.tokens, out.lengths)
+    model = hf_model(directory)
+    for p, mine in zip(prompts, ours, strict=True):
+        theirs = _hf_greedy(model, p, pad_token_id=config.eos_id)[len(p) :]
+        assert mine == theirs
+        assert len(mine) >= 20
+
+
+@pytest.mark.parametrize("name", sorted(MARIAN_CONFIGS))
+def test_marian_greedy_generation_matches_transformers(name):
+    directory = marian_checkpoint(name)
+    config, params = load_hf_checkpoint(directory)
+    sources = [[7, 12, 3, 20, 0], [9, 0]]
+    src, _ = pad_prompts(sources, pad_id=config.pad_id)
+    model = build_model(config)
+    cache = model_steps.encode_source(model, params, jnp.asarray(src, jnp.int32), max_length=NEW_TOKENS + 1)
+    start = jnp.full((len(sources), 1), config.decoder_start_id, jnp.int32)
+    out = generate(
+        model_steps.Seq2SeqStep(model),
+        params,
+        cache,
+        start,
+        jnp.ones(len(sources), jnp.int32),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=20,
+        eos_id=config.eos_id,
+        pad_id=config.pad_id,
+    )
+    ours = _ours_until_eos(out.tokens, out.lengths)
+    hf = hf_model(directory)
+    for s, mine in zip(sources, ours, strict=True):
+        theirs = _hf_greedy(hf, s)[1:]  # drop the decoder start token
+        assert mine == theirs
+        assert len(mine) >= 20
+
+
+# ----------------------------------------------------------------------------- weight files
+
+
+def test_pytorch_bin_loads_the_same_params(tmp_path):
+    directory = gpt2_checkpoint("gpt2_b")
+    _, from_safetensors = load_hf_checkpoint(directory)
+    shutil.copy(os.path.join(directory, "config.json"), tmp_path / "config.json")
+    torch.save(hf_model(directory).state_dict(), tmp_path / "pytorch_model.bin")
+    _, from_bin = load_hf_checkpoint(tmp_path)
+    for a, b in zip(_leaves(from_safetensors), _leaves(from_bin), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+class _Payload:
+    """Unpickling this would run code (here: create a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_malicious_pickle_is_refused(tmp_path):
+    shutil.copy(os.path.join(gpt2_checkpoint("gpt2_a"), "config.json"), tmp_path / "config.json")
+    marker = tmp_path / "pwned"
+    with open(tmp_path / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"transformer.wte.weight": _Payload(str(marker))}, f)
+    with pytest.raises(ConversionError, match="weights_only=True"):
+        load_hf_checkpoint(tmp_path)
+    assert not marker.exists()
+    torch.save({"transformer.wte.weight": _Payload(str(marker))}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="refused"):
+        load_hf_checkpoint(tmp_path)
+    assert not marker.exists()
+
+
+def test_safetensors_reader_handles_bfloat16_and_float16(tmp_path):
+    from safetensors.torch import save_file
+
+    values = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.randn(7).half(), "c": torch.arange(4)}
+    save_file(values, str(tmp_path / "x.safetensors"))
+    ours = read_safetensors(str(tmp_path / "x.safetensors"))
+    for k, v in values.items():
+        np.testing.assert_array_equal(np.asarray(ours[k], np.float64), v.double().numpy())
+
+
+# ----------------------------------------------------------------------------- bad checkpoints
+
+
+def _copy_checkpoint(src, edit_config=None):
+    directory = tempfile.mkdtemp(prefix="tj_bad_")
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), directory)
+    if edit_config:
+        path = os.path.join(directory, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        edit_config(config)
+        with open(path, "w") as f:
+            json.dump(config, f)
+    return directory
+
+
+def test_unsupported_model_type_names_the_supported_ones():
+    directory = _copy_checkpoint(gpt2_checkpoint("gpt2_a"), lambda c: c.update(model_type="bert"))
+    with pytest.raises(ConversionError, match=r"unsupported model_type 'bert'.*\['gpt2', 'marian'\]"):
+        load_hf_checkpoint(directory)
+
+
+def test_unsupported_options_are_all_listed():
+    def edit(c):
+        c.update(scale_attn_by_inverse_layer_idx=True, add_cross_attention=True, activation_function="mish")
+
+    directory = _copy_checkpoint(gpt2_checkpoint("gpt2_a"), edit)
+    with pytest.raises(ConversionError) as e:
+        load_hf_checkpoint(directory)
+    for option in ("scale_attn_by_inverse_layer_idx", "add_cross_attention", "activation_function='mish'"):
+        assert option in str(e.value)
+    directory = _copy_checkpoint(
+        marian_checkpoint("marian_swish"), lambda c: c.update(decoder_attention_heads=6, decoder_vocab_size=7)
+    )
+    with pytest.raises(ConversionError, match="decoder_attention_heads=6.*\n.*decoder_vocab_size=7"):
+        load_hf_checkpoint(directory)
+
+
+def test_mis_shaped_and_missing_tensors_are_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    src = gpt2_checkpoint("gpt2_a")
+    tensors = {k: np.array(v) for k, v in read_safetensors(os.path.join(src, "model.safetensors")).items()}
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "config.json")
+    bad = dict(tensors, **{"transformer.h.1.mlp.c_fc.weight": np.zeros((24, 95), np.float32)})
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ConversionError, match=r"'h.1.mlp.c_fc.weight' has shape \(24, 95\), expected \(24, 96\)"
+    ):
+        load_hf_checkpoint(tmp_path)
+    missing = {k: v for k, v in tensors.items() if k != "transformer.h.0.attn.c_proj.bias"}
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ConversionError, match=r"'h.0.attn.c_proj.bias' \(expected shape \(24,\)\) is missing"
+    ):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_not_a_checkpoint_directory(tmp_path):
+    with pytest.raises(ConversionError, match="no config.json"):
+        load_hf_checkpoint(tmp_path)
+    shutil.copy(os.path.join(gpt2_checkpoint("gpt2_a"), "config.json"), tmp_path / "config.json")
+    with pytest.raises(ConversionError, match="no weights"):
+        load_hf_checkpoint(tmp_path)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+TEXTS = ["the cold coffee", "Hello world, hello there!", "a great cat drank", "unseen ünïcode 🙂 text"]
+
+
+def test_gpt2_tokenizer_matches_transformers(tmp_path):
+    import transformers
+
+    directory = gpt2_checkpoint("gpt2_a")
+    ours = load_hf_tokenizer(directory)
+    fast = transformers.GPT2TokenizerFast(tokenizer_file=os.path.join(directory, "tokenizer.json"))
+    # Without tokenizer.json: vocab.json + merges.txt, as the slow GPT2Tokenizer reads them.
+    for name in ("vocab.json", "merges.txt", "config.json"):
+        shutil.copy(os.path.join(directory, name), tmp_path / name)
+    from_merges = load_hf_tokenizer(tmp_path)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == fast(text).input_ids == from_merges.encode(text)
+        assert ours.decode(ids) == text == from_merges.decode(ids)
+    assert ours.decode(ours.encode("the cat") + [ours.eos_id]) == "the cat"
+
+
+def test_marian_tokenizer_matches_transformers():
+    import transformers
+
+    directory = marian_checkpoint("marian_swish")
+    ours = load_hf_tokenizer(directory)
+    theirs = transformers.MarianTokenizer(
+        os.path.join(directory, "source.spm"),
+        os.path.join(directory, "target.spm"),
+        os.path.join(directory, "vocab.json"),
+    )
+    for text in TEXTS[:3] + [">>fr<< the cat", "zzz qqq"]:
+        ids = theirs(text).input_ids
+        assert ours.encode_source(text) == ids
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.encode("zzz")[-1] == ours.unk_id
+
+
+def test_missing_tokenizer_files_are_named(tmp_path):
+    shutil.copy(os.path.join(marian_checkpoint("marian_swish"), "config.json"), tmp_path / "config.json")
+    with pytest.raises(ConversionError, match=r"missing .*\['source.spm', 'target.spm', 'vocab.json'\]"):
+        load_hf_tokenizer(tmp_path)

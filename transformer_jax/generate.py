@@ -1,0 +1,439 @@
+"""Generate text from a trained workdir or a local Hugging Face checkpoint.
+
+    python -m transformer_jax.generate --workdir=DIR --prompt="the tired engineer drank the cold coffee"
+    python -m transformer_jax.generate --workdir=DIR --input_file=src.txt --decoding=beam > out.txt
+    python -m transformer_jax.generate --hf_checkpoint=gpt2 --prompt="Hello" --decoding=sample --top_p=0.9
+    python -m transformer_jax.generate --hf_checkpoint=opus-mt-en-de --prompt="How are you?" --decoding=beam
+
+Encoder-decoder models translate each input (source + EOS -> target); decoder-only models continue
+it. One output per input, in input order, one per line (a newline inside an output is written as
+the two characters ``\\n``). Inputs are sorted by length and batched, each batch padded to a
+power-of-two width, so a file of mixed lengths compiles only a few decoders.
+
+Defaults: greedy decoding; ``--decoding=beam`` uses the paper's beam 4 and length penalty 0.6
+(section 6.1). New tokens: at most source length + 50 for translation (the paper's limit), 64 for
+continuation, and never past the model's ``max_len`` positions.
+
+Bad input (an empty prompt, a prompt longer than the model allows without ``--truncate``, bad
+sampling settings, a workdir without a checkpoint) ends with ``error: ...`` on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+_DECODINGS = ("greedy", "sample", "beam")
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p")
+_BEAM_FLAGS = ("beam_size", "alpha")
+
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """Defines the command line's flags on ``flag_values`` (tests pass their own FlagValues)."""
+
+    def string(name, default, help_):
+        flags.DEFINE_string(name, default, help_, flag_values=flag_values)
+
+    def integer(name, default, help_):
+        flags.DEFINE_integer(name, default, help_, flag_values=flag_values)
+
+    def float_(name, default, help_):
+        flags.DEFINE_float(name, default, help_, flag_values=flag_values)
+
+    string("workdir", None, "Training workdir: the latest checkpoint and its tokenizer are used.")
+    integer("step", None, "With --workdir: the checkpoint step to load (default: the latest).")
+    string("hf_checkpoint", None, "A local Hugging Face GPT-2 or Marian directory (instead of --workdir).")
+    flags.DEFINE_multi_string("prompt", [], "Input text (repeatable).", flag_values=flag_values)
+    string("input_file", None, "A UTF-8 file with one input per line.")
+    string("decoding", "greedy", f"One of {_DECODINGS}.")
+    float_("temperature", 1.0, "Sampling temperature (> 0), --decoding=sample.")
+    integer("top_k", 0, "Sample among the k most likely tokens (0 = all), --decoding=sample.")
+    float_("top_p", 1.0, "Nucleus sampling mass in (0, 1], --decoding=sample.")
+    integer("max_new_tokens", None, "Most tokens to generate (default: source length + 50, or 64).")
+    integer("min_new_tokens", 0, "EOS is not allowed before this many new tokens.")
+    integer("beam_size", 4, "Beam width, --decoding=beam (the paper: 4).")
+    float_("alpha", 0.6, "Length penalty exponent, --decoding=beam (the paper: 0.6).")
+    integer("seed", 0, "Random seed for --decoding=sample.")
+    integer("batch_size", 16, "Inputs decoded together.")
+    flags.DEFINE_bool(
+        "truncate",
+        False,
+        "Cut inputs longer than the model allows instead of failing.",
+        flag_values=flag_values,
+    )
+
+
+class GenerateError(ValueError):
+    """Bad input to the command line; printed without a traceback, exit code 2."""
+
+
+# ----------------------------------------------------------------------------- the model to use
+
+
+@dataclasses.dataclass
+class Generator:
+    """Everything decoding needs: a model config, its parameters and a tokenizer with
+    ``encode(text) -> ids`` and ``decode(ids) -> text``.
+
+    banned_ids: tokens never generated (a checkpoint's single-token ``bad_words_ids``).
+    """
+
+    config: Any
+    params: Any
+    tokenizer: Any
+    banned_ids: tuple[int, ...] = ()
+
+    @property
+    def is_seq2seq(self) -> bool:
+        return self.config.num_encoder_layers > 0
+
+    def input_ids(self, text: str) -> list[int]:
+        """Encoder input (text + EOS) for translation, the prompt for continuation."""
+        ids = list(self.tokenizer.encode(text))
+        return ids + [self.config.eos_id] if self.is_seq2seq else ids
+
+
+def load_hf_generator(path: str) -> Generator:
+    """A `Generator` for a local Hugging Face checkpoint (weights, tokenizer, banned tokens)."""
+    from transformer_jax.convert import load_hf_checkpoint, load_hf_tokenizer
+    from transformer_jax.convert.hf_files import read_generation_config
+
+    config, params = load_hf_checkpoint(path, dropout_rate=0.0, attention_dropout_rate=0.0)
+    banned = read_generation_config(path).get("bad_words_ids") or []
+    banned_ids = tuple(sorted({int(w[0]) for w in banned if len(w) == 1}))
+    return Generator(config, params, load_hf_tokenizer(path), banned_ids)
+
+
+def load_workdir_generator(workdir: str, step: int | None = None) -> Generator:
+    """A `Generator` for a training workdir's latest (or given) checkpoint."""
+    if not os.path.isdir(workdir):
+        raise GenerateError(f"--workdir={workdir!r} is not a directory")
+    try:
+        from transformer_jax.training.checkpoint import restore_for_inference
+    except ImportError as e:
+        raise GenerateError(f"cannot restore a workdir in this build ({e})") from e
+    try:
+        bundle = restore_for_inference(workdir, step=step)
+    except (ValueError, FileNotFoundError) as e:
+        raise GenerateError(str(e)) from e
+    return Generator(bundle.model_config, bundle.params, bundle.tokenizer)
+
+
+# ----------------------------------------------------------------------------- decoding settings
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How to decode. ``max_new_tokens=None`` picks the default (source length + 50, or 64)."""
+
+    decoding: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    beam_size: int = 4
+    alpha: float = 0.6
+    seed: int = 0
+    batch_size: int = 16
+    truncate: bool = False
+
+    def check(self) -> None:
+        """Raises GenerateError naming the first bad setting."""
+        problems = [
+            (self.decoding not in _DECODINGS, f"--decoding={self.decoding!r}: must be one of {_DECODINGS}"),
+            (
+                self.max_new_tokens is not None and self.max_new_tokens <= 0,
+                f"--max_new_tokens={self.max_new_tokens}: must be a positive integer",
+            ),
+            (self.min_new_tokens < 0, f"--min_new_tokens={self.min_new_tokens}: must be >= 0"),
+            (
+                self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens,
+                f"--min_new_tokens={self.min_new_tokens} exceeds --max_new_tokens={self.max_new_tokens}",
+            ),
+            (
+                not self.temperature > 0,
+                f"--temperature={self.temperature}: must be > 0 (use --decoding=greedy for argmax decoding)",
+            ),
+            (self.top_k < 0, f"--top_k={self.top_k}: must be >= 0 (0 = off)"),
+            (not 0.0 < self.top_p <= 1.0, f"--top_p={self.top_p}: must be in (0, 1]"),
+            (self.beam_size < 1, f"--beam_size={self.beam_size}: must be >= 1"),
+            (not self.alpha >= 0.0, f"--alpha={self.alpha}: must be >= 0"),
+            (self.batch_size < 1, f"--batch_size={self.batch_size}: must be >= 1"),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise GenerateError(message)
+
+
+# ----------------------------------------------------------------------------- inputs and lengths
+
+
+def _fit_input(ids: list[int], limit: int, index: int, opts: DecodeOptions, seq2seq: bool, eos: int):
+    """Checks one encoded input against the longest the model allows (cutting it with --truncate)."""
+    if len(ids) - int(seq2seq) == 0:
+        raise GenerateError(f"input {index + 1} is empty")
+    if len(ids) <= limit:
+        return ids
+    if not opts.truncate:
+        raise GenerateError(
+            f"input {index + 1} has {len(ids)} tokens, more than the {limit} this model allows "
+            "(its max_len, less the tokens to generate); shorten it or pass --truncate"
+        )
+    # Translation keeps the start of the source (and its EOS); continuation keeps the end.
+    return ids[: limit - 1] + [eos] if seq2seq else ids[len(ids) - limit :]
+
+
+def encode_inputs(gen: Generator, texts: Sequence[str], opts: DecodeOptions) -> list[list[int]]:
+    """Token ids of every input, checked (empty, too long) against the model's ``max_len``."""
+    max_len = gen.config.max_len
+    if gen.is_seq2seq:
+        limit = max_len
+    else:
+        new = opts.max_new_tokens or 1
+        if new >= max_len:
+            raise GenerateError(
+                f"--max_new_tokens={new} leaves no room for a prompt within the model's {max_len} positions"
+            )
+        limit = max_len - new
+    if opts.max_new_tokens is not None and gen.is_seq2seq and opts.max_new_tokens > max_len:
+        raise GenerateError(
+            f"--max_new_tokens={opts.max_new_tokens} exceeds the model's {max_len} target positions"
+        )
+    out = []
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise GenerateError(f"input {i + 1} is empty")
+        out.append(_fit_input(gen.input_ids(text), limit, i, opts, gen.is_seq2seq, gen.config.eos_id))
+    return out
+
+
+def _new_tokens_limit(gen: Generator, opts: DecodeOptions, length: int) -> int:
+    """New tokens allowed after an input of ``length`` tokens."""
+    max_len = gen.config.max_len
+    if gen.is_seq2seq:
+        return opts.max_new_tokens or min(length + 50, max_len)
+    return opts.max_new_tokens or max(1, min(64, max_len - length))
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+@dataclasses.dataclass(frozen=True)
+class BanTokensStep:
+    """Wraps a step function so that ``banned`` tokens get -inf logits (never generated)."""
+
+    step: Callable
+    banned: tuple[int, ...]
+
+    def __call__(self, params, tokens, cache, num_valid):
+        logits, cache = self.step(params, tokens, cache, num_valid)
+        return logits.at[..., list(self.banned)].set(-1e30), cache
+
+
+def _pad_rows(rows: list[list[int]], width: int, pad: int, batch: int):
+    import numpy as np
+
+    tokens = np.full((batch, width), pad, np.int32)
+    lengths = np.ones((batch,), np.int32)
+    for r in range(batch):
+        row = rows[r] if r < len(rows) else rows[0]  # filler rows keep one compiled batch size
+        tokens[r, : len(row)] = row
+        lengths[r] = len(row)
+    return tokens, lengths
+
+
+def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, rng):
+    """Generated token lists (EOS and padding removed) for up to ``batch`` encoded inputs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from transformer_jax import decoding
+    from transformer_jax.decoding import model_steps
+    from transformer_jax.modeling import init_cache
+    from transformer_jax.params import build_model
+
+    cfg = gen.config
+    model = build_model(cfg)
+    pad = cfg.pad_id if cfg.pad_id is not None else 0
+    longest = max(len(r) for r in rows)
+    width = min(decoding.bucket_length(longest), cfg.max_len)
+    tokens, lengths = _pad_rows(rows, width, pad, batch)
+    limits = [_new_tokens_limit(gen, opts, len(r)) for r in rows]
+    if gen.is_seq2seq:
+        steps = max(limits) if opts.max_new_tokens else min(width + 50, cfg.max_len)
+        step_fn = model_steps.Seq2SeqStep(model)
+        cache = model_steps.encode_source(model, gen.params, jnp.asarray(tokens), max_length=steps + 1)
+        prompt = jnp.full((batch, 1), cfg.decoder_start_id, jnp.int32)
+        prompt_lengths = jnp.ones((batch,), jnp.int32)
+    else:
+        steps = max(limits)
+        step_fn = model_steps.LMStep(model)
+        cache = init_cache(cfg, batch, width + steps)
+        prompt, prompt_lengths = tokens, lengths
+    if gen.banned_ids:
+        step_fn = BanTokensStep(step_fn, gen.banned_ids)
+    common = dict(max_new_tokens=steps, eos_id=cfg.eos_id, pad_id=pad)
+    if opts.decoding == "beam":
+        out = decoding.beam_search(
+            step_fn,
+            gen.params,
+            cache,
+            prompt,
+            prompt_lengths,
+            beam_size=opts.beam_size,
+            alpha=opts.alpha,
+            **common,
+        )
+        new_tokens, new_lengths = out.tokens[:, 0], out.lengths[:, 0]
+    else:
+        sample = opts.decoding == "sample"
+        out = decoding.generate(
+            step_fn,
+            gen.params,
+            cache,
+            prompt,
+            prompt_lengths,
+            rng=rng if sample else None,
+            temperature=opts.temperature if sample else 0.0,
+            top_k=opts.top_k if sample else 0,
+            top_p=opts.top_p if sample else 1.0,
+            min_new_tokens=min(opts.min_new_tokens, steps),
+            **common,
+        )
+        new_tokens, new_lengths = out.tokens, out.lengths
+    new_tokens, new_lengths = np.asarray(jax.device_get(new_tokens)), np.asarray(new_lengths)
+    results = []
+    for r in range(len(rows)):
+        ids = new_tokens[r, : min(int(new_lengths[r]), limits[r])].tolist()
+        results.append(ids[:-1] if ids and ids[-1] == cfg.eos_id else ids)
+    return results
+
+
+def generate_texts(
+    gen: Generator, texts: Sequence[str], opts: DecodeOptions = DecodeOptions(), *, progress: bool = False
+) -> list[str]:
+    """Decodes every input; returns the outputs in input order.
+
+    Inputs are sorted by length and decoded ``opts.batch_size`` at a time.
+    """
+    import jax
+
+    opts.check()
+    encoded = encode_inputs(gen, texts, opts)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
+    batch = min(opts.batch_size, 1 << (len(encoded) - 1).bit_length())
+    chunks = [order[i : i + batch] for i in range(0, len(order), batch)]
+    if progress:
+        from tqdm import tqdm
+
+        chunks = tqdm(chunks, desc="generate", unit="batch", file=sys.stderr)
+    outputs: list[str] = [""] * len(encoded)
+    rng = jax.random.key(opts.seed)
+    for n, chunk in enumerate(chunks):
+        ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, jax.random.fold_in(rng, n))
+        for i, out in zip(chunk, ids, strict=True):
+            outputs[i] = gen.tokenizer.decode(out)
+    return outputs
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _read_inputs(prompts: Sequence[str], input_file: str | None) -> list[str]:
+    if prompts and input_file:
+        raise GenerateError("give --prompt or --input_file, not both")
+    if input_file is None:
+        if not prompts:
+            raise GenerateError("nothing to generate from: give --prompt=TEXT or --input_file=FILE")
+        return list(prompts)
+    try:
+        with open(input_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise GenerateError(f"cannot read --input_file={input_file!r}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise GenerateError(f"--input_file={input_file!r} is not UTF-8 text ({e.reason})") from e
+    if not lines:
+        raise GenerateError(f"--input_file={input_file!r} is empty")
+    return lines
+
+
+def _check_flag_combinations(flag_values: flags.FlagValues) -> None:
+    fv = flag_values
+    if bool(fv.workdir) == bool(fv.hf_checkpoint):
+        raise GenerateError("give exactly one of --workdir=DIR and --hf_checkpoint=DIR")
+    groups = ((_SAMPLING_FLAGS, "sample"), (_BEAM_FLAGS, "beam"))
+    for names, decoding in groups:
+        given = [f"--{n}" for n in names if fv[n].present]
+        if given and fv.decoding != decoding:
+            raise GenerateError(
+                f"{', '.join(given)} only apply to --decoding={decoding} (got --decoding={fv.decoding})"
+            )
+
+
+def options_from_flags(flag_values: flags.FlagValues = FLAGS) -> DecodeOptions:
+    fv = flag_values
+    opts = DecodeOptions(
+        decoding=fv.decoding,
+        temperature=fv.temperature,
+        top_k=fv.top_k,
+        top_p=fv.top_p,
+        max_new_tokens=fv.max_new_tokens,
+        min_new_tokens=fv.min_new_tokens,
+        beam_size=fv.beam_size,
+        alpha=fv.alpha,
+        seed=fv.seed,
+        batch_size=fv.batch_size,
+        truncate=fv.truncate,
+    )
+    opts.check()
+    return opts
+
+
+def _escape_newlines(text: str) -> str:
+    return text.replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\n")
+
+
+def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
+    """Generates for the parsed flags and writes one line per input to ``out`` (stdout)."""
+    from transformer_jax.config import ConfigError
+    from transformer_jax.convert import ConversionError
+
+    fv = flag_values
+    out = sys.stdout if out is None else out
+    try:
+        _check_flag_combinations(fv)
+        opts = options_from_flags(fv)
+        texts = _read_inputs(fv.prompt, fv.input_file)
+        if fv.hf_checkpoint:
+            gen = load_hf_generator(fv.hf_checkpoint)
+        else:
+            gen = load_workdir_generator(fv.workdir, fv.step)
+        progress = fv.input_file is not None and len(texts) > opts.batch_size
+        outputs = generate_texts(gen, texts, opts, progress=progress)
+    except (GenerateError, ConversionError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for text in outputs:
+        print(_escape_newlines(text), file=out)
+    out.flush()
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {list(argv[1:])} (flags are --name=value)", file=sys.stderr)
+        sys.exit(2)
+    run()
+
+
+if __name__ == "__main__":
+    define_flags()  # only when run as a program: importing this module defines no global flags
+    app.run(main)
