@@ -353,7 +353,17 @@ def _read_inputs(prompts: Sequence[str], input_file: str | None) -> list[str]:
     if input_file is None:
         if not prompts:
             raise GenerateError("nothing to generate from: give --prompt=TEXT or --input_file=FILE")
-        return list(prompts)
+        lines = list(prompts)
+    else:
+        lines = _read_file(input_file)
+    for i, text in enumerate(lines):
+        if not text.strip():
+            where = f"line {i + 1} of --input_file" if input_file else f"--prompt number {i + 1}"
+            raise GenerateError(f"empty input ({where})")
+    return lines
+
+
+def _read_file(input_file: str) -> list[str]:
     try:
         with open(input_file, encoding="utf-8") as f:
             lines = f.read().splitlines()

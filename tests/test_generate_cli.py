@@ -1,0 +1,212 @@
+"""`python -m transformer_jax.generate`: continuations and translations equal transformers' on
+tiny random checkpoints, batching keeps input order, a training workdir works, and bad input ends
+with `error: ...` and exit code 2 (no traceback)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from absl import flags
+
+from transformer_jax import generate as cli
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from test_convert_fixtures import gpt2_checkpoint, hf_model, marian_checkpoint  # noqa: E402
+
+
+def run_cli(*args: str) -> list[str]:
+    """Runs the command line in this process; returns its stdout lines."""
+    fv = flags.FlagValues()
+    cli.define_flags(fv)
+    fv(["generate", *args])
+    out = io.StringIO()
+    cli.run(fv, out)
+    return out.getvalue().splitlines()
+
+
+def cli_error(capsys, *args: str) -> str:
+    """Runs the command line expecting exit code 2; returns what it wrote to stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_cli(*args)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def hf_greedy_text(directory, text, max_new_tokens=None, seq2seq=False):
+    """transformers' greedy output text; for translation at most source length + 50 tokens (the
+    paper's limit, our default) within the 64 positions of the test models."""
+    import transformers
+
+    if seq2seq:
+        names = ("source.spm", "target.spm", "vocab.json")
+        tok = transformers.MarianTokenizer(*(os.path.join(directory, n) for n in names))
+    else:
+        tok = transformers.GPT2TokenizerFast(tokenizer_file=os.path.join(directory, "tokenizer.json"))
+    ids = tok(text, return_tensors="pt").input_ids
+    max_new_tokens = max_new_tokens or min(ids.shape[1] + 50, 64)
+    with torch.no_grad():
+        out = hf_model(directory).generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.eos_token_id,
+        )
+    new = out[0, 1:] if seq2seq else out[0, ids.shape[1] :]
+    return tok.decode(new, skip_special_tokens=True)
+
+
+def test_gpt2_continuation_matches_transformers():
+    directory = gpt2_checkpoint("gpt2_a")
+    prompts = ["the tired engineer", "hello"]
+    lines = run_cli(
+        f"--hf_checkpoint={directory}", *(f"--prompt={p}" for p in prompts), "--max_new_tokens=20"
+    )
+    assert lines == [hf_greedy_text(directory, p, 20) for p in prompts]
+
+
+def test_marian_translation_matches_transformers():
+    directory = marian_checkpoint("marian_swish")
+    lines = run_cli(f"--hf_checkpoint={directory}", "--prompt=your cat is great", "--prompt=hello")
+    assert lines == [hf_greedy_text(directory, t, seq2seq=True) for t in ("your cat is great", "hello")]
+
+
+def test_input_file_batches_keep_input_order(tmp_path):
+    directory = gpt2_checkpoint("gpt2_a")
+    texts = ["the cold coffee", "a", "your cat is a great cat and the box", "hello there", "the table"] * 2
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+    common = (f"--hf_checkpoint={directory}", "--max_new_tokens=6")
+    batched = run_cli(*common, f"--input_file={tmp_path / 'in.txt'}", "--batch_size=3")
+    one_by_one = [run_cli(*common, f"--prompt={t}")[0] for t in texts[:5]]
+    assert batched == one_by_one * 2
+
+
+def test_sampling_is_seeded_and_beam_runs():
+    directory = marian_checkpoint("marian_relu")
+    common = (f"--hf_checkpoint={directory}", "--prompt=the cat", "--prompt=a box", "--max_new_tokens=8")
+    sample = (*common, "--decoding=sample", "--temperature=1.5", "--top_k=20", "--top_p=0.9")
+    assert run_cli(*sample, "--seed=3") == run_cli(*sample, "--seed=3")
+    assert len(run_cli(*common, "--decoding=beam", "--beam_size=3", "--alpha=0.6")) == 2
+
+
+def test_truncate_cuts_long_prompts(capsys):
+    directory = gpt2_checkpoint("gpt2_b")  # 48 positions
+    long_prompt = "--prompt=" + " ".join(["the cold coffee"] * 30)
+    err = cli_error(capsys, f"--hf_checkpoint={directory}", long_prompt, "--max_new_tokens=4")
+    assert "more than the 44 this model allows" in err and "--truncate" in err
+    lines = run_cli(f"--hf_checkpoint={directory}", long_prompt, "--max_new_tokens=4", "--truncate")
+    assert len(lines) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt="], "empty input (--prompt number 1)"),
+        (["--prompt=a", "--max_new_tokens=0"], "--max_new_tokens=0: must be a positive integer"),
+        (["--prompt=a", "--decoding=sample", "--top_p=1.5"], "--top_p=1.5: must be in (0, 1]"),
+        (["--prompt=a", "--decoding=sample", "--temperature=-1"], "--temperature=-1.0: must be > 0"),
+        (["--prompt=a", "--top_k=5"], "--top_k only apply to --decoding=sample"),
+        (["--prompt=a", "--decoding=nucleus"], "--decoding='nucleus': must be one of"),
+        ([], "give --prompt=TEXT or --input_file=FILE"),
+        (["--prompt=a", "--max_new_tokens=64"], "leaves no room for a prompt"),
+        (["--input_file=/nonexistent/in.txt"], "cannot read --input_file='/nonexistent/in.txt'"),
+    ],
+)
+def test_bad_input_is_a_clear_error(capsys, args, message):
+    err = cli_error(capsys, f"--hf_checkpoint={gpt2_checkpoint('gpt2_a')}", *args)
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_model_sources_are_clear_errors(capsys, tmp_path):
+    assert "exactly one of --workdir" in cli_error(capsys, "--prompt=a")
+    assert "no config.json" in cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a")
+    assert "has no config.json" in cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"vocab_size": 300}}))
+    assert "has no checkpoint" in cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
+
+
+def test_real_process_exits_2_without_traceback():
+    directory = gpt2_checkpoint("gpt2_a")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "transformer_jax.generate",
+            f"--hf_checkpoint={directory}",
+            "--prompt=a",
+            "--decoding=sample",
+            "--top_p=0",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "error: --top_p=0.0: must be in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- training workdirs
+
+
+def _tiny_workdir(directory):
+    """A workdir as training leaves it: config.json, tokenizer.model, one params checkpoint."""
+    import flax.linen as nn
+    import jax
+    import orbax.checkpoint as ocp
+
+    import transformer_jax as tj
+    from transformer_jax.data import Tokenizer
+    from transformer_jax.data.tokenizer import TokenizerSettings
+    from transformer_jax.params import build_model, dummy_inputs
+
+    tokenizer = Tokenizer.train(
+        ["the tired engineer drank the cold coffee"] * 50, TokenizerSettings(vocab_size=300)
+    )
+    tokenizer.save(os.path.join(directory, "tokenizer.model"))
+    config = tj.presets.tiny(vocab_size=tokenizer.vocab_size, num_encoder_layers=0, max_len=32)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"model": config.to_dict(), "seed": 0}, f)
+    params = build_model(config).init(jax.random.key(0), *dummy_inputs(config))["params"]
+    params = jax.tree.map(lambda x: x * 8.0, nn.unbox(params))  # spread out, so outputs vary
+    manager = ocp.CheckpointManager(
+        os.path.join(directory, "checkpoints"),
+        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
+    )
+    manager.save(7, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
+    manager.wait_until_finished()
+    manager.close()
+    return config, params, tokenizer
+
+
+def test_workdir_generation_equals_the_library(tmp_path):
+    from transformer_jax.decoding import generate, model_steps, pad_prompts
+    from transformer_jax.modeling import init_cache
+    from transformer_jax.params import build_model
+
+    config, params, tokenizer = _tiny_workdir(str(tmp_path))
+    lines = run_cli(f"--workdir={tmp_path}", "--prompt=the tired engineer", "--max_new_tokens=10")
+    tokens, lengths = pad_prompts([tokenizer.encode("the tired engineer")])
+    cache = init_cache(config, 1, tokens.shape[1] + 10)
+    out = generate(
+        model_steps.LMStep(build_model(config)),
+        params,
+        cache,
+        tokens,
+        lengths,
+        max_new_tokens=10,
+        eos_id=config.eos_id,
+    )
+    ids = np.asarray(out.tokens[0, : int(out.lengths[0])]).tolist()
+    assert lines == [tokenizer.decode([i for i in ids if i != config.eos_id])]
