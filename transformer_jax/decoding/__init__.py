@@ -11,6 +11,15 @@ all have the batch as their leading axis. ``model_steps`` builds step functions 
 """
 
 from transformer_jax.decoding.beam_search import BeamOutput, beam_search, length_penalty
+from transformer_jax.decoding.model_steps import (
+    LMStep,
+    RecomputeLMStep,
+    Seq2SeqStep,
+    encode_source,
+    lm_step_fn,
+    recompute_cache,
+    seq2seq_step_fn,
+)
 from transformer_jax.decoding.sampling import (
     GenerateOutput,
     SamplingConfig,
@@ -24,12 +33,19 @@ from transformer_jax.decoding.sampling import (
 __all__ = [
     "BeamOutput",
     "GenerateOutput",
+    "LMStep",
+    "RecomputeLMStep",
     "SamplingConfig",
+    "Seq2SeqStep",
     "StepFn",
     "beam_search",
     "bucket_length",
+    "encode_source",
     "generate",
     "length_penalty",
+    "lm_step_fn",
     "pad_prompts",
     "pad_to_bucket",
+    "recompute_cache",
+    "seq2seq_step_fn",
 ]

@@ -184,7 +184,8 @@ def beam_search(
       prompt_tokens: int32 [B, P], right-padded. For translation, the decoder start token (P = 1).
       prompt_lengths: int32 [B], each in [1, P].
       max_new_tokens: T (the paper uses source length + 50).
-      beam_size: K (the paper uses 4). Needs a vocabulary of at least 2K tokens.
+      beam_size: K (the paper uses 4). When fewer than K distinct hypotheses exist (tiny
+        vocabularies), the missing ones come back with scores of about -1e30.
       alpha: length-penalty exponent, >= 0 (the paper uses 0.6; 0 ranks by log-probability).
       eos_id: ends a hypothesis; None: every hypothesis runs to T tokens.
       pad_id: written after EOS.

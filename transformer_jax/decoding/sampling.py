@@ -227,34 +227,31 @@ def _generate_jit(
     # Prefill: the whole (right-padded) prompt in one call; row b's next-token logits sit at
     # position prompt_lengths[b] - 1.
     logits, cache = step_fn(params, prompt_tokens, cache, prompt_lengths)
-    rng, key = jax.random.split(rng)
-    first, first_logprob = choose(_last_valid(logits, prompt_lengths), key, jnp.int32(0))
-    done = jnp.zeros((batch,), bool) if eos_id is None else first == eos_id
+    logits = _last_valid(logits, prompt_lengths).astype(jnp.float32)
     ones = jnp.ones((batch,), jnp.int32)
 
-    def decode_one(carry):
-        cache, last, rng, done, step = carry
-        logits, cache = step_fn(params, last[:, None], cache, ones)
+    # Each scan step picks a token from the carried next-token logits [B, V] (only the latest, never
+    # one per step), then runs the model on it. Token choice is traced once, which halves the
+    # compile time of sampling; the model is skipped after the last step or once every row is done.
+    def body(carry, _):
+        cache, logits, rng, done, step = carry
         rng, key = jax.random.split(rng)
-        token, logprob = choose(logits[:, 0], key, step)
+        token, logprob = choose(logits, key, step)
         token = jnp.where(done, pad_id, token)
         logprob = jnp.where(done, 0.0, logprob)
-        new_done = done if eos_id is None else done | (token == eos_id)
-        return (cache, token, rng, new_done, step + 1), (token, logprob)
+        done = done if eos_id is None else done | (token == eos_id)
 
-    def skip(carry):
-        # Every row has finished: emit padding without running the model.
-        cache, last, rng, done, step = carry
-        pad = jnp.full((batch,), pad_id, jnp.int32)
-        return (cache, pad, rng, done, step + 1), (pad, jnp.zeros((batch,), jnp.float32))
+        def advance(cache):
+            new_logits, cache = step_fn(params, token[:, None], cache, ones)
+            return new_logits[:, 0].astype(jnp.float32), cache
 
-    def body(carry, _):
-        return jax.lax.cond(jnp.all(carry[3]), skip, decode_one, carry)
+        finished = jnp.all(done) | (step == max_new_tokens - 1)
+        logits, cache = jax.lax.cond(finished, lambda cache: (logits, cache), advance, cache)
+        return (cache, logits, rng, done, step + 1), (token, logprob)
 
-    carry = (cache, first, rng, done, jnp.int32(1))
-    _, (rest, rest_logprobs) = jax.lax.scan(body, carry, None, length=max_new_tokens - 1)
-    tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
-    logprobs = jnp.concatenate([first_logprob[:, None], rest_logprobs.T], axis=1)
+    carry = (cache, logits, rng, jnp.zeros((batch,), bool), jnp.int32(0))
+    _, (tokens, logprobs) = jax.lax.scan(body, carry, None, length=max_new_tokens)
+    tokens, logprobs = tokens.T, logprobs.T
     return GenerateOutput(tokens, _lengths(tokens, eos_id), logprobs)
 
 
