@@ -84,16 +84,16 @@ def test_marian_translation_matches_transformers():
 
 def test_input_file_batches_keep_input_order(tmp_path):
     directory = gpt2_checkpoint("gpt2_a")
-    texts = ["the cold coffee", "a", "your cat is a great cat and the box", "hello there", "the table"] * 2
+    texts = ["the cold coffee", "a", "your cat is a great cat and the box", "hello there"] * 2
     (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
     common = (f"--hf_checkpoint={directory}", "--max_new_tokens=6")
     batched = run_cli(*common, f"--input_file={tmp_path / 'in.txt'}", "--batch_size=3")
-    one_by_one = [run_cli(*common, f"--prompt={t}")[0] for t in texts[:5]]
+    one_by_one = [run_cli(*common, f"--prompt={t}")[0] for t in texts[:4]]
     assert batched == one_by_one * 2
 
 
 def test_sampling_is_seeded_and_beam_runs():
-    directory = marian_checkpoint("marian_relu")
+    directory = marian_checkpoint("marian_swish")
     common = (f"--hf_checkpoint={directory}", "--prompt=the cat", "--prompt=a box", "--max_new_tokens=8")
     sample = (*common, "--decoding=sample", "--temperature=1.5", "--top_k=20", "--top_p=0.9")
     assert run_cli(*sample, "--seed=3") == run_cli(*sample, "--seed=3")
