@@ -9,6 +9,7 @@ Importing has no side effects: no devices are touched, no files are written.
 
 from transformer_jax import presets
 from transformer_jax.config import ConfigError, ModelConfig
+from transformer_jax.convert import load_hf_checkpoint
 from transformer_jax.modeling import KVCache, Transformer, TransformerLM, init_cache
 from transformer_jax.params import count_params
 
@@ -22,5 +23,6 @@ __all__ = [
     "TransformerLM",
     "count_params",
     "init_cache",
+    "load_hf_checkpoint",
     "presets",
 ]
