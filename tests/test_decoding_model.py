@@ -77,21 +77,28 @@ def _check_against_full_forward(logp, prompt_len, generated, step_logprobs, gree
 
 
 def test_lm_cached_step_logits_equal_full_forward(lm):
+    """Prefill of a ragged batch, then three one-token steps: all next-token log-probabilities
+    [V] equal those of one cache-free pass over the whole sequence, to 1e-5."""
     model, params = lm
-    step = jax.jit(LMStep(model))
+    step = LMStep(model)
+    extra = np.array([[31, 32, 33], [40, 0, 41], [50, 51, 52]], np.int32)  # [B, 3] appended tokens
+
+    @jax.jit
+    def cached(params, tokens, lengths):
+        logits, cache = step(params, tokens, tj.init_cache(CONFIG, 3, 16), lengths)
+        out = [jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]]
+        for i in range(extra.shape[1]):
+            logits, cache = step(params, jnp.asarray(extra[:, i : i + 1]), cache, jnp.ones(3, jnp.int32))
+            out.append(logits[:, 0])
+        return jax.nn.log_softmax(jnp.stack(out, axis=1), axis=-1)  # [B, 4, V]
+
     tokens, lengths = pad_prompts(PROMPTS)
-    cache = tj.init_cache(CONFIG, 3, 16)
-    logits, cache = step(params, jnp.asarray(tokens), cache, jnp.asarray(lengths))
-    seqs = [list(p) for p in PROMPTS]
-    for _ in range(3):
-        full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0], [len(s) for s in seqs])
-        for row, seq in enumerate(seqs):
-            here = logits[row, len(PROMPTS[row]) - 1 if len(seq) == len(PROMPTS[row]) else 0]
-            np.testing.assert_allclose(jax.nn.log_softmax(here), full[row, len(seq) - 1], atol=1e-5)
-        nxt = jnp.asarray([[31 + row] for row in range(3)], jnp.int32)
-        for row in range(3):
-            seqs[row].append(31 + row)
-        logits, cache = step(params, nxt, cache, jnp.ones(3, jnp.int32))
+    got = np.asarray(cached(params, tokens, lengths))
+    seqs = [p + extra[row].tolist() for row, p in enumerate(PROMPTS)]
+    full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0], [len(s) for s in seqs])
+    for row, prompt in enumerate(PROMPTS):
+        want = full[row, len(prompt) - 1 : len(prompt) + extra.shape[1]]
+        np.testing.assert_allclose(got[row], want, atol=1e-5)
 
 
 def test_lm_decoding_equals_full_recomputation(lm):
