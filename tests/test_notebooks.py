@@ -1,0 +1,67 @@
+"""Executes every notebook in notebooks/ top to bottom, headless, in small mode; fails on any error.
+
+Each notebook runs in a fresh Jupyter kernel (nbclient, kernel 'python3': ipykernel's native kernel
+on this interpreter when no kernelspec is installed) with
+``TJ_NOTEBOOK_SMALL=1``, the repository on ``PYTHONPATH`` and a temporary working directory shared
+by the notebooks of one session (so 02 reuses the model 01 trained, as a user's would). The kernels
+get one CPU device: the 8 simulated devices of conftest.py are removed from ``XLA_FLAGS``
+(04_scaling_out sets its own before importing jax). Outputs are never written back.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+CELL_TIMEOUT_S = 600
+
+
+def _kernel_env(tmp: pathlib.Path) -> dict[str, str]:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["TJ_NOTEBOOK_SMALL"] = "1"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["TFDS_DATA_DIR"] = str(tmp / "tensorflow_datasets")
+    env.pop("MPLBACKEND", None)  # the kernel's inline backend, as in Jupyter
+    return env
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("notebooks")
+
+
+def test_notebooks_exist():
+    names = [p.name for p in NOTEBOOKS]
+    assert names == ["01_quickstart.ipynb", "02_anatomy_of_attention.ipynb", "03_generation.ipynb",
+                     "04_scaling_out.ipynb"], names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path: pathlib.Path, workdir: pathlib.Path, monkeypatch):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:  # outputs are stripped before committing
+        assert cell.cell_type != "code" or not cell.get("outputs"), f"{path.name} has saved outputs"
+    env = _kernel_env(workdir)
+    for key, value in env.items():  # the kernel inherits the environment of this process
+        monkeypatch.setenv(key, value)
+    for key in set(os.environ) - set(env):
+        monkeypatch.delenv(key)
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(workdir)}})
+    start = time.time()
+    client.execute()
+    print(f"{path.name}: {time.time() - start:.1f} s")
