@@ -82,8 +82,10 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
     return out
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
     """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates.
+
+    ``mesh`` overrides ``config.mesh`` (e.g. a mesh over some of the devices).
 
     Returns the final metrics: the last training summary, validation loss/perplexity/accuracy,
     and for translation BLEU and exact match on ``config.test_split``.
@@ -92,7 +94,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     check_config(config)
     if config.compilation_cache:
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
-    mesh = parallel.mesh_from_config(config.mesh)
+    mesh = parallel.mesh_from_config(config.mesh) if mesh is None else mesh
     parallel.check_batch_divisible(config.dataset.batch_size, mesh)
     parallel.check_batch_divisible(config.dataset.eval_batch_size, mesh)
     model_cfg = ModelConfig.from_dict(config.model.to_dict())

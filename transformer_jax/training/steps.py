@@ -84,7 +84,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
     new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
                               opt_state=keep(opt_state, state.opt_state))
     metrics = losses.normalize_metrics(loss_sum, weight_sum, aux)
-    metrics.update(grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step),
+    metrics.update(grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
                    finite=finite.astype(jnp.float32))
     return new_state, metrics
 

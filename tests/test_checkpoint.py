@@ -1,0 +1,193 @@
+"""Checkpoints: exact resume (in-process restart, SIGKILL, SIGTERM), restore onto another mesh or
+device count, restore_for_inference, and checkpoint averaging."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from transformer_jax import parallel
+from transformer_jax.training import average_checkpoints, restore_for_inference, train_and_evaluate
+from transformer_jax.training.checkpoint import Checkpointer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def tiny_config(data_dir, **overrides):
+    config = tiny.get_config()
+    config.dataset.data_dir = data_dir
+    config.compilation_cache = False
+    config.num_train_steps = STEPS
+    config.log_every_steps = 1
+    config.eval_every_steps = 100
+    config.checkpoint_every_steps = 5
+    config.model.dropout_rate = 0.1  # the dropout key must resume exactly too
+    config.update(overrides)
+    return config
+
+
+def train_losses(workdir):
+    import json
+
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    """An uninterrupted run: {step: loss} and its workdir."""
+    workdir = str(tmp_path_factory.mktemp("reference"))
+    train_and_evaluate(tiny_config(data_dir), workdir)
+    return train_losses(workdir), workdir
+
+
+def test_restart_resumes_bit_for_bit(data_dir, tmp_path, reference):
+    workdir = str(tmp_path / "w")
+    train_and_evaluate(tiny_config(data_dir, num_train_steps=10), workdir)
+    assert Checkpointer(workdir).latest_step() == 10
+    final = train_and_evaluate(tiny_config(data_dir), workdir)
+    assert final["step"] == STEPS
+    assert train_losses(workdir) == reference[0]  # exact equality, steps 1..20
+
+
+def _train_py(workdir, data_dir, steps=STEPS, extra=()):
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    args = [
+        sys.executable,
+        os.path.join(REPO, "train.py"),
+        "--config=" + os.path.join(REPO, "configs/tiny.py"),
+        f"--workdir={workdir}",
+        f"--config.dataset.data_dir={data_dir}",
+        f"--config.num_train_steps={steps}",
+        "--config.log_every_steps=1",
+        "--config.checkpoint_every_steps=5",
+        "--config.eval_every_steps=100",
+        "--config.model.dropout_rate=0.1",
+        "--config.compilation_cache=False",
+        *extra,
+    ]
+    return subprocess.Popen(
+        args, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _wait_for_step(workdir, step, proc, timeout=240):
+    path = os.path.join(workdir, "metrics.jsonl")
+    start = time.time()
+    while time.time() - start < timeout:
+        if proc.poll() is not None:
+            raise AssertionError("train.py ended early:\n" + proc.stdout.read()[-3000:])
+        if os.path.exists(path):
+            with open(path) as f:
+                if any(f'"step": {step},' in line for line in f):
+                    return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_process_resumes_exactly(data_dir, tmp_path, reference, sig):
+    workdir = str(tmp_path / "w")
+    # A long run, so that the signal surely arrives mid-training; the schedule is constant, so
+    # the losses of the first 20 steps do not depend on num_train_steps.
+    # Evaluating 300 examples after every step slows it down, so that the signal arrives well
+    # before step 20 (evaluation does not touch the train state).
+    proc = _train_py(
+        workdir,
+        data_dir,
+        steps=100000,
+        extra=["--config.eval_every_steps=1", "--config.dataset.max_eval_examples=300"],
+    )
+    _wait_for_step(workdir, 7, proc)
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", "5")):
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=120)[0]
+    saved = Checkpointer(workdir).latest_step()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 0, out[-3000:]
+        assert "Stopped by SIGTERM" in out
+        assert saved >= 7 and saved == max(train_losses(workdir))  # saved where it stopped
+    else:
+        assert proc.returncode == -signal.SIGKILL and saved >= 5
+    assert saved < STEPS, f"the signal came too late (step {saved}); the machine is very slow"
+    train_and_evaluate(tiny_config(data_dir), workdir)
+    assert train_losses(workdir) == reference[0]
+
+
+def test_restore_on_another_mesh_and_device_count(data_dir, tmp_path, reference):
+    workdir = str(tmp_path / "w")
+    sharded = parallel.create_mesh(data=2, fsdp=2, tensor=2)
+    train_and_evaluate(tiny_config(data_dir, num_train_steps=10), workdir, mesh=sharded)
+    one = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
+    final = train_and_evaluate(tiny_config(data_dir), workdir, mesh=one)  # resume on 1 device
+    assert final["step"] == STEPS
+    np.testing.assert_allclose(
+        [train_losses(workdir)[s] for s in range(1, STEPS + 1)],
+        [reference[0][s] for s in range(1, STEPS + 1)],
+        rtol=2e-5,
+    )
+    on_one = restore_for_inference(workdir, mesh=one)
+    on_all = restore_for_inference(workdir, mesh=parallel.create_mesh(data=1, fsdp=4, tensor=2))
+    assert on_one.step == STEPS and on_one.tokenizer.vocab_size == 320
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), on_one.params, on_all.params
+    )
+
+
+def test_restore_for_inference_without_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match=str(tmp_path)):
+        restore_for_inference(str(tmp_path))
+
+
+def test_average_checkpoints(reference, tmp_path):
+    workdir = reference[1]
+    steps = Checkpointer(workdir).all_steps()
+    assert steps[-2:] == [15, 20]
+    out = average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / "avg"))
+    averaged = restore_for_inference(out)
+    last = restore_for_inference(workdir, step=20).params
+    before = restore_for_inference(workdir, step=15).params
+    assert averaged.step == 20
+    jax.tree.map(
+        lambda a, x, y: np.testing.assert_allclose(
+            a, (np.asarray(x) + np.asarray(y)) / 2, rtol=1e-6, atol=1e-7
+        ),
+        averaged.params,
+        last,
+        before,
+    )
+
+
+def test_average_cli(reference, tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "transformer_jax.training.average",
+            f"--workdir={reference[1]}",
+            "--last=3",
+            f"--output={tmp_path / 'avg3'}",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert restore_for_inference(str(tmp_path / "avg3")).step == 20

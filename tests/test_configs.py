@@ -1,0 +1,56 @@
+"""Every config in configs/ loads, passes the checks, documents its command, and has the right size."""
+
+import glob
+import importlib.util
+import os
+
+import pytest
+
+from transformer_jax.config import ModelConfig
+from transformer_jax.params import count_params
+from transformer_jax.training import check_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_all_configs_are_there():
+    names = {os.path.basename(p)[:-3] for p in CONFIGS}
+    assert {
+        "default",
+        "tiny",
+        "lm_stdlib",
+        "wmt14_ende_base",
+        "wmt14_ende_big",
+        "lm1b",
+        "gpt2_small",
+    } <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p))
+def test_config_is_valid_and_documented(path):
+    module = load(path)
+    config = module.get_config()
+    check_config(config)
+    model = ModelConfig.from_dict(config.model.to_dict())
+    assert model.vocab_size >= config.dataset.vocab_size
+    assert "python train.py" in module.__doc__ or "pytest" in module.__doc__
+    for key in ("data", "fsdp", "tensor"):
+        assert key in config.mesh
+
+
+@pytest.mark.parametrize("name, millions", [("wmt14_ende_base", 63.08), ("wmt14_ende_big", 214.25)])
+def test_paper_sizes(name, millions):
+    config = load(os.path.join(REPO, "configs", f"{name}.py")).get_config()
+    cfg = ModelConfig.from_dict(config.model.to_dict())
+    assert count_params(cfg) / 1e6 == pytest.approx(millions, abs=0.2)
+    opt = config.optimizer
+    assert (opt.b1, opt.b2, opt.eps, opt.warmup_steps, opt.label_smoothing) == (0.9, 0.98, 1e-9, 4000, 0.1)
+    assert opt.schedule == "rsqrt_paper"

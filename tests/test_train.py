@@ -1,0 +1,219 @@
+"""Training: one step, a falling loss, equal losses on 1 device and on data / FSDP / tensor meshes,
+the non-finite guard, config errors, TensorBoard files, and two processes running train.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from transformer_jax import parallel
+from transformer_jax.config import ConfigError, ModelConfig
+from transformer_jax.data import build_datasets
+from transformer_jax.params import build_model
+from transformer_jax.training import loop, metrics, train_and_evaluate
+from transformer_jax.training.optimizer import create_optimizer
+from transformer_jax.training.schedules import create_schedule
+from transformer_jax.training.state import create_train_state
+from transformer_jax.training.steps import settings_from_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def tiny_config(data_dir, **overrides):
+    config = tiny.get_config()
+    config.dataset.data_dir = data_dir
+    config.compilation_cache = False
+    for key, value in overrides.items():
+        target = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    return config
+
+
+def read_jsonl(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(workdir):
+    """{step: loss}, the last record of each step (a resumed run logs some steps twice)."""
+    return {r["step"]: r["loss"] for r in read_jsonl(workdir) if "loss" in r}
+
+
+def _pieces(config, data_dir, tmp_path, mesh):
+    model_cfg = ModelConfig.from_dict(config.model.to_dict())
+    model = build_model(model_cfg)
+    tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
+    schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
+    state, shardings = create_train_state(model, tx, mesh, config.seed)
+    step, _ = loop._compile_steps(model, tx, schedule, settings_from_config(config), shardings, mesh)
+    return state, step
+
+
+def test_one_train_step(data_dir, tmp_path):
+    config = tiny_config(data_dir)
+    data = build_datasets(config.dataset, str(tmp_path))
+    mesh = parallel.create_mesh(data=-1)
+    state, step = _pieces(config, data_dir, tmp_path, mesh)
+    before = jax.device_get(state.params)
+    with parallel.sharding_context(mesh):
+        new, m = step(state, parallel.shard_batch(next(data.train_iter), mesh))
+    m = jax.device_get(m)
+    assert int(new.step) == 1 and m["finite"] == 1.0
+    assert np.isfinite(m["loss"]) and m["loss"] > 0 and m["grad_norm"] > 0 and m["num_tokens"] > 0
+    assert m["learning_rate"] == pytest.approx(3e-3 / 5)  # step 1 of a 5-step warm-up
+    changed = jax.tree.map(lambda a, b: not np.allclose(a, b), before, jax.device_get(new.params))
+    assert all(jax.tree.leaves(changed))
+
+
+def _losses_on(mesh, config, data_dir, tmp_path, batches):
+    state, step = _pieces(config, data_dir, tmp_path, mesh)
+    out = []
+    with parallel.sharding_context(mesh):
+        for batch in batches:
+            state, m = step(state, parallel.shard_batch(batch, mesh))
+            out.append(float(m["loss"]))
+    return out
+
+
+def test_meshes_give_the_same_losses(data_dir, tmp_path):
+    config = tiny_config(data_dir)
+    data = build_datasets(config.dataset, str(tmp_path))
+    batches = [next(data.train_iter) for _ in range(4)]
+    devices = jax.devices()
+    reference = _losses_on(parallel.create_mesh(1, 1, 1, devices[:1]), config, data_dir, tmp_path, batches)
+    assert reference[-1] < reference[0]
+    for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4)]:
+        losses = _losses_on(parallel.create_mesh(*shape), config, data_dir, tmp_path, batches)
+        np.testing.assert_allclose(losses, reference, rtol=2e-5, err_msg=f"mesh {shape}")
+
+
+def test_short_run_loss_falls_and_writes_everything(data_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    config = tiny_config(
+        data_dir,
+        num_train_steps=40,
+        log_every_steps=5,
+        eval_every_steps=20,
+        checkpoint_every_steps=20,
+        test_split="test",
+    )
+    config.dataset.max_eval_examples = 16
+    final = train_and_evaluate(config, workdir)
+    losses = train_losses(workdir)
+    assert losses[40] < 0.7 * losses[5], losses
+    records = read_jsonl(workdir)
+    assert {"learning_rate", "grad_norm", "tokens_per_sec", "accuracy"} <= set(records[0])
+    assert any("eval_loss" in r for r in records) and "test_bleu" in final
+    assert 0.0 <= final["test_exact_match"] <= 1.0 and final["test_examples"] == 16
+    assert final["step"] == 40 and final["eval_loss"] < losses[5]
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["model"]["d_model"] == 32
+    assert os.path.exists(os.path.join(workdir, "tokenizer.model"))
+    (events,) = os.listdir(os.path.join(workdir, "tensorboard"))
+    payloads = metrics.read_events(os.path.join(workdir, "tensorboard", events))
+    assert b"brain.Event:2" in payloads[0] and any(b"eval_loss" in p for p in payloads)
+
+
+def test_tfrecord_checksums():
+    assert metrics.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
+    assert metrics.encode_event(0.0, 5)[:9] == b"\x09" + b"\x00" * 8  # field 1, double 0.0
+    assert metrics.train_flops_per_step(ModelConfig(), 1, 10, 10) > 0
+
+
+def test_non_finite_stops_or_skips(data_dir, tmp_path):
+    config = tiny_config(
+        data_dir, num_train_steps=8, log_every_steps=1, checkpoint_every_steps=2, inject_nan_at_step=5
+    )
+    with pytest.raises(FloatingPointError, match=r"step 5 .*Last good checkpoint: step 4"):
+        train_and_evaluate(config, str(tmp_path / "stop"))
+    config.skip_nonfinite = True
+    final = train_and_evaluate(config, str(tmp_path / "skip"))
+    records = [r for r in read_jsonl(str(tmp_path / "skip")) if "loss" in r]
+    assert np.isnan(records[5]["loss"]) and np.isfinite(final["loss"]) and final["step"] == 8
+    assert final["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("mesh.data", 3, "mesh.data"),
+        ("dataset.batch_size", 12, "dataset.batch_size"),
+        ("model.num_heads", 5, "config.model"),
+        ("optimizer.name", "sgd", "config.optimizer.name"),
+        ("num_train_steps", 0, "config.num_train_steps"),
+        ("optimizer.grad_accum_steps", 3, "grad_accum_steps"),
+    ],
+)
+def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, message):
+    config = tiny_config(data_dir, **{key: value})
+    with pytest.raises(ValueError, match=message):
+        train_and_evaluate(config, str(tmp_path))
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_and_one_restores(data_dir, tmp_path):
+    workdir = str(tmp_path / "multi")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": REPO,
+    }
+    args = [
+        sys.executable,
+        os.path.join(REPO, "train.py"),
+        "--config=" + os.path.join(REPO, "configs/tiny.py"),
+        f"--workdir={workdir}",
+        f"--config.dataset.data_dir={data_dir}",
+        "--config.num_train_steps=4",
+        "--config.checkpoint_every_steps=4",
+        "--config.mesh.fsdp=2",
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+    ]
+    procs = [
+        subprocess.Popen(
+            args + [f"--process_id={i}"],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    assert "2 processes" in outputs[0] and "parameters:" in outputs[0]
+    assert "parameters:" not in outputs[1]  # only process 0 prints and writes logs
+    from transformer_jax.training import restore_for_inference
+
+    bundle = restore_for_inference(workdir)  # one process, 8 devices
+    assert bundle.step == 4 and bundle.model_config.d_model == 32
+    assert len(train_losses(workdir)) >= 1
