@@ -4,7 +4,8 @@
     config = tj.presets.tiny()
     model = tj.TransformerLM(config)
 
-Importing has no side effects: no devices are touched, no files are written.
+The sampler is `tj.decoding.generate` (the name `transformer_jax.generate` is the command-line
+module, `python -m transformer_jax.generate`). Importing has no side effects: no devices are touched, no files are written.
 """
 
 from transformer_jax import decoding, presets
@@ -15,7 +16,6 @@ from transformer_jax.decoding import (
     GenerateOutput,
     SamplingConfig,
     beam_search,
-    generate,
 )
 from transformer_jax.decoding.model_steps import LMStep, Seq2SeqStep, encode_source
 from transformer_jax.modeling import KVCache, Transformer, TransformerLM, init_cache
@@ -38,7 +38,6 @@ __all__ = [
     "count_params",
     "decoding",
     "encode_source",
-    "generate",
     "init_cache",
     "load_hf_checkpoint",
     "presets",
