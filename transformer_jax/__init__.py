@@ -5,7 +5,9 @@
     model = tj.TransformerLM(config)
 
 The sampler is `tj.decoding.generate` (the name `transformer_jax.generate` is the command-line
-module, `python -m transformer_jax.generate`). Importing has no side effects: no devices are touched, no files are written.
+module, `python -m transformer_jax.generate`).
+
+Importing has no side effects: no devices are touched, no files are written.
 """
 
 from transformer_jax import decoding, presets
