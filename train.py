@@ -15,15 +15,19 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file("config", os.path.join(_HERE, "configs", "default.py"),
-                                "Training config file (a get_config() Python file).",
-                                lock_config=False)
+config_flags.DEFINE_config_file(
+    "config",
+    os.path.join(_HERE, "configs", "default.py"),
+    "Training config file (a get_config() Python file).",
+    lock_config=False,
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
-_PROFILE_START = flags.DEFINE_integer("profile_start_step", None,
-                                      "Capture a profiler trace from this step (WORKDIR/profile).")
+_PROFILE_START = flags.DEFINE_integer(
+    "profile_start_step", None, "Capture a profiler trace from this step (WORKDIR/profile)."
+)
 _PROFILE_STEPS = flags.DEFINE_integer("profile_num_steps", None, "Steps to trace.")
 
 
@@ -55,8 +59,13 @@ def main(argv):
     workdir = _WORKDIR.value or _default_workdir()
     final = train_and_evaluate(config, workdir)
     if parallel.is_primary():
-        print("final: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                    for k, v in sorted(final.items())), flush=True)
+        print(
+            "final: "
+            + ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(final.items())
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

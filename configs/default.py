@@ -34,8 +34,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.dataset.eval_batch_size = 256
 
     c.model = dict(
-        vocab_size=c.dataset.vocab_size, d_model=256, num_heads=4, d_ff=1024,
-        num_encoder_layers=3, num_decoder_layers=3, dropout_rate=0.0, max_len=64, norm="post",
+        vocab_size=c.dataset.vocab_size,
+        d_model=256,
+        num_heads=4,
+        d_ff=1024,
+        num_encoder_layers=3,
+        num_decoder_layers=3,
+        dropout_rate=0.0,
+        max_len=64,
+        norm="post",
     )
 
     c.optimizer = default_optimizer_config()

@@ -35,8 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.dataset.max_len = 1024
     c.dataset.batch_size = 64
     c.dataset.eval_batch_size = 64
-    model = presets.gpt2_small(vocab_size=32000, pad_id=0, eos_id=1, bos_id=2, decoder_start_id=2,
-                               dtype="bfloat16")
+    model = presets.gpt2_small(
+        vocab_size=32000, pad_id=0, eos_id=1, bos_id=2, decoder_start_id=2, dtype="bfloat16"
+    )
     c.model = model.to_dict()
     c.optimizer = default_optimizer_config()
     c.optimizer.name = "adamw"

@@ -29,8 +29,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.dataset = default_dataset_config("lm1b")
     c.dataset.max_eval_examples = 10_000
     c.model = dict(
-        vocab_size=c.dataset.vocab_size, d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=0,
-        num_decoder_layers=6, dropout_rate=0.1, max_len=c.dataset.max_len, norm="pre",
+        vocab_size=c.dataset.vocab_size,
+        d_model=512,
+        num_heads=8,
+        d_ff=2048,
+        num_encoder_layers=0,
+        num_decoder_layers=6,
+        dropout_rate=0.1,
+        max_len=c.dataset.max_len,
+        norm="pre",
         dtype="bfloat16",
     )
     c.optimizer = default_optimizer_config()

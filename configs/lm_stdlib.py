@@ -29,9 +29,17 @@ def get_config() -> ml_collections.ConfigDict:
     c.dataset = default_dataset_config("stdlib_lm")
     c.dataset.max_eval_examples = 512
     c.model = dict(
-        vocab_size=c.dataset.vocab_size, d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=0,
-        num_decoder_layers=4, dropout_rate=0.0, max_len=c.dataset.max_len, norm="pre",
-        position="learned", activation="gelu",
+        vocab_size=c.dataset.vocab_size,
+        d_model=256,
+        num_heads=4,
+        d_ff=1024,
+        num_encoder_layers=0,
+        num_decoder_layers=4,
+        dropout_rate=0.0,
+        max_len=c.dataset.max_len,
+        norm="pre",
+        position="learned",
+        activation="gelu",
     )
     c.optimizer = default_optimizer_config()
     c.optimizer.schedule = "cosine"

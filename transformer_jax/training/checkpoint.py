@@ -72,15 +72,27 @@ class Checkpointer:
     eval metric (``keep_best_mode`` 'min' or 'max') instead of the most recent ones.
     """
 
-    def __init__(self, workdir: str, max_to_keep: int | None = 3, keep_best_metric: str = "",
-                 keep_best_mode: str = "min", async_save: bool = True, read_only: bool = False):
+    def __init__(
+        self,
+        workdir: str,
+        max_to_keep: int | None = 3,
+        keep_best_metric: str = "",
+        keep_best_mode: str = "min",
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         if keep_best_mode not in ("min", "max"):
             raise ValueError(f"config.keep_best_mode must be 'min' or 'max', got {keep_best_mode!r}")
         self.keep_best_metric = keep_best_metric
         best_fn = (lambda m: float(m[keep_best_metric])) if keep_best_metric else None
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, best_fn=best_fn, best_mode=keep_best_mode,
-            enable_async_checkpointing=async_save, create=not read_only, read_only=read_only)
+            max_to_keep=max_to_keep,
+            best_fn=best_fn,
+            best_mode=keep_best_mode,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+            read_only=read_only,
+        )
         self.directory = checkpoint_dir(workdir)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -90,20 +102,23 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, state: TrainState, data_iter=None, metrics: dict | None = None,
-             force: bool = False) -> bool:
+    def save(
+        self, state: TrainState, data_iter=None, metrics: dict | None = None, force: bool = False
+    ) -> bool:
         step = int(jax.device_get(state.step))
         if step in self.manager.all_steps():
             return False
-        items = {"params": ocp.args.StandardSave(state.params),
-                 "train": ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state,
-                                                 "rng": state.rng})}
+        items = {
+            "params": ocp.args.StandardSave(state.params),
+            "train": ocp.args.StandardSave(
+                {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+            ),
+        }
         if data_iter is not None:
             items["data"] = checkpoint_args(data_iter)
         if self.keep_best_metric and (not metrics or self.keep_best_metric not in metrics):
             metrics = None  # kept as a checkpoint without metrics
-        saved = self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics,
-                                  force=force)
+        saved = self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=force)
         if saved:
             logging.info("Saving checkpoint %d to %s", step, self.directory)
         return saved
@@ -112,15 +127,24 @@ class Checkpointer:
         """-> TrainState restored onto ``abstract_state``'s shardings (any mesh); ``data_iter``'s
         position is restored in place."""
         step = self.latest_step() if step is None else step
-        train = {"step": abstract_state.step, "opt_state": abstract_state.opt_state,
-                 "rng": abstract_state.rng}
-        items = {"params": ocp.args.StandardRestore(abstract_state.params),
-                 "train": ocp.args.StandardRestore(train)}
+        train = {
+            "step": abstract_state.step,
+            "opt_state": abstract_state.opt_state,
+            "rng": abstract_state.rng,
+        }
+        items = {
+            "params": ocp.args.StandardRestore(abstract_state.params),
+            "train": ocp.args.StandardRestore(train),
+        }
         if data_iter is not None:
             items["data"] = checkpoint_args(data_iter, restore=True)
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return TrainState(step=out["train"]["step"], params=out["params"],
-                          opt_state=out["train"]["opt_state"], rng=out["train"]["rng"])
+        return TrainState(
+            step=out["train"]["step"],
+            params=out["params"],
+            opt_state=out["train"]["opt_state"],
+            rng=out["train"]["rng"],
+        )
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -161,6 +185,13 @@ class PreemptionFlag:
     def restore_handler(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore_handler()
 
 
 # ------------------------------------------------------------------------------------ inference
@@ -179,11 +210,13 @@ def abstract_params(model_config: ModelConfig, mesh):
     """Parameter ShapeDtypeStructs carrying their shardings on ``mesh``."""
     model = build_model(model_config)
     with parallel.sharding_context(mesh):
-        boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                                  *dummy_inputs(model_config))["params"])
+        boxed = jax.eval_shape(
+            lambda: model.init(jax.random.PRNGKey(0), *dummy_inputs(model_config))["params"]
+        )
     shardings = parallel.logical_to_sharding(boxed, mesh)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        nn.unbox(boxed), shardings)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
+    )
 
 
 def _restore_params(directory: str, step: int | None, abstract):
@@ -235,18 +268,21 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
     model_config = ModelConfig.from_dict(dict(config.model))
     mesh = parallel.create_mesh(data=-1)
     abstract = abstract_params(model_config, mesh)
-    manager = ocp.CheckpointManager(checkpoint_dir(workdir),
-                                    options=ocp.CheckpointManagerOptions(read_only=True))
+    manager = ocp.CheckpointManager(
+        checkpoint_dir(workdir), options=ocp.CheckpointManagerOptions(read_only=True)
+    )
     steps = sorted(manager.all_steps())[-last_k:]
     if not steps:
         raise ValueError(f"Workdir {workdir!r} has no checkpoints to average.")
     if len(steps) < last_k:
-        logging.warning("Only %d checkpoints in %s (asked for %d); averaging them all.",
-                        len(steps), workdir, last_k)
+        logging.warning(
+            "Only %d checkpoints in %s (asked for %d); averaging them all.", len(steps), workdir, last_k
+        )
     total = None
     for step in steps:
-        params = manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract)))["params"]
+        params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))[
+            "params"
+        ]
         params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
         total = params if total is None else jax.tree.map(jnp.add, total, params)
     manager.close()
@@ -258,8 +294,9 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
         for name in (CONFIG_FILENAME, "tokenizer.model", "tokenizer.json"):
             if os.path.exists(os.path.join(workdir, name)):
                 shutil.copy(os.path.join(workdir, name), os.path.join(output_workdir, name))
-    out = ocp.CheckpointManager(checkpoint_dir(output_workdir),
-                                options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+    out = ocp.CheckpointManager(
+        checkpoint_dir(output_workdir), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    )
     out.save(steps[-1], args=ocp.args.Composite(params=ocp.args.StandardSave(average)), force=True)
     out.wait_until_finished()
     out.close()

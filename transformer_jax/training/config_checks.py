@@ -9,8 +9,17 @@ from transformer_jax.data import DATASET_NAMES
 from transformer_jax.training.optimizer import OPTIMIZERS
 from transformer_jax.training.schedules import SCHEDULES
 
-REQUIRED = ("seed", "num_train_steps", "eval_every_steps", "checkpoint_every_steps", "log_every_steps",
-            "mesh", "model", "dataset", "optimizer")
+REQUIRED = (
+    "seed",
+    "num_train_steps",
+    "eval_every_steps",
+    "checkpoint_every_steps",
+    "log_every_steps",
+    "mesh",
+    "model",
+    "dataset",
+    "optimizer",
+)
 
 
 def training_defaults() -> ml_collections.ConfigDict:
@@ -58,8 +67,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         _positive_int(config, key)
     unknown = sorted(set(training_defaults()) - set(config))
     if unknown:
-        raise ConfigError(f"config is missing {unknown}; start configs from "
-                          "transformer_jax.training.config_checks.with_defaults")
+        raise ConfigError(
+            f"config is missing {unknown}; start configs from "
+            "transformer_jax.training.config_checks.with_defaults"
+        )
     try:
         ModelConfig.from_dict(config.model.to_dict())
     except (ConfigError, TypeError) as e:
@@ -75,8 +86,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.optimizer.schedule={opt.schedule!r} is not one of {SCHEDULES}")
     _positive_int(opt, "grad_accum_steps")
     if ds.batch_size % opt.grad_accum_steps:
-        raise ConfigError(f"config.dataset.batch_size={ds.batch_size} is not divisible by "
-                          f"config.optimizer.grad_accum_steps={opt.grad_accum_steps}")
+        raise ConfigError(
+            f"config.dataset.batch_size={ds.batch_size} is not divisible by "
+            f"config.optimizer.grad_accum_steps={opt.grad_accum_steps}"
+        )
     if not 0.0 <= opt.label_smoothing < 1.0:
         raise ConfigError(f"config.optimizer.label_smoothing={opt.label_smoothing} must be in [0, 1)")
     for key in ("data", "fsdp", "tensor"):

@@ -70,8 +70,9 @@ def _gather(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def decode_batch(model, params, src, src_segment_ids, *, max_new_tokens: int, beam_size: int = 1,
-                 alpha: float = 0.6) -> jax.Array:
+def decode_batch(
+    model, params, src, src_segment_ids, *, max_new_tokens: int, beam_size: int = 1, alpha: float = 0.6
+) -> jax.Array:
     """Output token ids [B, T] for a global source batch; beam_size 1 = greedy."""
     cfg = model.config
     cache = encode_source(model, params, src, max_new_tokens + 1, src_segment_ids)
@@ -80,25 +81,58 @@ def decode_batch(model, params, src, src_segment_ids, *, max_new_tokens: int, be
     ones = jnp.ones((batch,), jnp.int32)
     step_fn = Seq2SeqStep(model)
     if beam_size > 1:
-        out = beam_search(step_fn, params, cache, start, ones, max_new_tokens=max_new_tokens,
-                          beam_size=beam_size, alpha=alpha, eos_id=cfg.eos_id, pad_id=cfg.pad_id or 0)
+        out = beam_search(
+            step_fn,
+            params,
+            cache,
+            start,
+            ones,
+            max_new_tokens=max_new_tokens,
+            beam_size=beam_size,
+            alpha=alpha,
+            eos_id=cfg.eos_id,
+            pad_id=cfg.pad_id or 0,
+        )
         return out.tokens[:, 0]
-    return generate(step_fn, params, cache, start, ones, max_new_tokens=max_new_tokens,
-                    eos_id=cfg.eos_id, pad_id=cfg.pad_id or 0).tokens
+    return generate(
+        step_fn,
+        params,
+        cache,
+        start,
+        ones,
+        max_new_tokens=max_new_tokens,
+        eos_id=cfg.eos_id,
+        pad_id=cfg.pad_id or 0,
+    ).tokens
 
 
-def translate(model, params, batches: Sequence[dict], tokenizer, mesh, *, max_new_tokens: int,
-              beam_size: int = 1, alpha: float = 0.6) -> Translations:
+def translate(
+    model,
+    params,
+    batches: Sequence[dict],
+    tokenizer,
+    mesh,
+    *,
+    max_new_tokens: int,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+) -> Translations:
     """Decodes every example of ``batches`` (host-local eval batches, one example per row);
     the result holds all processes' examples, in order, on every process."""
     sources, references, hypotheses = [], [], []
     with parallel.sharding_context(mesh):
         for batch in batches:
-            glob = to_global_batch({k: batch[k] for k in ("inputs", "inputs_segment_ids", "targets")},
-                                   mesh)
+            glob = to_global_batch({k: batch[k] for k in ("inputs", "inputs_segment_ids", "targets")}, mesh)
             # One example per row, right-padded: padding is inferred from pad ids.
-            tokens = decode_batch(model, params, glob["inputs"], None,
-                                  max_new_tokens=max_new_tokens, beam_size=beam_size, alpha=alpha)
+            tokens = decode_batch(
+                model,
+                params,
+                glob["inputs"],
+                None,
+                max_new_tokens=max_new_tokens,
+                beam_size=beam_size,
+                alpha=alpha,
+            )
             src, tgt, seg = (_gather(glob[k]) for k in ("inputs", "targets", "inputs_segment_ids"))
             real = seg[:, 0] > 0
             out = _gather(tokens)[real]

@@ -40,12 +40,16 @@ def _say(text: str) -> None:
 
 def _compile_steps(model, tx, schedule, settings, shardings, mesh):
     batch_sharding = parallel.batch_sharding(mesh)
-    train = jax.jit(lambda s, b: steps.train_step(s, b, model=model, tx=tx, schedule=schedule,
-                                                  settings=settings),
-                    in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
-                    donate_argnums=0)
-    evaluate_fn = jax.jit(lambda p, b: steps.eval_step(p, b, model=model, settings=settings),
-                          in_shardings=(shardings.params, batch_sharding))
+    train = jax.jit(
+        lambda s, b: steps.train_step(s, b, model=model, tx=tx, schedule=schedule, settings=settings),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+    evaluate_fn = jax.jit(
+        lambda p, b: steps.eval_step(p, b, model=model, settings=settings),
+        in_shardings=(shardings.params, batch_sharding),
+    )
     return train, evaluate_fn
 
 
@@ -70,15 +74,28 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
     dataset_cfg.eval_split = split
     batches = build_datasets(dataset_cfg, workdir).eval_batches
     start = time.time()
-    result = evaluate.translate(model, params, batches, data.tokenizer, mesh,
-                                max_new_tokens=config.decode_max_len or config.dataset.max_target_len,
-                                beam_size=config.beam_size, alpha=config.beam_alpha)
-    out = {f"{split}_bleu": result.bleu(), f"{split}_exact_match": result.exact_match,
-           f"{split}_examples": len(result.references), f"{split}_decode_seconds": time.time() - start}
-    log.message(f"step {step} {split}: BLEU {out[f'{split}_bleu']:.2f}, exact match "
-                f"{100 * result.exact_match:.1f}% of {len(result.references)} "
-                f"({'beam ' + str(config.beam_size) if config.beam_size > 1 else 'greedy'})\n"
-                + result.examples(config.num_printed_examples))
+    result = evaluate.translate(
+        model,
+        params,
+        batches,
+        data.tokenizer,
+        mesh,
+        max_new_tokens=config.decode_max_len or config.dataset.max_target_len,
+        beam_size=config.beam_size,
+        alpha=config.beam_alpha,
+    )
+    out = {
+        f"{split}_bleu": result.bleu(),
+        f"{split}_exact_match": result.exact_match,
+        f"{split}_examples": len(result.references),
+        f"{split}_decode_seconds": time.time() - start,
+    }
+    log.message(
+        f"step {step} {split}: BLEU {out[f'{split}_bleu']:.2f}, exact match "
+        f"{100 * result.exact_match:.1f}% of {len(result.references)} "
+        f"({'beam ' + str(config.beam_size) if config.beam_size > 1 else 'greedy'})\n"
+        + result.examples(config.num_printed_examples)
+    )
     return out
 
 
@@ -103,15 +120,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     # --- data --------------------------------------------------------------------------------
     data = build_datasets(config.dataset, workdir)
     if data.tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
-                         f"tokenizer's {data.tokenizer.vocab_size} tokens (dataset.vocab_size).")
+        raise ValueError(
+            f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
+            f"tokenizer's {data.tokenizer.vocab_size} tokens (dataset.vocab_size)."
+        )
     ckpt_lib.save_config(config, workdir)
 
     # --- state: fresh, or resumed from the latest checkpoint ----------------------------------
     schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
     tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
-    checkpointer = ckpt_lib.Checkpointer(workdir, config.max_checkpoints_to_keep,
-                                         config.keep_best_metric, config.keep_best_mode)
+    checkpointer = ckpt_lib.Checkpointer(
+        workdir, config.max_checkpoints_to_keep, config.keep_best_metric, config.keep_best_mode
+    )
     abstract, shardings = state_shardings(model, tx, mesh, config.seed)
     if checkpointer.latest_step() is not None:
         state = checkpointer.restore(abstract, data.train_iter)
@@ -119,29 +139,39 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     else:
         state, _ = create_train_state(model, tx, mesh, config.seed)
     start_step = int(jax.device_get(state.step))
-    _say(f"config:\n{config}\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
-         f"({jax.devices()[0].device_kind}), processes: {jax.process_count()}\n"
-         f"parameters: {count_params(state.params):,}\ntrain examples: {data.train_size:,}, "
-         f"eval examples: {data.eval_size:,}, vocabulary: {data.tokenizer.vocab_size}")
+    _say(
+        f"config:\n{config}\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
+        f"({jax.devices()[0].device_kind}), processes: {jax.process_count()}\n"
+        f"parameters: {count_params(state.params):,}\ntrain examples: {data.train_size:,}, "
+        f"eval examples: {data.eval_size:,}, vocabulary: {data.tokenizer.vocab_size}"
+    )
 
     # --- compiled steps ---------------------------------------------------------------------
     settings = steps.settings_from_config(config)
     train_step, eval_step = _compile_steps(model, tx, schedule, settings, shardings, mesh)
     ds = config.dataset
-    flops = metrics_lib.train_flops_per_step(model_cfg, ds.batch_size, ds.max_target_len
-                                             if data.is_translation else ds.max_len,
-                                             ds.max_source_len if data.is_translation else 0)
+    flops = metrics_lib.train_flops_per_step(
+        model_cfg,
+        ds.batch_size,
+        ds.max_target_len if data.is_translation else ds.max_len,
+        ds.max_source_len if data.is_translation else 0,
+    )
     peak = metrics_lib.peak_tflops_per_device(config.peak_tflops)
-    log = metrics_lib.MetricsLogger(workdir, config.num_train_steps, start_step,
-                                    use_wandb=config.use_wandb, config=config,
-                                    progress=config.progress_bar)
+    log = metrics_lib.MetricsLogger(
+        workdir,
+        config.num_train_steps,
+        start_step,
+        use_wandb=config.use_wandb,
+        config=config,
+        progress=config.progress_bar,
+    )
     preemption = ckpt_lib.PreemptionFlag()
 
     # --- the loop ---------------------------------------------------------------------------
     history, tokens, skipped, summary, eval_metrics = [], 0, 0, {}, {}
     last_log, pending = time.time(), None
     profile_dir = os.path.join(workdir, "profile")
-    with parallel.sharding_context(mesh):
+    with parallel.sharding_context(mesh), preemption:
         for step in range(start_step, config.num_train_steps):
             if step == config.profile_start_step:
                 jax.profiler.start_trace(profile_dir)
@@ -183,12 +213,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     checkpointer.wait()
     final = {**summary, **eval_metrics, "step": int(jax.device_get(state.step))}
     if data.is_translation and final["step"] == config.num_train_steps and config.test_split:
-        final.update(_translation_eval(config, workdir, model, state.params, data, mesh,
-                                       config.test_split, log, final["step"]))
+        final.update(
+            _translation_eval(
+                config, workdir, model, state.params, data, mesh, config.test_split, log, final["step"]
+            )
+        )
         log.write(final["step"], {k: v for k, v in final.items() if k.startswith(config.test_split)})
     checkpointer.close()
     log.close()
-    preemption.restore_handler()
     return final
 
 
@@ -202,4 +234,5 @@ def _non_finite(config, step: int, checkpointer, log) -> int:
     where = f"step {last} in {checkpointer.directory}" if last is not None else "none yet"
     raise FloatingPointError(
         f"Non-finite loss or gradients at step {step} (0-based). Last good checkpoint: {where}. "
-        "Lower the learning rate, enable optimizer.grad_clip_norm, or set config.skip_nonfinite=True.")
+        "Lower the learning rate, enable optimizer.grad_clip_norm, or set config.skip_nonfinite=True."
+    )

@@ -67,17 +67,20 @@ def _length_delimited(number: int, data: bytes) -> bytes:
     return _field(number, 2, _varint(len(data)) + data)
 
 
-def encode_event(wall_time: float, step: int, *, scalars: dict[str, float] | None = None,
-                 file_version: str | None = None) -> bytes:
+def encode_event(
+    wall_time: float, step: int, *, scalars: dict[str, float] | None = None, file_version: str | None = None
+) -> bytes:
     """An ``Event`` proto: wall_time=1 (double), step=2 (int64), file_version=3, summary=5."""
     out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
     if file_version is not None:
         out += _length_delimited(3, file_version.encode())
     if scalars:
         values = b"".join(
-            _length_delimited(1, _length_delimited(1, tag.encode())
-                              + _field(2, 5, struct.pack("<f", float(value))))
-            for tag, value in scalars.items())
+            _length_delimited(
+                1, _length_delimited(1, tag.encode()) + _field(2, 5, struct.pack("<f", float(value)))
+            )
+            for tag, value in scalars.items()
+        )
         out += _length_delimited(5, values)
     return out
 
@@ -115,9 +118,9 @@ def read_events(path: str) -> list[bytes]:
     while pos < len(data):
         (length,) = struct.unpack_from("<Q", data, pos)
         (crc,) = struct.unpack_from("<I", data, pos + 8)
-        if crc != _masked_crc(data[pos:pos + 8]):
+        if crc != _masked_crc(data[pos : pos + 8]):
             raise ValueError("bad length checksum")
-        payload = data[pos + 12:pos + 12 + length]
+        payload = data[pos + 12 : pos + 12 + length]
         (crc,) = struct.unpack_from("<I", data, pos + 12 + length)
         if crc != _masked_crc(payload):
             raise ValueError("bad payload checksum")
@@ -129,8 +132,14 @@ def read_events(path: str) -> list[bytes]:
 # ------------------------------------------------------------------------------------ MFU
 
 PEAK_TFLOPS = {  # dense bf16 per device, from the vendors' data sheets
-    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0,
-    "NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0,
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0,
+    "TPU v5p": 459.0,
+    "TPU v6 lite": 918.0,
+    "NVIDIA H100": 989.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA A100": 312.0,
 }
 
 
@@ -167,8 +176,16 @@ def train_flops_per_step(cfg: ModelConfig, batch_size: int, target_len: int, sou
 class MetricsLogger:
     """Writes logged steps to metrics.jsonl, TensorBoard and (if enabled) W&B; drives the bar."""
 
-    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, *, use_wandb: bool = False,
-                 config: Any = None, progress: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        total_steps: int,
+        start_step: int = 0,
+        *,
+        use_wandb: bool = False,
+        config: Any = None,
+        progress: bool = True,
+    ):
         self.primary = jax.process_index() == 0
         self._bar = self._events = self._wandb = self._jsonl = None
         if not self.primary:
@@ -181,8 +198,14 @@ class MetricsLogger:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                             mininterval=1.0, smoothing=0.1)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=1.0,
+                smoothing=0.1,
+            )
 
     def progress(self, step: int, **values: float) -> None:
         if self._bar is not None:
@@ -232,5 +255,9 @@ def _start_wandb(workdir: str, config: Any):
     except ImportError:
         print("config.use_wandb=True but wandb is not installed (pip install wandb); skipping it.")
         return None
-    return wandb.init(dir=workdir, config=config.to_dict() if config is not None else None,
-                      name=os.path.basename(os.path.abspath(workdir)), resume="allow")
+    return wandb.init(
+        dir=workdir,
+        config=config.to_dict() if config is not None else None,
+        name=os.path.basename(os.path.abspath(workdir)),
+        resume="allow",
+    )

@@ -37,8 +37,9 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seed: int):
     def init():
         params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         params = model.init(params_key, *dummy_inputs(model.config))["params"]
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                          rng=dropout_key)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=dropout_key
+        )
 
     return init
 
@@ -48,8 +49,9 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh, se
     with parallel.sharding_context(mesh):
         boxed = jax.eval_shape(_init_fn(model, tx, seed))
     shardings = parallel.logical_to_sharding(boxed, mesh)
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            nn.unbox(boxed), shardings)
+    abstract = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
+    )
     return abstract, shardings
 
 

@@ -38,20 +38,33 @@ def forward(model: nn.Module, params, batch, *, train: bool, rng=None) -> jax.Ar
     tgt_in = shift_right(batch["targets"], seg, cfg.decoder_start_id)
     rngs = {"dropout": rng} if train and rng is not None else None
     if "inputs" in batch:
-        return model.apply({"params": params}, batch["inputs"], tgt_in,
-                           src_segment_ids=batch["inputs_segment_ids"], tgt_segment_ids=seg,
-                           src_positions=batch["inputs_positions"],
-                           tgt_positions=batch["targets_positions"], deterministic=not train,
-                           rngs=rngs)
-    return model.apply({"params": params}, tgt_in, segment_ids=seg,
-                       positions=batch["targets_positions"], deterministic=not train, rngs=rngs)
+        return model.apply(
+            {"params": params},
+            batch["inputs"],
+            tgt_in,
+            src_segment_ids=batch["inputs_segment_ids"],
+            tgt_segment_ids=seg,
+            src_positions=batch["inputs_positions"],
+            tgt_positions=batch["targets_positions"],
+            deterministic=not train,
+            rngs=rngs,
+        )
+    return model.apply(
+        {"params": params},
+        tgt_in,
+        segment_ids=seg,
+        positions=batch["targets_positions"],
+        deterministic=not train,
+        rngs=rngs,
+    )
 
 
 def _loss_sums(model, settings: StepSettings, params, batch, rng=None, train=True):
     logits = forward(model, params, batch, train=train, rng=rng)
     weights = batch["targets_segment_ids"] > 0
-    loss_sum, weight_sum, aux = losses.cross_entropy(logits, batch["targets"], weights,
-                                                     settings.label_smoothing, settings.z_loss)
+    loss_sum, weight_sum, aux = losses.cross_entropy(
+        logits, batch["targets"], weights, settings.label_smoothing, settings.z_loss
+    )
     return loss_sum, (weight_sum, aux)
 
 
@@ -59,8 +72,15 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
-               tx: optax.GradientTransformation, schedule, settings: StepSettings):
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    schedule,
+    settings: StepSettings,
+):
     """One optimizer update. -> (new state, metrics of this step, as device scalars)."""
     rng = jax.random.fold_in(state.rng, state.step)
 
@@ -69,11 +89,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
         return jax.value_and_grad(fn, has_aux=True)(params)
 
     (loss_sum, (weight_sum, aux)), grads = optimizer.accumulate_gradients(
-        loss_and_grad, state.params, batch, settings.grad_accum_steps, rng)
+        loss_and_grad, state.params, batch, settings.grad_accum_steps, rng
+    )
     if settings.inject_nan_at_step >= 0:
         loss_sum = jnp.where(state.step == settings.inject_nan_at_step, jnp.nan, loss_sum)
-        grads = jax.tree.map(lambda g: jnp.where(state.step == settings.inject_nan_at_step,
-                                                 jnp.nan, g), grads)
+        grads = jax.tree.map(
+            lambda g: jnp.where(state.step == settings.inject_nan_at_step, jnp.nan, g), grads
+        )
     denom = jnp.maximum(weight_sum, 1.0)
     grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -81,11 +103,15 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
     finite = jnp.isfinite(loss_sum) & _all_finite(grads)
     # A non-finite step changes nothing but the step counter (the loop stops or carries on).
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                              opt_state=keep(opt_state, state.opt_state))
+    new_state = state.replace(
+        step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
+    )
     metrics = losses.normalize_metrics(loss_sum, weight_sum, aux)
-    metrics.update(grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
-                   finite=finite.astype(jnp.float32))
+    metrics.update(
+        grad_norm=optax.tree.norm(grads),
+        learning_rate=schedule(state.step),
+        finite=finite.astype(jnp.float32),
+    )
     return new_state, metrics
 
 
@@ -97,7 +123,10 @@ def eval_step(params, batch: dict[str, jax.Array], *, model: nn.Module, settings
 
 def settings_from_config(config) -> StepSettings:
     opt = config.optimizer
-    return StepSettings(label_smoothing=float(opt.label_smoothing), z_loss=float(opt.z_loss),
-                        grad_accum_steps=int(opt.grad_accum_steps),
-                        skip_nonfinite=bool(config.get("skip_nonfinite", False)),
-                        inject_nan_at_step=int(config.get("inject_nan_at_step", -1)))
+    return StepSettings(
+        label_smoothing=float(opt.label_smoothing),
+        z_loss=float(opt.z_loss),
+        grad_accum_steps=int(opt.grad_accum_steps),
+        skip_nonfinite=bool(config.get("skip_nonfinite", False)),
+        inject_nan_at_step=int(config.get("inject_nan_at_step", -1)),
+    )
