@@ -14,8 +14,10 @@ axes only in `transformer_jax.parallel.rules`): 'batch', 'length', 'embed', 'hea
 from transformer_jax.modeling.attention import MultiHeadAttention, dot_product_attention
 from transformer_jax.modeling.blocks import TransformerBlock
 from transformer_jax.modeling.cache import KVCache, init_cache
+from transformer_jax.modeling.chunked_attention import chunked_attention
 from transformer_jax.modeling.layers import Embed, FeedForward
 from transformer_jax.modeling.masks import (
+    AttentionMask,
     causal_mask,
     combine_masks,
     padding_mask,
@@ -23,9 +25,17 @@ from transformer_jax.modeling.masks import (
     shift_right,
 )
 from transformer_jax.modeling.positional import apply_rope, sinusoidal_encoding
-from transformer_jax.modeling.transformer import Decoder, Encoder, Transformer, TransformerLM
+from transformer_jax.modeling.transformer import (
+    Decoder,
+    Encoder,
+    Transformer,
+    TransformerLM,
+    scan_params,
+    unscan_params,
+)
 
 __all__ = [
+    "AttentionMask",
     "Decoder",
     "Embed",
     "Encoder",
@@ -37,11 +47,14 @@ __all__ = [
     "TransformerLM",
     "apply_rope",
     "causal_mask",
+    "chunked_attention",
     "combine_masks",
     "dot_product_attention",
     "init_cache",
     "padding_mask",
+    "scan_params",
     "segment_mask",
     "shift_right",
     "sinusoidal_encoding",
+    "unscan_params",
 ]

@@ -11,6 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.modeling import masks
+from transformer_jax.modeling.chunked_attention import chunked_attention
 from transformer_jax.modeling.positional import apply_rope
 
 _MASKED = -1e30  # finite, so a fully masked row cannot produce inf - inf = NaN
@@ -36,7 +38,8 @@ def _reference_attention(q, k, v, mask, *, dropout_rate, dropout_rng, determinis
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     weights = probs.astype(v.dtype).reshape(B, N, H // N, L, -1)
-    out = jnp.einsum("BNGLS,BSNK->BLNGK", weights, v).reshape(B, L, H, K)
+    out = jnp.einsum("BNGLS,BSNK->BLNGK", weights, v, preferred_element_type=jnp.float32)
+    out = out.astype(v.dtype).reshape(B, L, H, K)
     return out, probs
 
 
@@ -49,14 +52,85 @@ def _fused_attention(q, k, v, mask, implementation):
     return out
 
 
-def resolve_impl(impl: str, *, need_weights: bool, dropout_active: bool) -> str:
-    """The backend that will run: 'auto' picks cuDNN on GPU, XLA elsewhere; the reference path
-    whenever attention weights or attention dropout are needed."""
+# Above this many query x key pairs 'auto' on CPU switches to the chunked kernel: the dense
+# backends hold B*H*L*S float32 logits (at 8k x 8k, 256 MiB per head and batch row).
+CHUNKED_THRESHOLD = 8192 * 8192
+
+
+def resolve_impl(impl: str, *, need_weights: bool = False, dropout_active: bool = False,
+                 q_length: int = 0, kv_length: int = 0, mask=None) -> str:
+    """The backend that will run.
+
+    'auto' picks cuDNN on GPU, the Pallas flash kernel on TPU (when it supports the mask), and
+    otherwise XLA, or 'chunked' once L*S exceeds `CHUNKED_THRESHOLD`. The reference path runs
+    whenever attention weights or attention dropout are needed.
+    """
     if need_weights or dropout_active:
         return "reference"
-    if impl == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" else "xla"
-    return impl
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "cudnn"
+    if backend == "tpu" and _pallas_tpu_supports(mask, q_length, kv_length):
+        return "flash"
+    return "chunked" if q_length * kv_length > CHUNKED_THRESHOLD else "xla"
+
+
+def _materialize(mask):
+    return mask.materialize() if isinstance(mask, masks.AttentionMask) else mask
+
+
+def _pallas_tpu_supports(mask, q_length, kv_length) -> bool:
+    """The Pallas TPU kernel takes causal (no offset) and segment-id masks, block-aligned lengths."""
+    if q_length % 128 or kv_length % 128:
+        return False
+    if mask is None:
+        return True
+    return (isinstance(mask, masks.AttentionMask) and mask.dense is None and mask.kv_lengths is None
+            and mask.causal_offset is None and mask.kv_limit is None
+            and (mask.q_segment_ids is None or mask.kv_valid is None))
+
+
+def _pallas_tpu_flash(q, k, v, mask):
+    """jax.experimental.pallas.ops.tpu.flash_attention: [B, H, L, K] layout, K/V heads repeated."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+    B, L, H, K = q.shape
+    N = k.shape[2]
+    k, v = (jnp.repeat(x, H // N, axis=2) if N != H else x for x in (k, v))
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    segment_ids, causal, q_valid = None, False, None
+    if mask is not None:
+        causal = mask.causal
+        if mask.q_segment_ids is not None:
+            segment_ids = pallas_flash.SegmentIds(q=mask.q_segment_ids, kv=mask.kv_segment_ids)
+            q_valid = mask.q_segment_ids != 0
+        elif mask.kv_valid is not None:  # key padding as two segments: 1 = real, 0 = padding
+            q_ids = jnp.ones((B, L), jnp.int32)
+            segment_ids = pallas_flash.SegmentIds(q=q_ids, kv=mask.kv_valid.astype(jnp.int32))
+            q_valid = jnp.any(mask.kv_valid, axis=1)[:, None]
+    out = pallas_flash.flash_attention(q, k, v, segment_ids=segment_ids, causal=causal,
+                                       sm_scale=K**-0.5)
+    out = jnp.swapaxes(out, 1, 2)
+    if q_valid is not None:  # rows that see no key: zeros, like every other backend
+        out = out * q_valid[:, :, None, None].astype(out.dtype)
+    return out
+
+
+def _flash_attention(q, k, v, mask):
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return _fused_attention(q, k, v, _materialize(mask), "cudnn")
+    if backend == "tpu":
+        if not _pallas_tpu_supports(mask, q.shape[1], k.shape[1]):
+            raise NotImplementedError(
+                "attention_impl='flash' on TPU takes causal/segment/key-padding masks and lengths "
+                "that are multiples of 128; use 'chunked' or 'xla' for this mask")
+        return _pallas_tpu_flash(q, k, v, mask)
+    raise NotImplementedError(
+        f"attention_impl='flash' needs a TPU (Pallas kernel) or an NVIDIA GPU (cuDNN); this is "
+        f"{backend!r}: use 'chunked' (memory-efficient, pure JAX) or 'xla'")
 
 
 def dot_product_attention(
@@ -65,13 +139,22 @@ def dot_product_attention(
 ):
     """Eq. 1: Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V.
 
-    q: [B, L, H, K]; k, v: [B, S, N, K] (N divides H); mask: bool [B, 1|H, L, S], True = attend.
+    q: [B, L, H, K]; k, v: [B, S, N, K] (N divides H); mask: bool [B, 1|H, L, S] (True = attend)
+    or a `masks.AttentionMask` (its ingredients; the dense backends materialise it, 'chunked' and
+    'flash' compute it tile by tile). impl: 'auto' | 'reference' | 'xla' | 'cudnn' | 'chunked' |
+    'flash' (see `resolve_impl`). A query that sees no key gets a zero output on every backend.
     Returns (out [B, L, H, K], probs [B, H, L, S] float32 or None).
     """
     impl = resolve_impl(
         impl, need_weights=return_weights,
         dropout_active=not deterministic and dropout_rate > 0.0,
+        q_length=q.shape[1], kv_length=k.shape[1], mask=mask,
     )
+    if impl == "chunked":
+        return chunked_attention(q, k, v, mask), None
+    if impl == "flash":
+        return _flash_attention(q, k, v, mask), None
+    mask = _materialize(mask)
     if impl == "reference":
         out, probs = _reference_attention(
             q, k, v, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
@@ -106,14 +189,17 @@ class Projection(nn.Module):
                                               out_axis=tuple(range(n_in, len(shape))))
         kernel = self.param("kernel", nn.with_logical_partitioning(init, self.names), shape,
                             self.param_dtype)
+        # Low-precision inputs, float32 accumulation (and bias add), one rounding at the end: on
+        # CPU and GPU the bf16 x bf16 -> f32 product is also the fast one.
         y = jax.lax.dot_general(x.astype(self.dtype), jnp.asarray(kernel, self.dtype),
-                                ((axis, tuple(range(n_in))), ((), ())))
+                                ((axis, tuple(range(n_in))), ((), ())),
+                                preferred_element_type=jnp.float32)
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                                     self.names[n_in:]),
                               self.features, self.param_dtype)
-            y = y + jnp.asarray(bias, self.dtype)
-        return y
+            y = y + jnp.asarray(bias, jnp.float32)
+        return y.astype(self.dtype)
 
 
 def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name):
@@ -165,7 +251,7 @@ class MultiHeadAttention(nn.Module):
         precomputed_kv=None, cache=None, cache_index=None, deterministic=True,
     ):
         """inputs_q: [B, L, D]; inputs_kv: [B, S, D] for cross-attention (None: self-attention);
-        mask: bool [B, 1, L, S], True = attend.
+        mask: bool [B, 1, L, S] (True = attend) or a `masks.AttentionMask`.
 
         precomputed_kv: (k, v) [B, S, N, K] already projected by `project_kv` (cross-attention
         during decoding: the source's K/V are computed once).

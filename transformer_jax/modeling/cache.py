@@ -17,11 +17,13 @@ from transformer_jax.config import ModelConfig
 class KVCache:
     """Keys and values of every decoder layer for the tokens seen so far.
 
-    layers:  per decoder layer, {'k', 'v'}: [B, S_max, N, K] self-attention keys and values.
+    layers:  per decoder layer, {'k', 'v'}: [B, S_max, N, K] self-attention keys and values; with
+             `scan_layers` one {'k', 'v'} dict of [B, layers, S_max, N, K] (batch still leading).
     lengths: int32 [B]: how many slots of each row hold real tokens. New tokens are written from
              there, so a batch may hold prompts of different lengths.
     cross:   encoder-decoder only: per layer, {'k', 'v'}: [B, S_src, N, K], the source's
-             cross-attention keys and values, computed once when the cache is built.
+             cross-attention keys and values, computed once when the cache is built (scanned:
+             one dict of [B, layers, S_src, N, K]).
     source_mask: encoder-decoder only: bool [B, S_src], True on real source tokens.
     """
 
@@ -32,12 +34,17 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
+        if isinstance(self.layers, dict):  # scanned layout [B, layers, S_max, N, K]
+            return self.layers["k"].shape[2]
         return self.layers[0]["k"].shape[1]
 
 
-def empty_layers(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> tuple:
+def empty_layers(config: ModelConfig, batch_size: int, max_length: int, dtype=None):
     dtype = config.compute_dtype if dtype is None else dtype
     shape = (batch_size, max_length, config.kv_heads, config.qk_dim)
+    if config.scan_layers:
+        shape = (batch_size, config.num_decoder_layers) + shape[1:]
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     return tuple(
         {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
         for _ in range(config.num_decoder_layers)

@@ -35,8 +35,10 @@ class Embed(nn.Module):
         return out * jnp.asarray(self.scale, self.dtype) if self.scale != 1.0 else out
 
     def attend(self, x):
-        """Tied output projection: x [B, L, D] -> logits [B, L, V] (x E^T)."""
-        return jnp.einsum("BLD,VD->BLV", x, jnp.asarray(self.embedding, self.dtype))
+        """Tied output projection: x [B, L, D] -> float32 logits [B, L, V] (x E^T), accumulated in
+        float32 whatever the compute dtype."""
+        return jnp.einsum("BLD,VD->BLV", x, jnp.asarray(self.embedding, self.dtype),
+                          preferred_element_type=jnp.float32)
 
 
 def _activation(name):

@@ -22,33 +22,87 @@ _REMAT_POLICIES = {
 }
 
 
+def _float32_accumulation(*args, **kwargs):
+    return jax.lax.dot_general(*args, **kwargs, preferred_element_type=jnp.float32)
+
+
 def make_embed(config: ModelConfig, name: str) -> Embed:
     scale = config.d_model**0.5 if config.scale_embeddings else 1.0
     return Embed(config.vocab_size, config.d_model, scale=scale, dtype=config.compute_dtype,
                  param_dtype=config.weights_dtype, name=name)
 
 
+class _LayerStep(TransformerBlock):
+    """One block as the body of `nn.scan`: positional arguments only (scan's in_axes are positional)
+    and the carry first. `cross_kv_only` (static) computes the cross-attention K/V of `memory` instead
+    (how a scanned decoder fills its cache)."""
+
+    def __call__(self, x, deterministic, cross_kv_only, self_mask, positions, memory, cross_mask,
+                 cache_index, cross_kv, cache):
+        if cross_kv_only:
+            k, v = self.cross_kv(memory)
+            return x, {"k": k, "v": v}
+        cross = None if cross_kv is None else (cross_kv["k"], cross_kv["v"])
+        return super().__call__(x, deterministic, self_mask=self_mask, positions=positions,
+                                memory=memory, cross_mask=cross_mask, cross_kv=cross, cache=cache,
+                                cache_index=cache_index)
+
+
+def block_kwargs(config: ModelConfig, cross_attention: bool) -> dict:
+    return dict(
+        d_model=config.d_model, num_heads=config.num_heads, head_dim=config.qk_dim,
+        num_kv_heads=config.kv_heads,
+        d_ff=config.d_ff, cross_attention=cross_attention, activation=config.activation,
+        norm=config.norm, norm_type=config.norm_type, norm_eps=config.norm_eps,
+        dropout_rate=config.dropout_rate,
+        attention_dropout_rate=config.attention_dropout_rate,
+        rope_theta=config.rope_theta if config.position == "rope" else None,
+        use_bias=config.use_bias, attention_impl=config.attention_impl,
+        dtype=config.compute_dtype, param_dtype=config.weights_dtype,
+    )
+
+
 def make_blocks(config: ModelConfig, count: int, cross_attention: bool, prefix: str):
+    """`count` blocks named prefix_0.. (a list), or with `config.scan_layers` one `nn.scan` over a
+    single block named 'layers' whose parameters are stacked on a leading 'layers' axis: the step
+    is traced and compiled once, so compile time does not grow with depth."""
+    kwargs = block_kwargs(config, cross_attention)
+    if config.scan_layers:
+        step = _LayerStep
+        if config.remat != "none":
+            # deterministic and cross_kv_only (arguments 2 and 3 after self, x) are Python flags.
+            step = nn.remat(_LayerStep, policy=_REMAT_POLICIES[config.remat], static_argnums=(2, 3),
+                            prevent_cse=False)  # scan already keeps the recomputation in place
+        scanned = nn.scan(
+            step, variable_axes={"params": 0, "intermediates": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast,) * 7 + (1, 1), out_axes=1, length=count,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        return scanned(**kwargs, name="layers")
     block = TransformerBlock
     if config.remat != "none":
         # `deterministic` (argument 2, after self and x) decides Python control flow: static.
         block = nn.remat(TransformerBlock, policy=_REMAT_POLICIES[config.remat],
                          static_argnums=(2,), prevent_cse=True)
-    return [
-        block(
-            d_model=config.d_model, num_heads=config.num_heads, head_dim=config.qk_dim,
-            num_kv_heads=config.kv_heads,
-            d_ff=config.d_ff, cross_attention=cross_attention, activation=config.activation,
-            norm=config.norm, norm_type=config.norm_type, norm_eps=config.norm_eps,
-            dropout_rate=config.dropout_rate,
-            attention_dropout_rate=config.attention_dropout_rate,
-            rope_theta=config.rope_theta if config.position == "rope" else None,
-            use_bias=config.use_bias, attention_impl=config.attention_impl,
-            dtype=config.compute_dtype, param_dtype=config.weights_dtype,
-            name=f"{prefix}_{i}",
-        )
-        for i in range(count)
-    ]
+    return [block(**kwargs, name=f"{prefix}_{i}") for i in range(count)]
+
+
+def run_blocks(blocks, x, deterministic, *, self_mask, positions, memory=None, cross_mask=None,
+               cross_kv=None, caches=None, cache_index=None):
+    """x through every block. Per-layer `cross_kv` / `caches` are tuples of {'k','v'} dicts, or for a
+    scanned stack one dict of [B, layers, ...] arrays. Returns (x, new caches in the same layout)."""
+    if not isinstance(blocks, list | tuple):
+        return blocks(x, deterministic, False, self_mask, positions, memory, cross_mask,
+                      cache_index, cross_kv, caches)
+    new_caches = []
+    for i, block in enumerate(blocks):
+        cross = None if cross_kv is None else (cross_kv[i]["k"], cross_kv[i]["v"])
+        x, cache = block(x, deterministic, self_mask=self_mask, positions=positions, memory=memory,
+                         cross_mask=cross_mask, cross_kv=cross,
+                         cache=None if caches is None else caches[i], cache_index=cache_index)
+        new_caches.append(cache)
+    return x, (None if caches is None else tuple(new_caches))
 
 
 class _Stack(nn.Module):
@@ -112,13 +166,14 @@ class Encoder(_Stack):
         """tokens: int [B, S] -> encoder output [B, S, D]."""
         if positions is None:
             positions = default_positions(tokens, segment_ids)
+        S = tokens.shape[1]
         if segment_ids is not None:
-            mask = masks.segment_mask(segment_ids, segment_ids)
+            mask = masks.bidirectional_spec(S, S, q_segment_ids=segment_ids,
+                                            kv_segment_ids=segment_ids)
         else:
-            mask = masks.key_padding_mask(self.valid_tokens(tokens))
+            mask = masks.bidirectional_spec(S, S, kv_valid=self.valid_tokens(tokens))
         x = self.embed_tokens(tokens, positions, deterministic)
-        for block in self.blocks:
-            x, _ = block(x, deterministic, self_mask=mask, positions=positions)
+        x, _ = run_blocks(self.blocks, x, deterministic, self_mask=mask, positions=positions)
         return self.finish(x)
 
 
@@ -138,6 +193,7 @@ class Decoder(_Stack):
                 param_dtype=cfg.weights_dtype,
                 kernel_init=nn.with_logical_partitioning(
                     nn.initializers.normal(cfg.d_model**-0.5), ("embed", "vocab")),
+                dot_general=_float32_accumulation,  # logits accumulate in float32 (bf16 inputs)
                 name="output",
             )
         if cfg.logits_bias:
@@ -157,6 +213,10 @@ class Decoder(_Stack):
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
     def cross_kv(self, memory):
+        """Every layer's cross-attention K/V of `memory`: a tuple of {'k','v'} [B, S, N, K], or for a
+        scanned stack one dict of [B, layers, S, N, K]."""
+        if self.config.scan_layers:
+            return self.blocks(memory, True, True, None, None, memory, None, None, None, None)[1]
         return tuple(
             dict(zip(("k", "v"), block.cross_kv(memory), strict=True)) for block in self.blocks
         )
@@ -177,42 +237,36 @@ class Decoder(_Stack):
         if positions is None:
             positions = default_positions(tokens, segment_ids)
         L = tokens.shape[1]
-        self_mask = masks.causal_mask(L)
+        self_mask = masks.causal_spec(L, segment_ids)
         cross_mask = None
-        if segment_ids is not None:
-            self_mask = masks.combine_masks(self_mask, masks.segment_mask(segment_ids, segment_ids))
         if memory is not None:
+            S = memory.shape[1]
             if segment_ids is not None and memory_segment_ids is not None:
-                cross_mask = masks.segment_mask(segment_ids, memory_segment_ids)
+                cross_mask = masks.bidirectional_spec(L, S, q_segment_ids=segment_ids,
+                                                      kv_segment_ids=memory_segment_ids)
             else:
-                cross_mask = masks.key_padding_mask(memory_valid)
+                cross_mask = masks.bidirectional_spec(L, S, kv_valid=memory_valid)
         x = self.embed_tokens(tokens, positions, deterministic)
-        for block in self.blocks:
-            x, _ = block(x, deterministic, self_mask=self_mask, positions=positions,
-                         memory=memory, cross_mask=cross_mask)
+        x, _ = run_blocks(self.blocks, x, deterministic, self_mask=self_mask, positions=positions,
+                          memory=memory, cross_mask=cross_mask)
         return self.logits(self.finish(x)), None
 
     def _decode_cached(self, tokens, cache, num_valid, deterministic):
         B, L = tokens.shape
         lengths = cache.lengths
         positions = lengths[:, None] + jnp.arange(L)[None, :]
-        self_mask = masks.cache_mask(lengths, L, cache.max_length)
+        self_mask = masks.cache_spec(lengths, L, cache.max_length)
         cross_mask = None
         if cache.source_mask is not None:
-            cross_mask = masks.key_padding_mask(cache.source_mask)
+            cross_mask = masks.bidirectional_spec(L, cache.source_mask.shape[1],
+                                                  kv_valid=cache.source_mask)
         x = self.embed_tokens(tokens, positions, deterministic)
-        new_layers = []
-        for i, block in enumerate(self.blocks):
-            cross_kv = None
-            if cache.cross is not None:
-                cross_kv = (cache.cross[i]["k"], cache.cross[i]["v"])
-            x, layer = block(x, deterministic, self_mask=self_mask, positions=positions,
-                             cross_mask=cross_mask, cross_kv=cross_kv, cache=cache.layers[i],
-                             cache_index=lengths)
-            new_layers.append(layer)
+        x, new_layers = run_blocks(self.blocks, x, deterministic, self_mask=self_mask,
+                                   positions=positions, cross_mask=cross_mask, cross_kv=cache.cross,
+                                   caches=cache.layers, cache_index=lengths)
         if num_valid is None:
             num_valid = jnp.full((B,), L, jnp.int32)
-        new_cache = cache.replace(layers=tuple(new_layers),
+        new_cache = cache.replace(layers=new_layers,
                                   lengths=lengths + num_valid.astype(jnp.int32))
         return self.logits(self.finish(x)), new_cache
 
@@ -291,3 +345,54 @@ class TransformerLM(nn.Module):
                                          cache=cache, num_valid=num_valid,
                                          deterministic=deterministic)
         return logits if cache is None else (logits, new_cache)
+
+
+# ----------------------------------------------------------------------------- checkpoint layouts
+def _stacks(config: ModelConfig):
+    """(stack name, depth) of every block stack in the parameter tree."""
+    return (("encoder", config.num_encoder_layers), ("decoder", config.num_decoder_layers))
+
+
+def _is_box(x):
+    return isinstance(x, nn.Partitioned)
+
+
+def _stack_leaves(*leaves):
+    if _is_box(leaves[0]):
+        return leaves[0].replace(value=jnp.stack([x.value for x in leaves]),
+                                 names=("layers",) + tuple(leaves[0].names))
+    return jnp.stack(leaves)
+
+
+def _leaf_at(x, i):
+    if _is_box(x):
+        return x.replace(value=x.value[i], names=tuple(x.names[1:]))
+    return x[i]
+
+
+def scan_params(params, config: ModelConfig):
+    """Per-layer parameters ('layer_0', 'layer_1', ...) -> the `scan_layers=True` layout: one 'layers'
+    subtree whose leaves are stacked on a leading axis (logical name 'layers' on boxed params)."""
+    params = dict(params)
+    for stack, depth in _stacks(config):
+        if stack not in params or "layer_0" not in params[stack]:
+            continue
+        tree = dict(params[stack])
+        layers = [tree.pop(f"layer_{i}") for i in range(depth)]
+        tree["layers"] = jax.tree.map(_stack_leaves, *layers, is_leaf=_is_box)
+        params[stack] = tree
+    return params
+
+
+def unscan_params(params, config: ModelConfig):
+    """The inverse of `scan_params`: a stacked 'layers' subtree -> 'layer_0', 'layer_1', ..."""
+    params = dict(params)
+    for stack, depth in _stacks(config):
+        if stack not in params or "layers" not in params[stack]:
+            continue
+        tree = dict(params[stack])
+        stacked = tree.pop("layers")
+        for i in range(depth):
+            tree[f"layer_{i}"] = jax.tree.map(lambda x, i=i: _leaf_at(x, i), stacked, is_leaf=_is_box)
+        params[stack] = tree
+    return params

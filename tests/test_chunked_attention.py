@@ -1,0 +1,168 @@
+"""The memory-efficient backends ('chunked', 'flash') against the reference softmax(QK^T/sqrt(d_k))V.
+
+Sizes are odd primes that the chunk sizes (4 queries, 8 keys) do not divide; H=6 query heads share
+N=2 key/value heads (grouped-query attention).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import transformer_jax as tj
+from transformer_jax.modeling import AttentionMask, chunked_attention, dot_product_attention, masks
+from transformer_jax.modeling.attention import _pallas_tpu_flash, resolve_impl
+
+B, L, S, H, N, K = 2, 13, 19, 6, 2, 8
+SEG_Q = jnp.array([[1] * 6 + [2] * 5 + [0] * 2, [1] * 13])
+SEG_KV = jnp.array([[1] * 8 + [2] * 7 + [0] * 4, [1] * 11 + [0] * 8])
+MASKS = {
+    "none": AttentionMask(L, S),
+    "causal": AttentionMask(L, S, causal=True),
+    "causal_cache_offset": AttentionMask(L, S, causal=True, causal_offset=jnp.array([0, 5])),
+    "key_padding": AttentionMask(L, S, kv_valid=jnp.arange(S)[None] < jnp.array([[7], [19]])),
+    "segments_with_padding_rows": AttentionMask(L, S, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV),
+    "key_lengths_one_row_empty": AttentionMask(L, S, kv_lengths=jnp.array([0, 10])),
+    "dense_per_head": AttentionMask(
+        L, S, dense=jax.random.bernoulli(jax.random.key(9), 0.3, (B, H, L, S))),
+}
+
+
+def qkv(dtype=jnp.float32, heads=(H, N), lengths=(L, S)):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (B, lengths[0], heads[0], K), dtype)
+    k = jax.random.normal(kk, (B, lengths[1], heads[1], K), dtype)
+    v = jax.random.normal(kv, (B, lengths[1], heads[1], K), dtype)
+    return q, k, v
+
+
+def loss(fn):
+    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+
+
+@pytest.mark.parametrize("name", MASKS)
+def test_chunked_equals_reference_forward_and_gradients(name):
+    spec = MASKS[name]
+    q, k, v = qkv()
+
+    def reference(q, k, v):
+        return dot_product_attention(q, k, v, spec.materialize(), impl="reference")[0]
+
+    def chunked(q, k, v):
+        return chunked_attention(q, k, v, spec, q_chunk=4, kv_chunk=8)
+
+    def both(fn):
+        return jax.jit(lambda q, k, v: (fn(q, k, v), jax.grad(loss(fn), (0, 1, 2))(q, k, v)))
+
+    (got, got_grads), (want, want_grads) = both(chunked)(q, k, v), both(reference)(q, k, v)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5)
+
+
+def test_fully_masked_rows_are_zero():
+    q, k, v = qkv()
+    out = chunked_attention(q, k, v, MASKS["segments_with_padding_rows"], q_chunk=4, kv_chunk=8)
+    np.testing.assert_array_equal(out[0, 11:], 0.0)  # segment id 0 = padding queries
+    out = chunked_attention(q, k, v, MASKS["key_lengths_one_row_empty"], q_chunk=4, kv_chunk=8)
+    np.testing.assert_array_equal(out[0], 0.0)
+    assert np.all(np.isfinite(out))
+
+
+def test_dense_bool_mask_and_bfloat16():
+    """A plain boolean array works too; bfloat16 inputs give bfloat16 outputs close to float32."""
+    q, k, v = qkv()
+    mask = masks.combine_masks(masks.causal_mask(L, S), masks.segment_mask(SEG_Q, SEG_KV))
+    want = dot_product_attention(q, k, v, mask, impl="reference")[0]
+    got = dot_product_attention(q, k, v, mask, impl="chunked")[0]
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    lo = chunked_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                           mask, q_chunk=4, kv_chunk=8)
+    assert lo.dtype == jnp.bfloat16
+    np.testing.assert_allclose(lo.astype(jnp.float32), want, atol=5e-2)
+
+
+def test_specs_materialize_to_the_literal_masks():
+    seg = jnp.array([[1, 1, 2, 2, 0]])
+    np.testing.assert_array_equal(
+        masks.causal_spec(5, seg).materialize(),
+        masks.combine_masks(masks.causal_mask(5), masks.segment_mask(seg, seg)))
+    np.testing.assert_array_equal(masks.cache_spec(jnp.array([2, 0]), 2, 4).materialize(),
+                                  masks.cache_mask(jnp.array([2, 0]), 2, 4))
+    valid = seg != 0
+    np.testing.assert_array_equal(masks.bidirectional_spec(5, 5, kv_valid=valid).materialize(),
+                                  masks.key_padding_mask(valid))
+
+
+def test_auto_picks_chunked_for_long_sequences_and_flash_explains_itself():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the choices checked here are the CPU ones")
+    assert resolve_impl("auto", q_length=1024, kv_length=1024) == "xla"
+    assert resolve_impl("auto", q_length=16384, kv_length=16384) == "chunked"
+    assert resolve_impl("auto", need_weights=True, q_length=16384, kv_length=16384) == "reference"
+    with pytest.raises(NotImplementedError, match="chunked"):
+        dot_product_attention(*qkv(), impl="flash")
+
+
+def test_pallas_tpu_flash_in_interpret_mode():
+    """The TPU kernel behind 'flash' (causal + segment ids, GQA heads repeated), run by the Pallas
+    interpreter on CPU, against the reference."""
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+        from jax.experimental.pallas.ops.tpu import flash_attention  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Pallas TPU flash attention not importable: {e}")
+    n = 128  # the kernel's smallest block
+    q, k, v = qkv(heads=(2, 1), lengths=(n, n))
+    seg = jnp.concatenate([jnp.ones((B, 96), jnp.int32), jnp.full((B, 32), 2, jnp.int32)], axis=1)
+    spec = masks.causal_spec(n, seg)
+    start = time.perf_counter()
+    try:
+        with pltpu.force_tpu_interpret_mode():
+            got = _pallas_tpu_flash(q, k, v, spec)
+    except Exception as e:  # noqa: BLE001 - any interpreter limitation is a skip, not a failure
+        pytest.skip(f"Pallas TPU interpret mode does not run here: {type(e).__name__}: {e}")
+    want = dot_product_attention(q, k, v, spec.materialize(), impl="reference")[0]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    assert time.perf_counter() - start < 60
+
+
+# ----------------------------------------------------------------------------- full models
+def config(**overrides):
+    base = dict(vocab_size=37, d_model=30, num_heads=6, num_kv_heads=2, head_dim=4, d_ff=13,
+                num_encoder_layers=1, num_decoder_layers=2, dropout_rate=0.0, max_len=64,
+                norm="pre", position="rope")
+    return tj.ModelConfig(**{**base, **overrides})
+
+
+def test_models_with_chunked_attention_equal_reference():
+    src = jax.random.randint(jax.random.key(1), (2, 11), 3, 37).at[1, 7:].set(0)  # padded source
+    tgt = jax.random.randint(jax.random.key(2), (2, 7), 3, 37)
+    seg = jnp.array([[1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1]])
+    pos = jnp.array([[0, 1, 2, 0, 1, 2, 0], list(range(7))])
+    ref_cfg, chunk_cfg = config(attention_impl="reference"), config(attention_impl="chunked")
+    ed = tj.Transformer(ref_cfg)
+    params = jax.jit(ed.init)(jax.random.key(0), src, tgt)["params"]
+    want = jax.jit(ed.apply)({"params": params}, src, tgt)
+    got = jax.jit(tj.Transformer(chunk_cfg).apply)({"params": params}, src, tgt)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+    lm, lm_chunked = tj.TransformerLM(ref_cfg), tj.TransformerLM(chunk_cfg)
+    lm_params = jax.jit(lm.init)(jax.random.key(0), tgt)["params"]
+    apply = jax.jit(lambda m, p, t, s, q: m.apply({"params": p}, t, segment_ids=s, positions=q),
+                    static_argnums=0)
+    np.testing.assert_allclose(apply(lm_chunked, lm_params, tgt, seg, pos),
+                               apply(lm, lm_params, tgt, seg, pos), atol=1e-5)
+
+    # KV-cache decoding with chunked attention equals the full forward pass.
+    step = jax.jit(lambda p, t, c: lm_chunked.apply({"params": p}, t, cache=c))
+    cache = tj.init_cache(chunk_cfg, 2, 10)
+    logits, cache = step(lm_params, tgt[:, :4], cache)
+    logits = [logits]
+    for i in range(4, 7):
+        out, cache = step(lm_params, tgt[:, i : i + 1], cache)
+        logits.append(out)
+    full = apply(lm, lm_params, tgt, None, None)
+    np.testing.assert_allclose(jnp.concatenate(logits, axis=1), full, atol=1e-5)
