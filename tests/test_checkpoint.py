@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -17,6 +18,7 @@ from transformer_jax.training import average_checkpoints, restore_for_inference,
 from transformer_jax.training.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(tempfile.gettempdir(), "transformer_jax_test_xla_cache")
 STEPS = 20
 
 
@@ -28,7 +30,7 @@ def data_dir(tmp_path_factory):
 def tiny_config(data_dir, **overrides):
     config = tiny.get_config()
     config.dataset.data_dir = data_dir
-    config.compilation_cache = False
+    config.compilation_cache_dir = CACHE  # shared by the tests: each program compiles once
     config.num_train_steps = STEPS
     config.log_every_steps = 1
     config.eval_every_steps = 100
@@ -76,7 +78,7 @@ def _train_py(workdir, data_dir, steps=STEPS, extra=()):
         "--config.checkpoint_every_steps=5",
         "--config.eval_every_steps=100",
         "--config.model.dropout_rate=0.1",
-        "--config.compilation_cache=False",
+        f"--config.compilation_cache_dir={CACHE}",
         *extra,
     ]
     return subprocess.Popen(

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -23,6 +24,7 @@ from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import settings_from_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(tempfile.gettempdir(), "transformer_jax_test_xla_cache")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def data_dir(tmp_path_factory):
 def tiny_config(data_dir, **overrides):
     config = tiny.get_config()
     config.dataset.data_dir = data_dir
-    config.compilation_cache = False
+    config.compilation_cache_dir = CACHE  # shared by the tests: each program compiles once
     for key, value in overrides.items():
         target = config
         *parents, leaf = key.split(".")

@@ -241,7 +241,7 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
     model_config = ModelConfig.from_dict(dict(config.model))
     mesh = parallel.create_mesh(data=-1) if mesh is None else mesh
     directory = checkpoint_dir(workdir)
-    params, step = (None, None)
+    params = None
     if os.path.isdir(directory):
         params, step = _restore_params(directory, step, abstract_params(model_config, mesh))
     if params is None:
