@@ -1,0 +1,84 @@
+"""Long-context attention: time and peak memory per backend at 1k-16k tokens.
+
+    python benchmarks/bench_attention.py --lengths 1024 4096 16384
+
+Causal self-attention, batch 1, 8 heads of 64, float32 (the model's attention layer shape at
+d_model=512). Peak memory is XLA's own account of the compiled program's temporary buffers
+(`compiled.memory_analysis().temp_size_in_bytes`; works on CPU, unlike device memory stats) plus its
+arguments and outputs, for the forward pass and for forward+backward (gradients of q, k, v). A
+program whose temporaries exceed --memory-budget is compiled (for its memory figure) but not run.
+Time: median forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.modeling import dot_product_attention, masks
+
+try:
+    from benchmarks.hardware import median_time
+except ImportError:
+    from hardware import median_time
+
+IMPLS = ("reference", "xla", "chunked")
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    if m is None:
+        return dict(temp_bytes=None, peak_bytes=None)
+    peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+    return dict(temp_bytes=int(m.temp_size_in_bytes), peak_bytes=int(peak))
+
+
+def bench_one(impl: str, length: int, *, heads=8, head_dim=64, batch=1, dtype="float32",
+              memory_budget=4 * 2**30, repeats=3) -> dict:
+    shape = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.dtype(dtype))
+    spec = masks.causal_spec(length)
+
+    def forward(q, k, v):
+        return dot_product_attention(q, k, v, spec, impl=impl)[0]
+
+    def loss(q, k, v):
+        return jnp.sum(forward(q, k, v).astype(jnp.float32))
+
+    fwd = jax.jit(forward).lower(shape, shape, shape).compile()
+    bwd = jax.jit(jax.grad(loss, (0, 1, 2))).lower(shape, shape, shape).compile()
+    row = dict(impl=impl, length=length, forward=_memory(fwd), train=_memory(bwd))
+    temp = row["forward"]["temp_bytes"] or 0
+    if temp > memory_budget:
+        row["forward_ms"] = None
+        row["note"] = f"not run: temporaries {temp / 2**30:.1f} GiB > budget"
+        return row
+    q, k, v = (jax.random.normal(jax.random.key(i), shape.shape, shape.dtype) for i in range(3))
+    row["forward_ms"] = round(1e3 * median_time(lambda: fwd(q, k, v), repeats), 1)
+    flops = 4 * batch * heads * length * length * head_dim  # QK^T and PV over the full square
+    row["forward_tflops"] = round(flops / (row["forward_ms"] / 1e3) / 1e12, 3)
+    return row
+
+
+def bench(lengths, impls=IMPLS, **kwargs) -> list[dict]:
+    rows = []
+    for length in lengths:
+        for impl in impls:
+            rows.append(bench_one(impl, length, **kwargs))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS))
+    parser.add_argument("--memory-budget-gib", type=float, default=4.0)
+    args = parser.parse_args()
+    bench(args.lengths, args.impls, memory_budget=args.memory_budget_gib * 2**30)
+
+
+if __name__ == "__main__":
+    main()

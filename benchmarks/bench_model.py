@@ -1,0 +1,158 @@
+"""Training-step throughput and model FLOPs utilisation (MFU) of the library's models.
+
+    python benchmarks/bench_model.py --model gpt2_small --dtype float32 --batch 8 --length 256
+
+One step = forward, backward and an Adam update (optax), jitted, params and optimizer state donated,
+dropout off (the step is deterministic; dropout adds RNG work but no matmul FLOPs). Random weights.
+
+Model FLOPs (the MFU numerator, PaLM appendix B convention, counted per step):
+    6 * (N_enc * source_tokens + N_dec * target_tokens)                       (matmuls, fwd + bwd)
+  + 12 * layers * D * (keys seen) per query token for each attention kind     (QK^T and PV, fwd + bwd)
+where N_* = the matmul parameters a token passes through (the tied embedding counts once, as the
+output projection; position tables and norms are excluded), and 'keys seen' = the full key length
+(causal masking is not discounted). For a decoder-only model this is 6*N*T + 12*layers*L*D*T.
+MFU = model FLOPs / step time / the peak matmul FLOP/s measured in the same run and dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import transformer_jax as tj
+from transformer_jax.params import build_model
+
+try:
+    from benchmarks.hardware import peak_matmul_flops
+except ImportError:  # run as a script from benchmarks/
+    from hardware import peak_matmul_flops
+
+
+def _size(tree) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def matmul_params(abstract_params, config) -> tuple[int, int]:
+    """(N_enc, N_dec): matmul parameters of the encoder side and of the decoder side (the latter
+    includes the output projection: the tied embedding, or the untied output matrix)."""
+    def stack(name):
+        tree = dict(abstract_params.get(name, {}))
+        tree.pop("position_embed", None)
+        return _size(tree)
+
+    embed = _size(abstract_params.get("embed", abstract_params.get("target_embed", {})))
+    return stack("encoder"), stack("decoder") + (embed if config.tie_output else 0)
+
+
+def model_flops(config, abstract_params, batch: int, source_len: int, target_len: int) -> float:
+    """FLOPs of one training step (see the module docstring)."""
+    n_enc, n_dec = matmul_params(abstract_params, config)
+    src_tokens, tgt_tokens = batch * source_len, batch * target_len
+    D = config.d_model
+    attention = 12 * config.num_decoder_layers * D * target_len * tgt_tokens  # decoder self
+    if config.num_encoder_layers:
+        attention += 12 * config.num_encoder_layers * D * source_len * src_tokens  # encoder self
+        attention += 12 * config.num_decoder_layers * D * source_len * tgt_tokens  # cross
+    return 6 * (n_enc * src_tokens + n_dec * tgt_tokens) + attention
+
+
+def make_batch(config, batch: int, length: int):
+    rng = np.random.default_rng(0)
+    draw = lambda: jnp.asarray(rng.integers(3, config.vocab_size, (batch, length), dtype=np.int32))
+    if config.num_encoder_layers:
+        return dict(inputs=draw(), targets=draw())
+    return dict(targets=draw())
+
+
+def make_train_step(model, tx, encoder_decoder: bool):
+    def loss_fn(params, batch):
+        targets = batch["targets"]
+        decoder_in = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=2)[:, :-1]
+        if encoder_decoder:
+            logits = model.apply({"params": params}, batch["inputs"], decoder_in)
+        else:
+            logits = model.apply({"params": params}, decoder_in)
+        labels = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+        return jnp.mean(optax.softmax_cross_entropy(logits, labels))
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def abstract_state(model, config, batch):
+    args = (batch["inputs"], batch["targets"]) if config.num_encoder_layers else (batch["targets"],)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), *args)["params"])
+    return nn.meta.unbox(params)
+
+
+def random_params(abstract_params, dtype):
+    rng = np.random.default_rng(0)
+    return jax.tree.map(
+        lambda s: jnp.asarray((rng.standard_normal(s.shape, np.float32) * 0.02).astype(dtype)),
+        abstract_params)
+
+
+def bench_train(config, batch: int, length: int, *, steps: int = 5, peak_flops: float | None = None):
+    """tokens/s (target tokens; source tokens too for encoder-decoder), step time, MFU."""
+    model = build_model(config)
+    data = make_batch(config, batch, length)
+    abstract = abstract_state(model, config, data)
+    params = random_params(abstract, config.param_dtype)
+    tx = optax.adam(1e-4)
+    opt_state = tx.init(params)
+    step = make_train_step(model, tx, bool(config.num_encoder_layers))
+    start = time.perf_counter()
+    params, opt_state, loss = jax.block_until_ready(step(params, opt_state, data))
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        params, opt_state, loss = jax.block_until_ready(step(params, opt_state, data))
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    flops = model_flops(config, abstract, batch, length if config.num_encoder_layers else 0, length)
+    tokens = batch * length * (2 if config.num_encoder_layers else 1)
+    if peak_flops is None:
+        peak_flops = peak_matmul_flops(config.dtype)
+    return dict(
+        dtype=config.dtype, batch=batch, length=length, params=_size(abstract),
+        step_ms=round(step_s * 1e3, 1), step_ms_all=[round(t * 1e3, 1) for t in times],
+        tokens_per_s=round(tokens / step_s, 1), model_tflops_per_step=round(flops / 1e12, 4),
+        achieved_tflops=round(flops / step_s / 1e12, 4), mfu=round(flops / step_s / peak_flops, 3),
+        first_step_s=round(compile_s, 2), loss=round(float(loss), 3),
+    )
+
+
+PRESETS = {
+    "gpt2_small": lambda **kw: tj.presets.gpt2_small(dropout_rate=0.0, **kw),
+    "transformer_base": lambda **kw: tj.presets.transformer_base(dropout_rate=0.0, **kw),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gpt2_small", choices=sorted(PRESETS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    config = PRESETS[args.model](dtype=args.dtype)
+    print(json.dumps(dict(model=args.model, **bench_train(config, args.batch, args.length,
+                                                            steps=args.steps)), indent=1))
+
+
+if __name__ == "__main__":
+    main()

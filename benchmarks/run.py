@@ -1,0 +1,229 @@
+"""The one benchmark entry point: every workload next to this machine's limits, measured in one run.
+
+    python benchmarks/run.py --quick            # a few minutes on a 2-core CPU
+    python benchmarks/run.py                    # the full set (longer: more lengths and depths)
+    python benchmarks/run.py --accelerator-size # adds a ~350M decoder at 2k tokens, bf16 (GPU/TPU)
+
+Writes benchmarks/results/<date>.json and .md and prints the Markdown table. Workloads:
+  train     training step (fwd+bwd+Adam) tokens/s and MFU, GPT-2-small-shaped decoder and the paper's
+            base encoder-decoder, batch 8 x 256 tokens on CPU, float32 and bfloat16
+            (MFU formula: benchmarks/bench_model.py; peak = the measured matmul FLOP/s, same dtype)
+  decode    batch-8 cached greedy decoding of the GPT-2-small shape (benchmarks/bench_decode.py),
+            fraction of the memory-bandwidth roofline (params + KV cache read once per step)
+  attention causal attention at 1k-16k tokens per backend: forward time and XLA's peak memory
+  compile   train-step compile time at 2/6/12/24 layers, with and without scan_layers
+The machine's peak matmul FLOP/s (f32, bf16) and bandwidth are measured at the start and the end;
+ratios use the higher of the two (conservative). The load average is recorded with each section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+import transformer_jax as tj  # noqa: E402
+from benchmarks import bench_attention, bench_compile, bench_model, hardware  # noqa: E402
+
+TARGETS = dict(mfu_gpt2_f32=0.55, bf16_speedup=1.5, decode_roofline=0.60, chunked_memory_ratio=1 / 8,
+               chunked_slowdown=1.5, scan_compile_ratio=1.5)
+
+
+def section(name, fn, results):
+    print(f"== {name} (load {hardware.load()})", flush=True)
+    start = time.perf_counter()
+    try:
+        results[name] = dict(load=hardware.load(), rows=fn())
+    except Exception as e:  # a failing section is reported, the others still run
+        results[name] = dict(error=f"{type(e).__name__}: {e}")
+        print(results[name]["error"], flush=True)
+    results[name]["seconds"] = round(time.perf_counter() - start, 1)
+
+
+def train_rows(peaks, quick, batch=8, length=256):
+    rows = []
+    for model in ("gpt2_small", "transformer_base"):
+        for dtype in ("float32", "bfloat16"):
+            config = bench_model.PRESETS[model](dtype=dtype)
+            row = bench_model.bench_train(config, batch, length, steps=3 if quick else 6,
+                                          peak_flops=peaks[dtype] * 1e12)
+            rows.append(dict(model=model, **row, load=hardware.load()))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def decode_rows(bandwidth, quick):
+    """Batch-8 cached decoding via the decoding engineer's bench_decode (same roofline definition)."""
+    from benchmarks import bench_decode
+
+    config = tj.presets.gpt2_small(dropout_rate=0.0)
+    model = tj.TransformerLM(config)
+    params = bench_decode.random_params(model, jax.numpy.ones((1, 8), jax.numpy.int32),
+                                        dtype=config.param_dtype)
+    rows = []
+    for batch in (1, 8):
+        prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3, config.vocab_size)
+        lengths = jax.numpy.full((batch,), bench_decode.PROMPT, jax.numpy.int32)
+        steps = 64 if quick else 128
+        row = bench_decode.lm_row(config, model, params, prompt, lengths, steps, bandwidth * 1e9, 2)
+        rows.append(dict(row, load=hardware.load()))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def accelerator_rows():
+    """A ~350M-parameter decoder at 2k tokens, bf16, fused attention, scanned and rematerialised."""
+    platform = jax.default_backend()
+    kind = str(jax.devices()[0].device_kind)
+    if platform not in ("gpu", "tpu"):
+        return [dict(workload="accelerator_350m", device_kind=kind,
+                     note=f"not measured: no accelerator ({platform})")]
+    config = tj.ModelConfig(
+        vocab_size=50304, d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=0,
+        num_decoder_layers=24, dropout_rate=0.0, max_len=2048, norm="pre", activation="gelu",
+        position="learned", dtype="bfloat16", scan_layers=True, remat="dots_saveable",
+        attention_impl="cudnn" if platform == "gpu" else "flash")
+    peak = hardware.peak_matmul_flops("bfloat16", n=8192)
+    row = bench_model.bench_train(config, 8 * jax.device_count(), 2048, steps=5, peak_flops=peak)
+    return [dict(workload="accelerator_350m", device_kind=kind, peak_bf16_tflops=peak / 1e12, **row)]
+
+
+def summarise(results, peaks, bandwidth) -> list[dict]:
+    """The table: measured figure, the machine's limit (same run), ratio, target."""
+    table = []
+
+    def add(workload, measured, limit, ratio, target, note=""):
+        """note starts with '≥' (higher is better) or '≤' (lower is better)."""
+        met = None
+        if ratio is not None and target is not None:
+            met = bool(ratio <= target) if note.startswith("≤") else bool(ratio >= target)
+        table.append(dict(workload=workload, measured=measured, limit=limit,
+                          ratio=None if ratio is None else round(ratio, 3), target=target,
+                          target_met=met, note=note))
+
+    train = {(r["model"], r["dtype"]): r for r in results.get("train", {}).get("rows", [])}
+    for (model, dtype), r in train.items():
+        target = TARGETS["mfu_gpt2_f32"] if (model, dtype) == ("gpt2_small", "float32") else None
+        add(f"train {model} {dtype} b{r['batch']}x{r['length']}", f"{r['tokens_per_s']} tok/s",
+            f"{peaks[dtype]:.3f} TFLOP/s {dtype} matmul", r["mfu"], target, "≥ MFU")
+    for model in ("gpt2_small", "transformer_base"):
+        if (model, "float32") in train and (model, "bfloat16") in train:
+            speedup = train[(model, "bfloat16")]["tokens_per_s"] / train[(model, "float32")]["tokens_per_s"]
+            add(f"train {model} bf16 / f32 tokens/s", f"{speedup:.2f}x",
+                f"matmul peak ratio {peaks['bfloat16'] / peaks['float32']:.2f}x",
+                speedup, TARGETS["bf16_speedup"], "≥ speed-up")
+    for r in results.get("decode", {}).get("rows", []):
+        add(f"decode gpt2_small b{r['batch']} ({r['new_tokens']} new)", f"{r['decode_tok_s']} tok/s",
+            f"{bandwidth:.1f} GB/s", r["roofline_frac"],
+            TARGETS["decode_roofline"] if r["batch"] == 8 else None, "≥ of bandwidth roofline")
+    attention = results.get("attention", {}).get("rows", [])
+    by = {(r["impl"], r["length"]): r for r in attention}
+    for length in sorted({r["length"] for r in attention}):
+        ref, chunk = by.get(("reference", length)), by.get(("chunked", length))
+        for impl in bench_attention.IMPLS:
+            r = by.get((impl, length))
+            if r is None:
+                continue
+            mem = r["forward"]["peak_bytes"]
+            time_s = "not run" if r.get("forward_ms") is None else f"{r['forward_ms']} ms"
+            measured = f"{time_s}, peak {mem / 2**20:.0f} MiB (train {r['train']['peak_bytes'] / 2**20:.0f})"
+            ratio, target, note = None, None, ""
+            if impl == "chunked" and ref is not None:
+                ratio = mem / ref["forward"]["peak_bytes"]
+                target, note = TARGETS["chunked_memory_ratio"], "≤ memory / reference"
+            add(f"attention {impl} causal L={length}", measured, "", ratio, target, note)
+        if ref and chunk and ref.get("forward_ms") and chunk.get("forward_ms"):
+            slowdown = chunk["forward_ms"] / ref["forward_ms"]
+            add(f"attention chunked/reference time L={length}", f"{slowdown:.2f}x", "", slowdown,
+                TARGETS["chunked_slowdown"], "≤ slow-down")
+    compiles = {(r["scan"], r["layers"]): r["total_s"] for r in results.get("compile", {}).get("rows", [])}
+    for scan in (False, True):
+        depths = sorted(d for s, d in compiles if s == scan)
+        for d in depths:
+            add(f"compile train step {d} layers scan={scan}", f"{compiles[(scan, d)]} s", "", None, None)
+        if len(depths) > 1:
+            ratio = compiles[(scan, depths[-1])] / compiles[(scan, depths[0])]
+            add(f"compile {depths[-1]}/{depths[0]} layers scan={scan}", f"{ratio:.2f}x", "", ratio,
+                TARGETS["scan_compile_ratio"] if scan else None, "≤ compile-time ratio")
+    for r in results.get("accelerator", {}).get("rows", []):
+        add(f"train ~350M decoder 2k bf16 ({r['device_kind']})",
+            r.get("note") or f"{r['tokens_per_s']} tok/s", "", r.get("mfu"), None, "≥ MFU")
+    return table
+
+
+def markdown(table, meta) -> str:
+    lines = [f"Measured {meta['date']} on {meta['device_kind']} ({meta['cpus']} CPUs), jax {meta['jax']}; "
+             f"load average {meta['load_start']} -> {meta['load_end']}; peaks in this run: "
+             f"f32 matmul {meta['peaks']['float32']:.3f} TFLOP/s, bf16 {meta['peaks']['bfloat16']:.3f} "
+             f"TFLOP/s, bandwidth {meta['bandwidth_gb_s']:.1f} GB/s.", "",
+             "| workload | measured | limit (same run) | ratio | target | met |",
+             "|---|---|---|---|---|---|"]
+    for row in table:
+        target = "" if row["target"] is None else f"{row['note'][:1]} {row['target']:.3g} ({row['note'][2:]})"
+        met = {None: "", True: "yes", False: "no"}[row["target_met"]]
+        ratio = "" if row["ratio"] is None else f"{row['ratio']:.3g}"
+        cells = (row["workload"], row["measured"], row["limit"], ratio, target, met)
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer lengths, depths and repeats")
+    parser.add_argument("--accelerator-size", action="store_true", help="add the ~350M GPU/TPU workload")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="sections to run: train decode attention compile")
+    parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    wanted = set(args.only or ("train", "decode", "attention", "compile"))
+
+    meta = dict(hardware.describe(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                quick=args.quick, load_start=hardware.load())
+    start_hw = hardware.measure(repeats=3 if args.quick else 5)
+    peaks = dict(float32=start_hw["matmul_f32_tflops"], bfloat16=start_hw["matmul_bf16_tflops"])
+    bandwidth = start_hw["bandwidth_gb_s"]
+    results = {}
+    if "train" in wanted:
+        section("train", lambda: train_rows(peaks, args.quick), results)
+    if "decode" in wanted:
+        section("decode", lambda: decode_rows(bandwidth, args.quick), results)
+    if "attention" in wanted:
+        lengths = (1024, 4096, 16384) if args.quick else (1024, 2048, 4096, 8192, 16384)
+        section("attention", lambda: bench_attention.bench(lengths), results)
+    if "compile" in wanted:
+        depths = (2, 24) if args.quick else (2, 6, 12, 24)
+        section("compile", lambda: bench_compile.bench(depths), results)
+    if args.accelerator_size:
+        section("accelerator", accelerator_rows, results)
+    end_hw = hardware.measure(repeats=3 if args.quick else 5)
+    # The higher of the two measurements is the limit: ratios stay conservative under varying load.
+    peaks = dict(float32=max(peaks["float32"], end_hw["matmul_f32_tflops"]),
+                 bfloat16=max(peaks["bfloat16"], end_hw["matmul_bf16_tflops"]))
+    for row in results.get("train", {}).get("rows", []):
+        row["mfu"] = round(row["achieved_tflops"] / peaks[row["dtype"]], 3)
+    new_bandwidth = max(bandwidth, end_hw["bandwidth_gb_s"])
+    for row in results.get("decode", {}).get("rows", []):
+        row["roofline_frac"] = round(row["roofline_frac"] * bandwidth / new_bandwidth, 3)
+    meta.update(load_end=hardware.load(), hardware_start=start_hw, hardware_end=end_hw, peaks=peaks,
+                bandwidth_gb_s=new_bandwidth)
+    table = summarise(results, peaks, new_bandwidth)
+    text = markdown(table, meta)
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S"))
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, targets=TARGETS, results=results, table=table), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+if __name__ == "__main__":
+    main()
