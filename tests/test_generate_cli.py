@@ -197,7 +197,9 @@ def test_workdir_generation_equals_the_library(tmp_path):
 
     config, params, tokenizer = _tiny_workdir(str(tmp_path))
     lines = run_cli(f"--workdir={tmp_path}", "--prompt=the tired engineer", "--max_new_tokens=10")
-    tokens, lengths = pad_prompts([tokenizer.encode("the tired engineer")])
+    # Training starts every example with decoder_start_id, so workdir prompts do too.
+    prompt = [config.decoder_start_id, *tokenizer.encode("the tired engineer")]
+    tokens, lengths = pad_prompts([prompt])
     cache = init_cache(config, 1, tokens.shape[1] + 10)
     out = generate(
         model_steps.LMStep(build_model(config)),

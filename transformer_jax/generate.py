@@ -82,12 +82,15 @@ class Generator:
     ``encode(text) -> ids`` and ``decode(ids) -> text``.
 
     banned_ids: tokens never generated (a checkpoint's single-token ``bad_words_ids``).
+    prompt_prefix: ids put before every decoder-only prompt (our training starts each example with
+    ``decoder_start_id``; GPT-2 checkpoints use none).
     """
 
     config: Any
     params: Any
     tokenizer: Any
     banned_ids: tuple[int, ...] = ()
+    prompt_prefix: tuple[int, ...] = ()
 
     @property
     def is_seq2seq(self) -> bool:
@@ -96,7 +99,7 @@ class Generator:
     def input_ids(self, text: str) -> list[int]:
         """Encoder input (text + EOS) for translation, the prompt for continuation."""
         ids = list(self.tokenizer.encode(text))
-        return ids + [self.config.eos_id] if self.is_seq2seq else ids
+        return ids + [self.config.eos_id] if self.is_seq2seq else [*self.prompt_prefix, *ids]
 
 
 def load_hf_generator(path: str) -> Generator:
@@ -122,7 +125,9 @@ def load_workdir_generator(workdir: str, step: int | None = None) -> Generator:
         bundle = restore_for_inference(workdir, step=step)
     except (ValueError, FileNotFoundError) as e:
         raise GenerateError(str(e)) from e
-    return Generator(bundle.model_config, bundle.params, bundle.tokenizer)
+    cfg = bundle.model_config
+    prefix = () if cfg.num_encoder_layers > 0 else (cfg.decoder_start_id,)
+    return Generator(cfg, bundle.params, bundle.tokenizer, prompt_prefix=prefix)
 
 
 # ----------------------------------------------------------------------------- decoding settings
@@ -175,7 +180,9 @@ class DecodeOptions:
 # ----------------------------------------------------------------------------- inputs and lengths
 
 
-def _fit_input(ids: list[int], limit: int, index: int, opts: DecodeOptions, seq2seq: bool, eos: int):
+def _fit_input(
+    ids: list[int], limit: int, index: int, opts: DecodeOptions, seq2seq: bool, eos: int, prefix=()
+):
     """Checks one encoded input against the longest the model allows (cutting it with --truncate)."""
     if len(ids) - int(seq2seq) == 0:
         raise GenerateError(f"input {index + 1} is empty")
@@ -187,7 +194,9 @@ def _fit_input(ids: list[int], limit: int, index: int, opts: DecodeOptions, seq2
             "(its max_len, less the tokens to generate); shorten it or pass --truncate"
         )
     # Translation keeps the start of the source (and its EOS); continuation keeps the end.
-    return ids[: limit - 1] + [eos] if seq2seq else ids[len(ids) - limit :]
+    if seq2seq:
+        return ids[: limit - 1] + [eos]
+    return [*prefix, *ids[len(ids) - limit + len(prefix) :]]
 
 
 def encode_inputs(gen: Generator, texts: Sequence[str], opts: DecodeOptions) -> list[list[int]]:
@@ -210,7 +219,8 @@ def encode_inputs(gen: Generator, texts: Sequence[str], opts: DecodeOptions) -> 
     for i, text in enumerate(texts):
         if not text.strip():
             raise GenerateError(f"input {i + 1} is empty")
-        out.append(_fit_input(gen.input_ids(text), limit, i, opts, gen.is_seq2seq, gen.config.eos_id))
+        ids = gen.input_ids(text)
+        out.append(_fit_input(ids, limit, i, opts, gen.is_seq2seq, gen.config.eos_id, gen.prompt_prefix))
     return out
 
 
