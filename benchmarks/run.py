@@ -12,8 +12,9 @@ Writes benchmarks/results/<date>.json and .md and prints the Markdown table. Wor
             fraction of the memory-bandwidth roofline (params + KV cache read once per step)
   attention causal attention at 1k-16k tokens per backend: forward time and XLA's peak memory
   compile   train-step compile time at 2/6/12/24 layers, with and without scan_layers
-The machine's peak matmul FLOP/s (f32, bf16) and bandwidth are measured at the start and the end;
-ratios use the higher of the two (conservative). The load average is recorded with each section.
+Each train row's peak matmul FLOP/s (its dtype) and each decode row's bandwidth are measured just
+before and just after it, and the higher of the two is its limit (the load changes by the minute);
+the run also records both at its start and end. The load average is recorded with each section.
 """
 
 from __future__ import annotations
@@ -52,14 +53,19 @@ def train_rows(peaks, quick, batch=8, length=256):
     for model in ("gpt2_small", "transformer_base"):
         for dtype in ("float32", "bfloat16"):
             config = bench_model.PRESETS[model](dtype=dtype)
+            # The load changes minute to minute: the peak is measured just before and just after
+            # this row, and the higher of the two is its limit.
+            before = hardware.peak_matmul_flops(dtype, repeats=3)
             row = bench_model.bench_train(config, batch, length, steps=3 if quick else 6,
-                                          peak_flops=peaks[dtype] * 1e12)
+                                          peak_flops=before)
+            peak = max(before, hardware.peak_matmul_flops(dtype, repeats=3))
+            row.update(peak_tflops=round(peak / 1e12, 4), mfu=round(row["achieved_tflops"] * 1e12 / peak, 3))
             rows.append(dict(model=model, **row, load=hardware.load()))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def decode_rows(bandwidth, quick):
+def decode_rows(quick):
     """Batch-8 cached decoding via the decoding engineer's bench_decode (same roofline definition)."""
     from benchmarks import bench_decode
 
@@ -72,7 +78,12 @@ def decode_rows(bandwidth, quick):
         prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3, config.vocab_size)
         lengths = jax.numpy.full((batch,), bench_decode.PROMPT, jax.numpy.int32)
         steps = 64 if quick else 128
-        row = bench_decode.lm_row(config, model, params, prompt, lengths, steps, bandwidth * 1e9, 2)
+        before = hardware.memory_bandwidth(repeats=3)
+        row = bench_decode.lm_row(config, model, params, prompt, lengths, steps, before, 2)
+        after = hardware.memory_bandwidth(repeats=3)
+        # bench_decode's roofline fraction, against the higher of the two adjacent measurements.
+        row["roofline_frac"] = round(row["roofline_frac"] * before / max(before, after), 3)
+        row["bandwidth_gb_s"] = round(max(before, after) / 1e9, 2)
         rows.append(dict(row, load=hardware.load()))
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -112,7 +123,7 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
     for (model, dtype), r in train.items():
         target = TARGETS["mfu_gpt2_f32"] if (model, dtype) == ("gpt2_small", "float32") else None
         add(f"train {model} {dtype} b{r['batch']}x{r['length']}", f"{r['tokens_per_s']} tok/s",
-            f"{peaks[dtype]:.3f} TFLOP/s {dtype} matmul", r["mfu"], target, "≥ MFU")
+            f"{r['peak_tflops']:.3f} TFLOP/s {dtype} matmul", r["mfu"], target, "≥ MFU")
     for model in ("gpt2_small", "transformer_base"):
         if (model, "float32") in train and (model, "bfloat16") in train:
             speedup = train[(model, "bfloat16")]["tokens_per_s"] / train[(model, "float32")]["tokens_per_s"]
@@ -121,7 +132,7 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
                 speedup, TARGETS["bf16_speedup"], "≥ speed-up")
     for r in results.get("decode", {}).get("rows", []):
         add(f"decode gpt2_small b{r['batch']} ({r['new_tokens']} new)", f"{r['decode_tok_s']} tok/s",
-            f"{bandwidth:.1f} GB/s", r["roofline_frac"],
+            f"{r['bandwidth_gb_s']:.1f} GB/s", r["roofline_frac"],
             TARGETS["decode_roofline"] if r["batch"] == 8 else None, "≥ of bandwidth roofline")
     attention = results.get("attention", {}).get("rows", [])
     by = {(r["impl"], r["length"]): r for r in attention}
@@ -135,7 +146,7 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
             time_s = "not run" if r.get("forward_ms") is None else f"{r['forward_ms']} ms"
             measured = f"{time_s}, peak {mem / 2**20:.0f} MiB (train {r['train']['peak_bytes'] / 2**20:.0f})"
             ratio, target, note = None, None, ""
-            if impl == "chunked" and ref is not None:
+            if impl == "chunked" and ref is not None and length == max(r["length"] for r in attention):
                 ratio = mem / ref["forward"]["peak_bytes"]
                 target, note = TARGETS["chunked_memory_ratio"], "≤ memory / reference"
             add(f"attention {impl} causal L={length}", measured, "", ratio, target, note)
@@ -193,7 +204,7 @@ def main():
     if "train" in wanted:
         section("train", lambda: train_rows(peaks, args.quick), results)
     if "decode" in wanted:
-        section("decode", lambda: decode_rows(bandwidth, args.quick), results)
+        section("decode", lambda: decode_rows(args.quick), results)
     if "attention" in wanted:
         lengths = (1024, 4096, 16384) if args.quick else (1024, 2048, 4096, 8192, 16384)
         section("attention", lambda: bench_attention.bench(lengths), results)
@@ -206,11 +217,7 @@ def main():
     # The higher of the two measurements is the limit: ratios stay conservative under varying load.
     peaks = dict(float32=max(peaks["float32"], end_hw["matmul_f32_tflops"]),
                  bfloat16=max(peaks["bfloat16"], end_hw["matmul_bf16_tflops"]))
-    for row in results.get("train", {}).get("rows", []):
-        row["mfu"] = round(row["achieved_tflops"] / peaks[row["dtype"]], 3)
     new_bandwidth = max(bandwidth, end_hw["bandwidth_gb_s"])
-    for row in results.get("decode", {}).get("rows", []):
-        row["roofline_frac"] = round(row["roofline_frac"] * bandwidth / new_bandwidth, 3)
     meta.update(load_end=hardware.load(), hardware_start=start_hw, hardware_end=end_hw, peaks=peaks,
                 bandwidth_gb_s=new_bandwidth)
     table = summarise(results, peaks, new_bandwidth)
