@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import threading
+import types
 from typing import Any
 
 import flax.linen as nn
@@ -30,6 +31,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import Tokenizer, checkpoint_args
 from transformer_jax.params import build_model, dummy_inputs
+from transformer_jax.training import integrity
 from transformer_jax.training.state import TrainState
 
 CONFIG_FILENAME = "config.json"
@@ -70,6 +72,9 @@ class Checkpointer:
 
     ``keep_best_metric`` (e.g. ``'eval_loss'``) keeps the ``max_to_keep`` best checkpoints by that
     eval metric (``keep_best_mode`` 'min' or 'max') instead of the most recent ones.
+
+    Every committed step gets an integrity manifest (see ``integrity.py``) for ``model_config``;
+    :meth:`restore` verifies it and, with ``fallback``, skips corrupt steps with a warning.
     """
 
     def __init__(
@@ -80,6 +85,8 @@ class Checkpointer:
         keep_best_mode: str = "min",
         async_save: bool = True,
         read_only: bool = False,
+        model_config: ModelConfig | None = None,
+        fallback: bool = True,
     ):
         if keep_best_mode not in ("min", "max"):
             raise ValueError(f"config.keep_best_mode must be 'min' or 'max', got {keep_best_mode!r}")
@@ -92,8 +99,12 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
+            cleanup_tmp_directories=not read_only,  # partial saves of a killed run
         )
         self.directory = checkpoint_dir(workdir)
+        self.model_config, self.fallback, self.read_only = model_config, fallback, read_only
+        self.restored_step: int | None = None
+        self._unsealed: list[int] = []  # saved steps still waiting for their manifest
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -118,15 +129,41 @@ class Checkpointer:
             items["data"] = checkpoint_args(data_iter)
         if self.keep_best_metric and (not metrics or self.keep_best_metric not in metrics):
             metrics = None  # kept as a checkpoint without metrics
-        saved = self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=force)
+        try:
+            saved = self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=force)
+        except OSError as e:
+            raise integrity.write_error(e, step, self.directory, self._sealed_steps()) from e
         if saved:
             logging.info("Saving checkpoint %d to %s", step, self.directory)
+            self._unsealed.append(step)
         return saved
+
+    def _sealed_steps(self) -> list[int]:
+        return [s for s in self.all_steps() if s not in self._unsealed]
+
+    def seal(self, block: bool = False) -> None:
+        """Writes the integrity manifest of every committed save (cheap to call after each step)."""
+        if not self._unsealed or (not block and self.manager.is_saving_in_progress()):
+            return
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except OSError as e:
+            raise integrity.write_error(e, self._unsealed[-1], self.directory, self._sealed_steps()) from e
+        committed = set(self.manager.all_steps())
+        for step in self._unsealed:
+            if parallel.is_primary() and integrity.is_local(self.directory) and step in committed:
+                integrity.write_manifest(self.directory, step, self.model_config)
+        self._unsealed = []
 
     def restore(self, abstract_state: TrainState, data_iter=None, step: int | None = None):
         """-> TrainState restored onto ``abstract_state``'s shardings (any mesh); ``data_iter``'s
-        position is restored in place."""
-        step = self.latest_step() if step is None else step
+        position is restored in place. Without ``step``, the newest step that verifies."""
+        steps, fallback = ([step], False) if step is not None else (self.all_steps()[::-1], self.fallback)
+        restore = self._restore_step
+        return integrity.restore_verified(self, steps, fallback, restore, abstract_state, data_iter)
+
+    def _restore_step(self, abstract_state: TrainState, data_iter, step: int):
         train = {
             "step": abstract_state.step,
             "opt_state": abstract_state.opt_state,
@@ -147,9 +184,10 @@ class Checkpointer:
         )
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        self.seal(block=True)
 
     def close(self) -> None:
+        self.seal(block=True)
         self.manager.close()
 
 
@@ -219,14 +257,23 @@ def abstract_params(model_config: ModelConfig, mesh):
     )
 
 
-def _restore_params(directory: str, step: int | None, abstract):
+def _restore_params(directory: str, step: int | None, abstract, model_config: ModelConfig | None = None):
+    """-> (params, step): ``step``, or the newest step that verifies (see ``integrity.py``)."""
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
-        step = manager.latest_step() if step is None else step
-        if step is None:
+        steps = [step] if step is not None else sorted(manager.all_steps())[::-1]
+        if not steps:
             return None, None
-        out = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
-        return out["params"], step
+        reader = types.SimpleNamespace(
+            directory=directory, model_config=model_config, read_only=True, manager=manager
+        )
+
+        def restore(s):
+            args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
+            return manager.restore(s, args=args)["params"]
+
+        params = integrity.restore_verified(reader, steps, step is None, restore)
+        return params, reader.restored_step
     finally:
         manager.close()
 
@@ -243,7 +290,7 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
     directory = checkpoint_dir(workdir)
     params = None
     if os.path.isdir(directory):
-        params, step = _restore_params(directory, step, abstract_params(model_config, mesh))
+        params, step = _restore_params(directory, step, abstract_params(model_config, mesh), model_config)
     if params is None:
         raise ValueError(f"Workdir {workdir!r} has no checkpoint in {directory}.")
     tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))

@@ -29,6 +29,7 @@ def training_defaults() -> ml_collections.ConfigDict:
     c.keep_best_metric = ""  # e.g. 'eval_loss': keep the best checkpoints by it, not the newest
     c.keep_best_mode = "min"
     c.skip_nonfinite = False  # False: stop at a non-finite step; True: skip it
+    c.checkpoint_fallback = True  # a corrupt newest checkpoint: True resume from an older one; False stop
     c.inject_nan_at_step = -1  # testing the non-finite guard
     c.test_split = ""  # translation: BLEU / exact match on this split after training ('' = none)
     c.beam_size = 1  # 1 = greedy decoding for BLEU

@@ -18,7 +18,7 @@ from transformer_jax.config import ModelConfig
 from transformer_jax.data import build_datasets, to_global_batch
 from transformer_jax.params import build_model
 from transformer_jax.training import checkpoint as ckpt_lib
-from transformer_jax.training import evaluate, steps
+from transformer_jax.training import evaluate, integrity, steps
 from transformer_jax.training import metrics as metrics_lib
 from transformer_jax.training.config_checks import check_config
 from transformer_jax.training.optimizer import create_optimizer
@@ -117,6 +117,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     model_cfg = ModelConfig.from_dict(config.model.to_dict())
     model = build_model(model_cfg)
 
+    if parallel.is_primary():
+        integrity.check_writable(workdir)
+        integrity.repair_jsonl(os.path.join(workdir, "metrics.jsonl"))
+
     # --- data --------------------------------------------------------------------------------
     data = build_datasets(config.dataset, workdir)
     if data.tokenizer.vocab_size > model_cfg.vocab_size:
@@ -130,12 +134,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
     tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
     checkpointer = ckpt_lib.Checkpointer(
-        workdir, config.max_checkpoints_to_keep, config.keep_best_metric, config.keep_best_mode
+        workdir,
+        config.max_checkpoints_to_keep,
+        config.keep_best_metric,
+        config.keep_best_mode,
+        model_config=model_cfg,
+        fallback=config.get("checkpoint_fallback", True),
     )
     abstract, shardings = state_shardings(model, tx, mesh, config.seed)
     if checkpointer.latest_step() is not None:
         state = checkpointer.restore(abstract, data.train_iter)
-        _say(f"Resumed from checkpoint {checkpointer.latest_step()} in {checkpointer.directory}")
+        _say(f"Resumed from checkpoint {checkpointer.restored_step} in {checkpointer.directory}")
     else:
         state, _ = create_train_state(model, tx, mesh, config.seed)
     start_step = int(jax.device_get(state.step))
@@ -179,6 +188,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
             tokens += _non_pad_tokens(batch)
             state, step_metrics = train_step(state, to_global_batch(batch, mesh))
             history.append(step_metrics)
+            checkpointer.seal()  # integrity manifest of a finished async save
             if pending is not None and not bool(pending[1]["finite"]):  # checked one step late
                 skipped += _non_finite(config, pending[0], checkpointer, log)
             pending = (step, step_metrics)

@@ -1,0 +1,317 @@
+"""Checkpoint integrity: a manifest per step, verified before anything is restored.
+
+orbax writes a step into ``<step>.orbax-checkpoint-tmp-*`` and renames it when every file is
+written, so a process killed mid-save leaves a temporary directory, never a half-written step.
+That guards against a crash, not against what happens to the files afterwards (a copy cut short,
+a flipped bit, a deleted file, a step directory copied in from another run). So once a save is
+committed we write ``<step>/integrity.json``: the size and SHA-256 of every file in the step
+directory plus the ``ModelConfig`` the step was written for. Before a restore we check it:
+
+* ``ok``        every file present with the recorded size and hash, same model config;
+* ``unsealed``  no manifest: the process stopped between orbax's commit and our manifest (a few
+  milliseconds), so orbax's own commit is the guarantee; the restore itself is the check;
+* ``corrupt``   a file missing, cut short or changed: never restored. The loop falls back to the
+  previous good step with a warning (``config.checkpoint_fallback=True``, the default) or stops
+  with a message saying how to proceed;
+* a different model config raises :class:`CheckpointConfigMismatchError` naming the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import time
+
+from transformer_jax.config import ModelConfig
+
+MANIFEST_NAME = "integrity.json"
+FORMAT = 1
+_CHUNK = 1 << 20
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint step whose files do not match its integrity manifest (or cannot be read)."""
+
+
+class CheckpointConfigMismatchError(ValueError):
+    """A checkpoint step written for another ``ModelConfig``."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, read-only or missing directory)."""
+
+
+@dataclasses.dataclass
+class Verdict:
+    step: int
+    status: str  # 'ok' | 'unsealed' | 'corrupt'
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        return self.status != "corrupt"
+
+    def describe(self) -> str:
+        return "; ".join(self.problems) if self.problems else self.status
+
+
+def is_local(directory: str) -> bool:
+    """Manifests are written and checked for local (POSIX) paths; gs:// etc. rely on orbax alone."""
+    return "://" not in str(directory)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(step_dir: str) -> list[str]:
+    out = []
+    for root, dirs, names in os.walk(step_dir):
+        dirs.sort()
+        for name in sorted(names):
+            rel = os.path.relpath(os.path.join(root, name), step_dir)
+            if rel != MANIFEST_NAME and not rel.endswith(".tmp"):
+                out.append(rel)
+    return out
+
+
+def step_dir(directory: str, step: int) -> str:
+    return os.path.join(str(directory), str(step))
+
+
+def write_manifest(directory: str, step: int, model_config: ModelConfig | None) -> str:
+    """Hashes every file of a committed step into ``<step>/integrity.json`` (atomic rename)."""
+    path = step_dir(directory, step)
+    files = {
+        rel: {"size": os.path.getsize(os.path.join(path, rel)), "sha256": _sha256(os.path.join(path, rel))}
+        for rel in _files(path)
+    }
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "written": time.time(),
+        "model_config": model_config.to_dict() if model_config is not None else None,
+        "files": files,
+    }
+    target = os.path.join(path, MANIFEST_NAME)
+    tmp = target + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return target
+
+
+def read_manifest(directory: str, step: int) -> dict | None:
+    path = os.path.join(step_dir(directory, step), MANIFEST_NAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise ValueError("not a manifest")
+        return manifest
+    except (OSError, ValueError) as e:
+        return {"unreadable": f"{MANIFEST_NAME} is unreadable ({e})"}
+
+
+def check_model_config(directory: str, step: int, manifest: dict | None, model_config: ModelConfig) -> None:
+    """Raises :class:`CheckpointConfigMismatchError` naming each field that differs."""
+    if not manifest or not manifest.get("model_config"):
+        return
+    try:
+        saved = ModelConfig.from_dict(manifest["model_config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointConfigMismatchError(
+            f"Checkpoint step {step} in {directory} records a model config this version cannot read ({e})."
+        ) from e
+    diff = saved.diff(model_config)
+    if diff:
+        fields = ", ".join(
+            f"{k}={a!r} in the checkpoint but {b!r} in config.model" for k, (a, b) in diff.items()
+        )
+        raise CheckpointConfigMismatchError(
+            f"Checkpoint step {step} in {directory} was written for another model: {fields}. "
+            "Train in a fresh --workdir, or set config.model back to the checkpoint's values "
+            f"(recorded in {os.path.join(step_dir(directory, step), MANIFEST_NAME)})."
+        )
+
+
+def verify(directory: str, step: int, model_config: ModelConfig | None = None) -> Verdict:
+    """Checks a step against its manifest; raises :class:`CheckpointConfigMismatchError` on another model."""
+    path = step_dir(directory, step)
+    if not os.path.isdir(path):
+        return Verdict(step, "corrupt", [f"{path} is missing"])
+    manifest = read_manifest(directory, step)
+    if manifest is None:
+        return Verdict(step, "unsealed")
+    if "unreadable" in manifest:
+        return Verdict(step, "corrupt", [manifest["unreadable"]])
+    if model_config is not None:
+        check_model_config(directory, step, manifest, model_config)
+    problems = []
+    expected = manifest["files"]
+    present = set(_files(path))
+    for rel in sorted(set(expected) - present):
+        problems.append(f"{rel} is missing")
+    for rel in sorted(present - set(expected)):
+        problems.append(f"{rel} is not in the manifest")
+    for rel in sorted(set(expected) & present):
+        full = os.path.join(path, rel)
+        size = os.path.getsize(full)
+        if size != expected[rel]["size"]:
+            problems.append(f"{rel} has {size} bytes, expected {expected[rel]['size']} (cut short or grown)")
+        elif _sha256(full) != expected[rel]["sha256"]:
+            problems.append(f"{rel} has changed (SHA-256 differs from the manifest)")
+    return Verdict(step, "corrupt" if problems else "ok", problems)
+
+
+def move_aside(directory: str, step: int) -> str:
+    """Renames a corrupt step out of orbax's directory (kept for inspection), so the step can be
+    written again; returns the new path."""
+    aside = os.path.join(os.path.dirname(os.path.abspath(directory)), "checkpoints_corrupt")
+    os.makedirs(aside, exist_ok=True)
+    target = os.path.join(aside, f"{step}.{int(time.time())}")
+    os.replace(step_dir(directory, step), target)
+    return target
+
+
+def check_writable(workdir: str) -> None:
+    """Creates ``workdir`` and writes a probe file: an unwritable workdir is an error at the start,
+    not after the first N steps of training."""
+    probe = os.path.join(workdir, f".write_probe.{os.getpid()}")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointWriteError(
+            e.errno, f"Workdir {workdir!r} is not writable ({e.strerror or e}); choose another --workdir"
+        ) from e
+
+
+def write_error(error: OSError, step: int, directory: str, kept: list[int]) -> CheckpointWriteError:
+    """A :class:`CheckpointWriteError` saying what failed and what is still intact."""
+    reason = {
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is exceeded",
+        errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied",
+    }.get(error.errno, str(error))
+    intact = f"checkpoints {kept} are intact" if kept else "no earlier checkpoint exists"
+    return CheckpointWriteError(
+        error.errno or errno.EIO,
+        f"Could not write checkpoint step {step} to {directory}: {reason} ({error}). The partial write "
+        f"is not a checkpoint; {intact}. Free space (or fix permissions) and rerun the same command "
+        "to resume.",
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+
+
+def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn, *args):
+    """Restores the first of ``steps`` (newest first) that verifies and that orbax can read.
+
+    A corrupt step is skipped with a warning when ``fallback`` (and moved to
+    ``DIR/checkpoints_corrupt/`` once an older step restored, so that training can write the step
+    again), else :class:`CheckpointCorruptError` says how to proceed. Sets
+    ``checkpointer.restored_step``.
+    """
+    from absl import logging
+
+    directory = checkpointer.directory
+    if not steps:
+        raise ValueError(f"No checkpoint in {directory}.")
+    local = is_local(directory)
+    bad: list[Verdict] = []
+    for i, step in enumerate(steps):
+        verdict = verify(directory, step, checkpointer.model_config) if local else Verdict(step, "unsealed")
+        if verdict.usable:
+            try:
+                state = restore_fn(*args, step)
+            except Exception as e:  # noqa: BLE001 (any unreadable step is a corrupt step)
+                verdict = Verdict(step, "corrupt", [f"orbax could not restore it ({_first_line(e)})"])
+            else:
+                _after_restore(checkpointer, step, verdict, bad)
+                return state
+        bad.append(verdict)
+        older = steps[i + 1 :]
+        if not fallback:
+            hint = (
+                f"Set config.checkpoint_fallback=True to resume from the newest good step before it "
+                f"(one of {older}), or move {step_dir(directory, step)} away and rerun."
+                if older
+                else f"Move {step_dir(directory, step)} away (or use a fresh --workdir) and rerun."
+            )
+            raise CheckpointCorruptError(
+                f"Checkpoint step {step} in {directory} is corrupt: {verdict.describe()}. Refusing to load "
+                f"it (config.checkpoint_fallback=False). {hint}"
+            )
+        logging.warning(
+            "Checkpoint step %d in %s is corrupt: %s. %s",
+            step,
+            directory,
+            verdict.describe(),
+            f"Falling back to step {older[0]}." if older else "No older checkpoint left.",
+        )
+        print(
+            f"WARNING: checkpoint step {step} is corrupt ({verdict.describe()}); "
+            + (f"trying step {older[0]}." if older else "no older checkpoint."),
+            flush=True,
+        )
+    raise CheckpointCorruptError(
+        f"No usable checkpoint in {directory}: "
+        + "; ".join(f"step {v.step}: {v.describe()}" for v in bad)
+        + f". Move {directory} away (or use a fresh --workdir) to train from scratch."
+    )
+
+
+def _after_restore(checkpointer, step: int, verdict: Verdict, bad: list[Verdict]) -> None:
+    """Seals a step restored without a manifest; sets corrupt newer steps aside."""
+    import jax
+    from absl import logging
+
+    checkpointer.restored_step = step
+    if getattr(checkpointer, "read_only", False) or not is_local(checkpointer.directory):
+        return
+    primary = jax.process_index() == 0
+    if primary and verdict.status == "unsealed" and checkpointer.model_config is not None:
+        write_manifest(checkpointer.directory, step, checkpointer.model_config)
+    if not bad:
+        return
+    if primary:
+        for v in bad:
+            if os.path.isdir(step_dir(checkpointer.directory, v.step)):
+                target = move_aside(checkpointer.directory, v.step)
+                logging.warning("Moved corrupt checkpoint step %d to %s", v.step, target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("transformer_jax_corrupt_steps_moved")
+    checkpointer.manager.reload()
+
+
+def repair_jsonl(path: str) -> bool:
+    """Cuts an incomplete last line (a process killed mid-write) so the next record starts on its own
+    line; returns True if something was cut."""
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return False
+        f.truncate(data.rfind(b"\n") + 1)
+    return True
