@@ -1,0 +1,198 @@
+"""Damaged checkpoints and failing disks: a file cut short, a flipped byte, a missing file, a step
+without its manifest, a checkpoint of another model, a full disk and an unwritable workdir are each
+caught with a message saying what is wrong and how to proceed; nothing is loaded silently."""
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import tiny
+from transformer_jax.training import integrity, restore_for_inference, train_and_evaluate
+from transformer_jax.training.checkpoint import Checkpointer
+
+CACHE = os.path.join(tempfile.gettempdir(), "transformer_jax_test_xla_cache")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def tiny_config(data_dir, **overrides):
+    config = tiny.get_config()
+    config.dataset.data_dir = data_dir
+    config.compilation_cache_dir = CACHE
+    config.num_train_steps = 10
+    config.log_every_steps = 1
+    config.eval_every_steps = 100
+    config.checkpoint_every_steps = 5
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):
+    """A workdir with checkpoints at steps 5 and 10."""
+    workdir = str(tmp_path_factory.mktemp("trained"))
+    train_and_evaluate(tiny_config(data_dir), workdir)
+    return workdir
+
+
+@pytest.fixture
+def workdir(trained, tmp_path):
+    """A fresh copy of ``trained`` to damage."""
+    return shutil.copytree(trained, str(tmp_path / "w"))
+
+
+def ckpt(workdir):
+    return os.path.join(workdir, "checkpoints")
+
+
+def biggest_file(workdir, step, item=""):
+    path = os.path.join(integrity.step_dir(ckpt(workdir), step), item)
+    files = [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns if n != integrity.MANIFEST_NAME]
+    return max(files, key=os.path.getsize)
+
+
+def cut_short(path):
+    with open(path, "rb+") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def flip_byte(path):
+    with open(path, "rb+") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_complete_checkpoints_verify(trained):
+    assert Checkpointer(trained).all_steps() == [5, 10]
+    for step in (5, 10):
+        verdict = integrity.verify(ckpt(trained), step)
+        assert verdict.status == "ok", verdict
+        with open(os.path.join(integrity.step_dir(ckpt(trained), step), integrity.MANIFEST_NAME)) as f:
+            manifest = json.load(f)
+        assert manifest["model_config"]["d_model"] == 32 and len(manifest["files"]) > 5
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda w: cut_short(biggest_file(w, 10)), "cut short"),
+        (lambda w: flip_byte(biggest_file(w, 10)), "has changed"),
+        (lambda w: os.remove(biggest_file(w, 10)), "is missing"),
+        (lambda w: write(os.path.join(ckpt(w), "10", integrity.MANIFEST_NAME), "{"), "unreadable"),
+    ],
+    ids=["truncated", "flipped_byte", "missing_file", "bad_manifest"],
+)
+def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, capsys):
+    damage(workdir)
+    verdict = integrity.verify(ckpt(workdir), 10)
+    assert verdict.status == "corrupt" and message in verdict.describe(), verdict
+    bundle = restore_for_inference(workdir)  # newest *good* step, with a warning
+    assert bundle.step == 5
+    assert "checkpoint step 10 is corrupt" in capsys.readouterr().out
+    with pytest.raises(integrity.CheckpointCorruptError, match="step 10 .* corrupt"):
+        restore_for_inference(workdir, step=10)  # asked for by number: refused, never loaded
+
+
+def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys):
+    """No manifest (killed between orbax's commit and the manifest) and a file cut short."""
+    os.remove(os.path.join(ckpt(workdir), "10", integrity.MANIFEST_NAME))
+    assert integrity.verify(ckpt(workdir), 10).status == "unsealed"
+    params = os.path.join(ckpt(workdir), "10", "params")
+    for root, _, names in os.walk(params):  # every array data file (orbax alone misses some cuts)
+        for name in names:
+            if os.path.basename(root) == "d":
+                cut_short(os.path.join(root, name))
+    assert restore_for_inference(workdir).step == 5
+    assert "orbax could not restore it" in capsys.readouterr().out
+
+
+def test_training_falls_back_and_rewrites_the_step(workdir, trained, data_dir, capsys):
+    flip_byte(biggest_file(workdir, 10))
+    final = train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)
+    out = capsys.readouterr().out
+    assert "checkpoint step 10 is corrupt" in out and "Resumed from checkpoint 5" in out
+    assert final["step"] == 12
+    assert os.listdir(os.path.join(workdir, "checkpoints_corrupt"))[0].startswith("10.")  # kept aside
+    assert all(integrity.verify(ckpt(workdir), s).status == "ok" for s in Checkpointer(workdir).all_steps())
+    assert Checkpointer(workdir).all_steps() == [5, 10, 12]  # step 10 written again, verifiably
+
+
+def test_training_refuses_without_fallback(workdir, data_dir):
+    cut_short(biggest_file(workdir, 10))
+    config = tiny_config(data_dir, num_train_steps=12, checkpoint_fallback=False)
+    with pytest.raises(integrity.CheckpointCorruptError, match=r"step 10 .*checkpoint_fallback=True.*\[5\]"):
+        train_and_evaluate(config, workdir)
+
+
+def test_every_checkpoint_corrupt_is_an_error(workdir):
+    for step in (5, 10):
+        os.remove(biggest_file(workdir, step))
+    with pytest.raises(integrity.CheckpointCorruptError, match="No usable checkpoint.*fresh --workdir"):
+        restore_for_inference(workdir)
+
+
+def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir):
+    config = tiny_config(data_dir, num_train_steps=12)
+    config.model.d_ff = 96
+    config.model.num_heads = 2
+    with pytest.raises(integrity.CheckpointConfigMismatchError, match="num_heads=4 .* but 2 .*d_ff=64 .* but 96") as e:
+        train_and_evaluate(config, workdir)
+    assert "fresh --workdir" in str(e.value)
+    assert integrity.verify(ckpt(workdir), 10).status == "ok"  # nothing was touched
+
+
+def test_disk_full_mid_save_keeps_earlier_checkpoints(workdir, data_dir, monkeypatch):
+    real_save = ocp.CheckpointManager.save
+
+    def full_disk(self, step, *args, **kwargs):  # a partial write, then ENOSPC
+        partial = os.path.join(str(self.directory), f"{step}.orbax-checkpoint-tmp-1")
+        os.makedirs(os.path.join(partial, "params"))
+        with open(os.path.join(partial, "params", "data"), "wb") as f:
+            f.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+    with pytest.raises(integrity.CheckpointWriteError, match=r"step 15 .*disk is full.*\[5, 10\] are intact"):
+        train_and_evaluate(tiny_config(data_dir, num_train_steps=15), workdir)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
+    assert all(integrity.verify(ckpt(workdir), s).status == "ok" for s in (5, 10))
+    assert restore_for_inference(workdir).step == 10
+    assert train_and_evaluate(tiny_config(data_dir, num_train_steps=15), workdir)["step"] == 15  # space freed
+    assert not [n for n in os.listdir(ckpt(workdir)) if "tmp" in n]  # the partial write is cleaned up
+
+
+def test_async_write_failure_is_reported(workdir, data_dir, monkeypatch):
+    """The write fails in orbax's background thread: the error surfaces, earlier steps stay good."""
+    from orbax.checkpoint._src.path import atomicity
+
+    async def fail(self):  # the commit (rename) of the background write fails
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
+    with pytest.raises(integrity.CheckpointWriteError, match=r"step 15 .*disk is full.*\[5, 10\] are intact"):
+        train_and_evaluate(tiny_config(data_dir, num_train_steps=15), workdir)
+    monkeypatch.undo()
+    assert all(integrity.verify(ckpt(workdir), s).status == "ok" for s in (5, 10))
+    assert restore_for_inference(workdir).step == 10
+
+
+def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(integrity.CheckpointWriteError, match="is not writable.*choose another --workdir"):
+        train_and_evaluate(tiny_config(data_dir), str(blocker / "run"))
