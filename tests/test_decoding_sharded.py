@@ -1,0 +1,38 @@
+"""Decoding on a device mesh: batch split over the data axes, parameters sharded as in training,
+the same tokens as on one device."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+import transformer_jax as tj
+from transformer_jax import parallel
+
+
+def test_sharded_generate_and_beam_search_equal_unsharded():
+    config = tj.presets.tiny(norm="pre", num_encoder_layers=0)
+    model = tj.TransformerLM(config)
+    prompts = jax.random.randint(jax.random.key(1), (8, 6), 3, config.vocab_size)
+    lengths = np.array([6, 3, 5, 1, 6, 2, 4, 6], np.int32)
+    boxed = jax.jit(model.init)(jax.random.key(0), prompts)
+    params = nn.unbox(boxed)["params"]
+
+    def decode(params, prompts, lengths):
+        cache = tj.init_cache(config, 8, 6 + 10)
+        greedy = tj.decoding.generate(tj.LMStep(model), params, cache, prompts, lengths,
+                                      max_new_tokens=10)
+        beams = tj.beam_search(tj.LMStep(model), params, cache, prompts, lengths,
+                               max_new_tokens=10, beam_size=3)
+        return greedy.tokens, beams.tokens
+
+    expected = decode(params, prompts, lengths)
+
+    mesh = parallel.create_mesh(data=2, fsdp=2, tensor=2)
+    shardings = parallel.logical_to_sharding(jax.eval_shape(lambda: boxed), mesh)["params"]
+    with parallel.sharding_context(mesh):
+        sharded_params = jax.device_put(params, shardings)
+        batch = jax.device_put(prompts, parallel.batch_sharding(mesh))
+        assert len(batch.sharding.device_set) == 8
+        got = decode(sharded_params, batch, jax.device_put(lengths))
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1], expected[1])
