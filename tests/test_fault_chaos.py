@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(tempfile.gettempdir(), "transformer_jax_test_xla_cache")
 KILLS = int(os.environ.get("TJ_CHAOS_KILLS", "10"))
 SEED = int(os.environ.get("TJ_CHAOS_SEED", "0"))
-STEPS = max(40, 5 * KILLS)
+STEPS = max(30, 4 * KILLS)
 EVERY = 3  # checkpoint every 3 steps: many saves, so many kills land in one
 SETTINGS = {
     "num_train_steps": STEPS,

@@ -71,6 +71,7 @@ def initialize(
     local_device_ids: int | Sequence[int] | None = None,
     initialization_timeout: int = 300,
     auto: bool | None = None,
+    heartbeat_timeout_seconds: int | None = None,
 ) -> bool:
     """Connects this process to the others (``jax.distributed.initialize``) when there are any.
 
@@ -81,6 +82,9 @@ def initialize(
       local_device_ids: restrict this process to some local devices (one process per GPU).
       initialization_timeout: seconds to wait for every peer before raising, so a missing or
         misconfigured host is an error instead of a hang.
+      heartbeat_timeout_seconds: how long a silent peer may go unnoticed before the others stop
+        with an error (a dead process must not hang the job); default ``TJ_HEARTBEAT_TIMEOUT_S``
+        or JAX's 100 s.
       auto: True forces JAX's cluster auto-detection (``jax.distributed.initialize()`` with no
         address), False forbids it; None auto-detects only when :func:`detect_cluster` finds
         SLURM, Open MPI or a multi-host TPU.
@@ -111,6 +115,8 @@ def initialize(
             process_id=index,
             local_device_ids=local_device_ids,
             initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds
+            or int(os.environ.get("TJ_HEARTBEAT_TIMEOUT_S", "100")),
         )
     except Exception as e:  # re-raised with the settings that matter for debugging
         raise RuntimeError(

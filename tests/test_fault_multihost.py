@@ -1,0 +1,123 @@
+"""Multi-host faults: two ``train.py`` processes (jax.distributed on 127.0.0.1); one is SIGKILLed
+mid-training and the other must exit with an error within a bounded time (the heartbeat timeout,
+``TJ_HEARTBEAT_TIMEOUT_S``) instead of hanging; restarting both resumes from the last checkpoint
+and finishes.
+
+About a minute on a 2-core machine (two processes started twice), so CI skips it unless
+``TJ_FAULT_MULTIHOST=1``; the two-process happy path runs in CI in test_train.py.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(tempfile.gettempdir(), "transformer_jax_test_xla_cache")
+HEARTBEAT_S = 10
+BOUND_S = 3 * HEARTBEAT_S + 30  # detection plus shutdown, with room for a slow, shared machine
+STEPS = 400
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TJ_FAULT_MULTIHOST") != "1", reason="set TJ_FAULT_MULTIHOST=1 (about a minute)"
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Prepared here once: two processes preparing one fresh TFDS directory at once race."""
+    from configs import tiny
+    from transformer_jax.data import build_datasets
+
+    path = str(tmp_path_factory.mktemp("tfds"))
+    config = tiny.get_config().dataset
+    config.data_dir = path
+    build_datasets(config, str(tmp_path_factory.mktemp("prepare")))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_pair(workdir, data_dir, steps):
+    port = _free_port()
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": REPO,
+        "TJ_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
+    }
+    args = [
+        sys.executable,
+        os.path.join(REPO, "train.py"),
+        "--config=" + os.path.join(REPO, "configs/tiny.py"),
+        f"--workdir={workdir}",
+        f"--config.dataset.data_dir={data_dir}",
+        f"--config.compilation_cache_dir={CACHE}",
+        f"--config.num_train_steps={steps}",
+        "--config.log_every_steps=1",
+        "--config.checkpoint_every_steps=2",
+        f"--config.eval_every_steps={10 * STEPS}",
+        "--config.mesh.fsdp=2",
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+    ]
+    return [
+        subprocess.Popen(
+            args + [f"--process_id={i}"],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def _wait_for_checkpoint(workdir, procs, timeout=240):
+    directory = os.path.join(workdir, "checkpoints")
+    start = time.time()
+    while time.time() - start < timeout:
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a process ended early:\n" + procs[0].stdout.read()[-3000:])
+        if os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory)):
+            return
+        time.sleep(0.05)
+    raise AssertionError("no checkpoint in time")
+
+
+def test_one_process_dies_the_other_stops_and_both_resume(data_dir, tmp_path):
+    workdir = str(tmp_path / "w")
+    procs = _start_pair(workdir, data_dir, STEPS)  # long enough that the kill lands mid-training
+    _wait_for_checkpoint(workdir, procs)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    try:
+        out = procs[0].communicate(timeout=BOUND_S)[0]
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        raise AssertionError(f"process 0 still running {BOUND_S}s after its peer died") from None
+    waited = time.time() - killed_at
+    print(f"\nsurvivor exited with {procs[0].returncode} after {waited:.1f}s")
+    assert procs[0].returncode != 0, out[-3000:]
+    procs[1].wait()
+
+    steps = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
+    assert 0 < max(steps) < STEPS
+    finish = max(steps) + 2
+    procs = _start_pair(workdir, data_dir, finish)  # both restarted: resume and finish
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, o in zip(procs, outs, strict=True):
+        assert p.returncode == 0, o[-3000:]
+    assert f"Resumed from checkpoint {max(steps)}" in outs[0]
+    assert f"step {finish}" in outs[0] or os.path.isdir(os.path.join(workdir, "checkpoints", str(finish)))
