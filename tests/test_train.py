@@ -98,7 +98,7 @@ def test_meshes_give_the_same_losses(data_dir, tmp_path):
     devices = jax.devices()
     reference = _losses_on(parallel.create_mesh(1, 1, 1, devices[:1]), config, data_dir, tmp_path, batches)
     assert reference[-1] < reference[0]
-    for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2)]:  # data; data + FSDP; all three
+    for shape in [(8, 1, 1), (2, 2, 2)]:  # data parallel; data + FSDP + tensor parallel
         losses = _losses_on(parallel.create_mesh(*shape), config, data_dir, tmp_path, batches)
         np.testing.assert_allclose(losses, reference, rtol=2e-5, err_msg=f"mesh {shape}")
 
