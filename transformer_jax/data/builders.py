@@ -22,8 +22,10 @@ import hashlib
 import os
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator, Sequence
 
+import jax
 import tensorflow_datasets as tfds
 from absl import logging
 
@@ -305,10 +307,31 @@ class TextFiles(_FilesBuilder):
 # ------------------------------------------------------------------------------------------
 
 
-def prepare(builder: tfds.core.DatasetBuilder) -> tfds.core.DatasetBuilder:
-    """Builds the ArrayRecord files once (a no-op when they exist)."""
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+def prepare(builder: tfds.core.DatasetBuilder, wait_timeout_s: float = 1800.0) -> tfds.core.DatasetBuilder:
+    """Builds the ArrayRecord files once (a no-op when they exist).
+
+    In a multi-process run process 0 builds them and the others wait for the finished directory
+    (TFDS renames it into place when complete), so no two processes race to write the same files.
+    """
+    if jax.process_count() > 1 and jax.process_index() != 0:
+        deadline = time.monotonic() + wait_timeout_s
+        while not builder.data_path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"process {jax.process_index()} waited {wait_timeout_s:.0f} s for process 0 to "
+                    f"prepare {builder.name} in {builder.data_dir}; is dataset.data_dir shared by all hosts?"
+                )
+            time.sleep(1.0)
+        builder.info.read_from_directory(builder.data_dir)  # built after this object was made
+        return builder
+    try:
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    except FileExistsError:
+        # Another job finished preparing the same directory first: use its files.
+        if not builder.data_path.exists():
+            raise
+        builder.info.read_from_directory(builder.data_dir)
     return builder
 
 
