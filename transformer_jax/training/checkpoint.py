@@ -106,6 +106,13 @@ class Checkpointer:
         self.restored_step: int | None = None
         self._unsealed: list[int] = []  # saved steps still waiting for their manifest
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        if not read_only:
+            # orbax removes the partial saves of a killed run in a background thread and only waits
+            # for it inside its next save; wait here, so the directory is settled before anything
+            # reads or lists it, and a run that ends before its first save leaves no partial write.
+            wait = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
+            if wait is not None:
+                wait()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
