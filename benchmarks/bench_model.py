@@ -29,6 +29,7 @@ import optax
 
 import transformer_jax as tj
 from transformer_jax.params import build_model
+from transformer_jax.training import losses
 
 try:
     from benchmarks.hardware import peak_matmul_flops
@@ -80,8 +81,8 @@ def make_train_step(model, tx, encoder_decoder: bool):
             logits = model.apply({"params": params}, batch["inputs"], decoder_in)
         else:
             logits = model.apply({"params": params}, decoder_in)
-        labels = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
-        return jnp.mean(optax.softmax_cross_entropy(logits, labels))
+        loss_sum, weight_sum, _ = losses.cross_entropy(logits, targets)  # the library's loss
+        return loss_sum / weight_sum
 
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
