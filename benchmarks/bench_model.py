@@ -136,9 +136,12 @@ def bench_train(config, batch: int, length: int, *, steps: int = 5, peak_flops: 
     )
 
 
+# Layers under nn.scan (scan_layers=True), the setting for speed: on XLA:CPU an unscanned stack's
+# backward pass fuses the residual-stream gradient chain of every later layer into each earlier one
+# and recomputes it per layer (GPT-2 small, f32: ~12.5 s against ~9.5 s per 8x256 step).
 PRESETS = {
-    "gpt2_small": lambda **kw: tj.presets.gpt2_small(dropout_rate=0.0, **kw),
-    "transformer_base": lambda **kw: tj.presets.transformer_base(dropout_rate=0.0, **kw),
+    "gpt2_small": lambda **kw: tj.presets.gpt2_small(dropout_rate=0.0, scan_layers=True, **kw),
+    "transformer_base": lambda **kw: tj.presets.transformer_base(dropout_rate=0.0, scan_layers=True, **kw),
 }
 
 

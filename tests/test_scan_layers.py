@@ -58,7 +58,7 @@ def test_lm_scanned_cache_decoding_equals_full_recomputation():
     params = nn_unbox(jax.jit(lm.init)(jax.random.key(0), t)["params"])
     full = jax.jit(lm.apply)({"params": params}, t)
     cache = tj.init_cache(cfg, B, 10)
-    assert cache.layers["k"].shape == (B, 3, 10, 5, 6) and cache.max_length == 10
+    assert cache.layers["k"].shape == (B, 3, 5, 10, 6) and cache.max_length == 10
     assert all(leaf.shape[0] == B for leaf in jax.tree.leaves(cache))
     step = jax.jit(lambda p, x, c: lm.apply({"params": p}, x, cache=c))
     first, cache = step(params, t[:, :4], cache)

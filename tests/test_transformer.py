@@ -168,6 +168,22 @@ def test_lm_cache_with_ragged_prompts_equals_full_recomputation(variant):
     np.testing.assert_array_equal(cache.lengths, lengths + 5)
 
 
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_cache_is_head_major_and_every_backend_reads_it(impl):
+    """The self-attention cache is [B, N, S_max, K]; backends other than xla get it as [B, S, N, K]."""
+    cfg = config(num_kv_heads=1, attention_impl=impl)
+    full_tokens = tokens(6, (B, 9))
+    lm, params = init_lm(cfg, full_tokens)
+    full = japply(lm)({"params": params}, full_tokens)
+    cache = tj.init_cache(cfg, B, 9)
+    assert cache.layers[0]["k"].shape == (B, 1, 9, cfg.qk_dim) and cache.max_length == 9
+    logits, cache = japply(lm)({"params": params}, full_tokens[:, :4], cache=cache)
+    np.testing.assert_allclose(logits, full[:, :4], atol=1e-5)
+    for t in range(4, 9):
+        logits, cache = japply(lm)({"params": params}, full_tokens[:, t : t + 1], cache=cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_encoder_decoder_cache_equals_full_recomputation(variant):
     cfg = config(**VARIANTS[variant])

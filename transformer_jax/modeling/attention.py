@@ -166,6 +166,27 @@ def dot_product_attention(
     raise NotImplementedError(f"attention_impl={impl!r} is not available in this build")
 
 
+def cached_attention(q, k_cache, v_cache, mask):
+    """Eq. 1 against a head-major KV cache: q [B, L, H, K]; k_cache, v_cache [B, N, S, K];
+    mask bool [B, 1|H, L, S] or a `masks.AttentionMask`. Both products contract the cache in its
+    stored layout (no per-step transpose of the cache); float32 logits and softmax; a query that
+    sees no key gets zeros. Returns [B, L, H, K]."""
+    B, L, H, K = q.shape
+    N = k_cache.shape[1]
+    q = q.reshape(B, L, N, H // N, K) / jnp.sqrt(K).astype(q.dtype)
+    logits = jnp.einsum("BLNGK,BNSK->BNGLS", q, k_cache, preferred_element_type=jnp.float32)
+    mask = _materialize(mask)
+    if mask is not None:
+        mask = mask.reshape(B, N, H // N, L, -1) if mask.shape[1] == H else mask[:, :, None]
+        logits = jnp.where(mask, logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if mask is not None:
+        probs = probs * mask
+    out = jnp.einsum("BNGLS,BNSK->BLNGK", probs.astype(v_cache.dtype), v_cache,
+                     preferred_element_type=jnp.float32)
+    return out.astype(v_cache.dtype).reshape(B, L, H, K)
+
+
 class Projection(nn.Module):
     """y = x W + b contracting `axis` of x with the leading axes of a full-shape kernel.
 
@@ -209,6 +230,11 @@ def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name):
     return Projection(features, tuple(names), axis, use_bias, dtype, param_dtype, name=name)
 
 
+# Below this many tokens per call, self-attention keeps three Q/K/V products (see
+# MultiHeadAttention._self_projections): copying the stacked kernels would cost more than it saves.
+FUSED_QKV_MIN_TOKENS = 512
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
@@ -250,8 +276,11 @@ class MultiHeadAttention(nn.Module):
         """Q, K and V of self-attention. With as many K/V heads as query heads they come from one
         matmul against the three kernels stacked on a new axis ([D, 3, H, K], heads stay where a
         tensor-parallel mesh shards them): one [B*L, D] x [D, 3*H*K] product runs closer to the
-        matmul peak than three [D, H*K] ones, forward and backward. The parameters are unchanged."""
-        if self.num_kv_heads != self.num_heads or self.is_initializing():
+        matmul peak than three [D, H*K] ones, forward and backward. The parameters are unchanged.
+        Stacking copies the kernels, so few tokens (decoding steps) keep three products."""
+        tokens = x.size // x.shape[-1]
+        if (self.num_kv_heads != self.num_heads or tokens < FUSED_QKV_MIN_TOKENS
+                or self.is_initializing()):
             k, v = self.project_kv(x, positions)
             return self.query(x), k, v
         get = lambda proj, name: jnp.asarray(nn.meta.unbox(proj.variables["params"][name]), self.dtype)
@@ -275,7 +304,7 @@ class MultiHeadAttention(nn.Module):
 
         precomputed_kv: (k, v) [B, S, N, K] already projected by `project_kv` (cross-attention
         during decoding: the source's K/V are computed once).
-        cache: {'k', 'v'} [B, S_max, N, K] for self-attention decoding: the new keys and values
+        cache: {'k', 'v'} [B, N, S_max, K] for self-attention decoding: the new keys and values
         are written at each row's `cache_index` [B], and attention runs over all S_max slots (the
         mask hides the unwritten ones). Returns (out [B, L, D], updated cache or None).
         """
@@ -286,14 +315,22 @@ class MultiHeadAttention(nn.Module):
             k, v = precomputed_kv if precomputed_kv is not None else self.project_kv(inputs_kv, kv_positions)
         if self.rope_theta is not None:
             q = apply_rope(q, q_positions, self.rope_theta)
-        if cache is not None:
-            write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 0))
-            k = write(cache["k"], k.astype(cache["k"].dtype), cache_index)
-            v = write(cache["v"], v.astype(cache["v"].dtype), cache_index)
-            cache = {"k": k, "v": v}
-        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
-
         want_weights = self.is_mutable_collection("intermediates")
+        if cache is not None:
+            # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max.
+            write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1))
+            k = write(cache["k"], jnp.swapaxes(k, 1, 2).astype(cache["k"].dtype), cache_index)
+            v = write(cache["v"], jnp.swapaxes(v, 1, 2).astype(cache["v"].dtype), cache_index)
+            cache = {"k": k, "v": v}
+            impl = resolve_impl(self.attention_impl, need_weights=want_weights,
+                                dropout_active=not deterministic and self.attention_dropout_rate > 0.0,
+                                q_length=q.shape[1], kv_length=k.shape[2], mask=mask)
+            if impl == "xla" or (impl == "reference" and not want_weights):
+                out = cached_attention(q, k.astype(self.dtype), v.astype(self.dtype), mask)
+                out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
+                return self.out(out), cache
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # the other backends: [B, S, N, K]
+        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
         dropout_rng = None
         if not deterministic and self.attention_dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")

@@ -17,8 +17,10 @@ from transformer_jax.config import ModelConfig
 class KVCache:
     """Keys and values of every decoder layer for the tokens seen so far.
 
-    layers:  per decoder layer, {'k', 'v'}: [B, S_max, N, K] self-attention keys and values; with
-             `scan_layers` one {'k', 'v'} dict of [B, layers, S_max, N, K] (batch still leading).
+    layers:  per decoder layer, {'k', 'v'}: [B, N, S_max, K] self-attention keys and values, heads
+             before positions (the layout the attention matmuls read without a copy: a decoding
+             step reads each layer's cache once instead of transposing it); with `scan_layers`
+             one {'k', 'v'} dict of [B, layers, N, S_max, K] (batch still leading).
     lengths: int32 [B]: how many slots of each row hold real tokens. New tokens are written from
              there, so a batch may hold prompts of different lengths.
     cross:   encoder-decoder only: per layer, {'k', 'v'}: [B, S_src, N, K], the source's
@@ -34,14 +36,13 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
-        if isinstance(self.layers, dict):  # scanned layout [B, layers, S_max, N, K]
-            return self.layers["k"].shape[2]
-        return self.layers[0]["k"].shape[1]
+        k = self.layers["k"] if isinstance(self.layers, dict) else self.layers[0]["k"]
+        return k.shape[-2]  # [B, (layers,) N, S_max, K]
 
 
 def empty_layers(config: ModelConfig, batch_size: int, max_length: int, dtype=None):
     dtype = config.compute_dtype if dtype is None else dtype
-    shape = (batch_size, max_length, config.kv_heads, config.qk_dim)
+    shape = (batch_size, config.kv_heads, max_length, config.qk_dim)
     if config.scan_layers:
         shape = (batch_size, config.num_decoder_layers) + shape[1:]
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
