@@ -232,26 +232,38 @@ def _generate_jit(
 
     # Each scan step picks a token from the carried next-token logits [B, V] (only the latest, never
     # one per step), then runs the model on it. Token choice is traced once, which halves the
-    # compile time of sampling; the model is skipped after the last step or once every row is done.
-    def body(carry, _):
-        cache, logits, rng, done, step = carry
+    # compile time of sampling. The last token is picked after the scan, so the model never runs for
+    # a token nobody reads. With an EOS id the model call sits in a `lax.cond` that skips it once
+    # every row is done; without one no row can stop early, and the cond is left out: it copies
+    # every layer's cache in and out each step (~12% of a batch-8 GPT-2-small step on CPU).
+    def emit(logits, rng, done, step):
         rng, key = jax.random.split(rng)
         token, logprob = choose(logits, key, step)
         token = jnp.where(done, pad_id, token)
         logprob = jnp.where(done, 0.0, logprob)
         done = done if eos_id is None else done | (token == eos_id)
+        return token, logprob, rng, done
+
+    def body(carry, _):
+        cache, logits, rng, done, step = carry
+        token, logprob, rng, done = emit(logits, rng, done, step)
 
         def advance(cache):
             new_logits, cache = step_fn(params, token[:, None], cache, ones)
             return new_logits[:, 0].astype(jnp.float32), cache
 
-        finished = jnp.all(done) | (step == max_new_tokens - 1)
-        logits, cache = jax.lax.cond(finished, lambda cache: (logits, cache), advance, cache)
+        if eos_id is None:
+            logits, cache = advance(cache)
+        else:
+            logits, cache = jax.lax.cond(jnp.all(done), lambda cache: (logits, cache), advance, cache)
         return (cache, logits, rng, done, step + 1), (token, logprob)
 
     carry = (cache, logits, rng, jnp.zeros((batch,), bool), jnp.int32(0))
-    _, (tokens, logprobs) = jax.lax.scan(body, carry, None, length=max_new_tokens)
-    tokens, logprobs = tokens.T, logprobs.T
+    (_, logits, rng, done, step), (tokens, logprobs) = jax.lax.scan(
+        body, carry, None, length=max_new_tokens - 1)
+    last, last_logprob, _, _ = emit(logits, rng, done, step)
+    tokens = jnp.concatenate([tokens, last[None]], axis=0).T
+    logprobs = jnp.concatenate([logprobs, last_logprob[None]], axis=0).T
     return GenerateOutput(tokens, _lengths(tokens, eos_id), logprobs)
 
 
