@@ -18,16 +18,17 @@ from transformer_jax.modeling.positional import apply_rope
 _MASKED = -1e30  # finite, so a fully masked row cannot produce inf - inf = NaN
 
 
-def _reference_attention(q, k, v, mask, *, dropout_rate, dropout_rng, deterministic):
+def _reference_attention(q, k, v, mask, *, dropout_rate, dropout_rng, deterministic, kv_layout="BSNK"):
     """softmax(QK^T / sqrt(d_k)) V written out with einsums; returns (out, probs).
 
-    q: [B, L, H, K], k/v: [B, S, N, K] with H = N * G (grouped-query), mask: [B, 1|H, L, S].
+    q: [B, L, H, K], k/v: [B, S, N, K] (kv_layout 'BSNK') or [B, N, S, K] ('BNSK', the KV cache's
+    layout: the matmuls read it in place), H = N * G (grouped-query), mask: [B, 1|H, L, S].
     Logits and softmax in float32 whatever the compute dtype.
     """
     B, L, H, K = q.shape
-    N = k.shape[2]
+    N = k.shape[kv_layout.index("N")]
     q = q.reshape(B, L, N, H // N, K) / jnp.sqrt(K).astype(q.dtype)
-    logits = jnp.einsum("BLNGK,BSNK->BNGLS", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum(f"BLNGK,{kv_layout}->BNGLS", q, k, preferred_element_type=jnp.float32)
     logits = logits.reshape(B, H, L, -1)
     if mask is not None:
         logits = jnp.where(mask, logits, _MASKED)
@@ -38,7 +39,7 @@ def _reference_attention(q, k, v, mask, *, dropout_rate, dropout_rng, determinis
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     weights = probs.astype(v.dtype).reshape(B, N, H // N, L, -1)
-    out = jnp.einsum("BNGLS,BSNK->BLNGK", weights, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(f"BNGLS,{kv_layout}->BLNGK", weights, v, preferred_element_type=jnp.float32)
     out = out.astype(v.dtype).reshape(B, L, H, K)
     return out, probs
 
@@ -135,7 +136,7 @@ def _flash_attention(q, k, v, mask):
 
 def dot_product_attention(
     q, k, v, mask=None, *, impl="auto", dropout_rate=0.0, dropout_rng=None,
-    deterministic=True, return_weights=False,
+    deterministic=True, return_weights=False, kv_layout="BSNK",
 ):
     """Eq. 1: Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V.
 
@@ -143,13 +144,24 @@ def dot_product_attention(
     or a `masks.AttentionMask` (its ingredients; the dense backends materialise it, 'chunked' and
     'flash' compute it tile by tile). impl: 'auto' | 'reference' | 'xla' | 'cudnn' | 'chunked' |
     'flash' (see `resolve_impl`). A query that sees no key gets a zero output on every backend.
+    kv_layout 'BNSK': k, v are [B, N, S, K] (the KV cache); 'xla' and 'reference' then contract
+    them in place (with positions first, XLA would copy a transposed cache every decoding step),
+    the other backends get them as [B, S, N, K].
     Returns (out [B, L, H, K], probs [B, H, L, S] float32 or None).
     """
     impl = resolve_impl(
         impl, need_weights=return_weights,
         dropout_active=not deterministic and dropout_rate > 0.0,
-        q_length=q.shape[1], kv_length=k.shape[1], mask=mask,
+        q_length=q.shape[1], kv_length=k.shape[kv_layout.index("S")], mask=mask,
     )
+    if kv_layout == "BNSK" and impl not in ("xla", "reference"):
+        k, v, kv_layout = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), "BSNK"
+    if kv_layout == "BNSK":
+        out, probs = _reference_attention(
+            q, k, v, _materialize(mask), dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            deterministic=deterministic, kv_layout=kv_layout,
+        )
+        return out, (probs if return_weights else None)
     if impl == "chunked":
         return chunked_attention(q, k, v, mask), None
     if impl == "flash":
@@ -164,27 +176,6 @@ def dot_product_attention(
     if impl in ("xla", "cudnn"):
         return _fused_attention(q, k, v, mask, impl), None
     raise NotImplementedError(f"attention_impl={impl!r} is not available in this build")
-
-
-def cached_attention(q, k_cache, v_cache, mask):
-    """Eq. 1 against a head-major KV cache: q [B, L, H, K]; k_cache, v_cache [B, N, S, K];
-    mask bool [B, 1|H, L, S] or a `masks.AttentionMask`. Both products contract the cache in its
-    stored layout (no per-step transpose of the cache); float32 logits and softmax; a query that
-    sees no key gets zeros. Returns [B, L, H, K]."""
-    B, L, H, K = q.shape
-    N = k_cache.shape[1]
-    q = q.reshape(B, L, N, H // N, K) / jnp.sqrt(K).astype(q.dtype)
-    logits = jnp.einsum("BLNGK,BNSK->BNGLS", q, k_cache, preferred_element_type=jnp.float32)
-    mask = _materialize(mask)
-    if mask is not None:
-        mask = mask.reshape(B, N, H // N, L, -1) if mask.shape[1] == H else mask[:, :, None]
-        logits = jnp.where(mask, logits, _MASKED)
-    probs = jax.nn.softmax(logits, axis=-1)
-    if mask is not None:
-        probs = probs * mask
-    out = jnp.einsum("BNGLS,BNSK->BLNGK", probs.astype(v_cache.dtype), v_cache,
-                     preferred_element_type=jnp.float32)
-    return out.astype(v_cache.dtype).reshape(B, L, H, K)
 
 
 class Projection(nn.Module):
@@ -315,29 +306,23 @@ class MultiHeadAttention(nn.Module):
             k, v = precomputed_kv if precomputed_kv is not None else self.project_kv(inputs_kv, kv_positions)
         if self.rope_theta is not None:
             q = apply_rope(q, q_positions, self.rope_theta)
-        want_weights = self.is_mutable_collection("intermediates")
+        kv_layout = "BSNK"
         if cache is not None:
             # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max.
             write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1))
             k = write(cache["k"], jnp.swapaxes(k, 1, 2).astype(cache["k"].dtype), cache_index)
             v = write(cache["v"], jnp.swapaxes(v, 1, 2).astype(cache["v"].dtype), cache_index)
-            cache = {"k": k, "v": v}
-            impl = resolve_impl(self.attention_impl, need_weights=want_weights,
-                                dropout_active=not deterministic and self.attention_dropout_rate > 0.0,
-                                q_length=q.shape[1], kv_length=k.shape[2], mask=mask)
-            if impl == "xla" or (impl == "reference" and not want_weights):
-                out = cached_attention(q, k.astype(self.dtype), v.astype(self.dtype), mask)
-                out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
-                return self.out(out), cache
-            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # the other backends: [B, S, N, K]
+            cache, kv_layout = {"k": k, "v": v}, "BNSK"
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+
+        want_weights = self.is_mutable_collection("intermediates")
         dropout_rng = None
         if not deterministic and self.attention_dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
         out, probs = dot_product_attention(
             q, k.astype(self.dtype), v.astype(self.dtype), mask, impl=self.attention_impl,
             dropout_rate=self.attention_dropout_rate, dropout_rng=dropout_rng,
-            deterministic=deterministic, return_weights=want_weights,
+            deterministic=deterministic, return_weights=want_weights, kv_layout=kv_layout,
         )
         if want_weights:
             self.sow("intermediates", "attention_weights", probs)
