@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from transformer_jax.modeling import masks
 from transformer_jax.modeling.chunked_attention import chunked_attention
+from transformer_jax.modeling.matmul import contract
 from transformer_jax.modeling.positional import apply_rope
 
 _MASKED = -1e30  # finite, so a fully masked row cannot produce inf - inf = NaN
@@ -203,9 +204,12 @@ class Projection(nn.Module):
                             self.param_dtype)
         # Low-precision inputs, float32 accumulation (and bias add), one rounding at the end: on
         # CPU and GPU the bf16 x bf16 -> f32 product is also the fast one.
-        y = jax.lax.dot_general(x.astype(self.dtype), jnp.asarray(kernel, self.dtype),
-                                ((axis, tuple(range(n_in))), ((), ())),
-                                preferred_element_type=jnp.float32)
+        x, kernel = x.astype(self.dtype), jnp.asarray(kernel, self.dtype)
+        if axis == tuple(range(x.ndim - n_in, x.ndim)):
+            y = contract(x, kernel, n_in)
+        else:
+            y = jax.lax.dot_general(x, kernel, ((axis, tuple(range(n_in))), ((), ())),
+                                    preferred_element_type=jnp.float32)
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                                     self.names[n_in:]),
@@ -277,8 +281,7 @@ class MultiHeadAttention(nn.Module):
         get = lambda proj, name: jnp.asarray(nn.meta.unbox(proj.variables["params"][name]), self.dtype)
         projs = (self.query, self.key, self.value)
         kernel = jnp.stack([get(p, "kernel") for p in projs], axis=1)  # [D, 3, H, K]
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [B, L, 3, H, K]
+        y = contract(x.astype(self.dtype), kernel)  # [B, L, 3, H, K]
         if self.use_bias:
             y = y + jnp.stack([get(p, "bias") for p in projs]).astype(jnp.float32)
         q, k, v = (y[..., i, :, :].astype(self.dtype) for i in range(3))

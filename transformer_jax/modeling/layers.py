@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.modeling.attention import projection
+from transformer_jax.modeling.matmul import contract_transposed
 
 
 class Embed(nn.Module):
@@ -36,9 +37,8 @@ class Embed(nn.Module):
 
     def attend(self, x):
         """Tied output projection: x [B, L, D] -> float32 logits [B, L, V] (x E^T), accumulated in
-        float32 whatever the compute dtype."""
-        return jnp.einsum("BLD,VD->BLV", x, jnp.asarray(self.embedding, self.dtype),
-                          preferred_element_type=jnp.float32)
+        float32 whatever the compute dtype (in bf16 through `matmul.contract_transposed`)."""
+        return contract_transposed(x.astype(self.dtype), jnp.asarray(self.embedding, self.dtype))
 
 
 def _activation(name):

@@ -14,6 +14,7 @@ from transformer_jax.modeling import masks
 from transformer_jax.modeling.blocks import TransformerBlock
 from transformer_jax.modeling.cache import KVCache, empty_layers
 from transformer_jax.modeling.layers import Embed, make_norm
+from transformer_jax.modeling.matmul import contract
 from transformer_jax.modeling.positional import sinusoidal_encoding
 
 _REMAT_POLICIES = {
@@ -22,8 +23,14 @@ _REMAT_POLICIES = {
 }
 
 
-def _float32_accumulation(*args, **kwargs):
-    return jax.lax.dot_general(*args, **kwargs, preferred_element_type=jnp.float32)
+def _float32_accumulation(x, kernel, dimension_numbers, precision=None, **kwargs):
+    """The untied output layer's product (flax's `dot_general` hook): x [..., D] W [D, V] in
+    float32 accumulation, through `matmul.contract` for its bf16 backward pass."""
+    (x_axes, k_axes), batch = dimension_numbers
+    if tuple(x_axes) == (x.ndim - 1,) and tuple(k_axes) == (0,) and not any(batch):
+        return contract(x, kernel)
+    return jax.lax.dot_general(x, kernel, dimension_numbers, precision,
+                               preferred_element_type=jnp.float32)
 
 
 def make_embed(config: ModelConfig, name: str) -> Embed:

@@ -1,0 +1,128 @@
+"""The model's weight matmuls: x W with low-precision inputs and float32 accumulation.
+
+`contract(x, w, n_in)` contracts the trailing `n_in` axes of x with the leading `n_in` axes of w
+and returns float32. In float32 it is one `lax.dot_general`, differentiated by JAX as usual.
+
+With bfloat16 inputs it carries its own backward pass. XLA:CPU runs a bf16 x bf16 -> f32 matmul
+in its fast bf16 kernel only when both operands are already laid out for it: the contracted axes
+minor (last) on the left operand and major (first) on the right. Otherwise it converts both to
+float32 first and runs at the float32 rate, 3-4x slower on a CPU with bf16 matrix units. Both
+backward products of x W break that rule: dx = dy W^T contracts W's last axes, and
+dW = x^T dy contracts the token axes, which are the first axes of x. XLA folds a plain
+`jnp.transpose` back into the matmul's dimension numbers, so on CPU the backward pass here makes
+the transposed copies explicit (a transpose whose result is padded and sliced, which XLA keeps as
+an array of its own); on other platforms it is an ordinary transpose. The transposed copies cost
+one pass over x and W; the products then run in bf16.
+
+The incoming gradient is rounded to the input dtype before the backward products, as it would be
+if the product's output were bf16. For a projection whose output is cast to bf16 anyway (every
+`Projection`) this rounding is exact; for float32 logits it rounds dL/dlogits to bf16.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# A transposed copy of a [V, D] weight costs about as much as a product with this many rows runs
+# slower in float32 (see contract_transposed); fewer tokens per call read the weight as it is.
+MIN_TOKENS_FOR_TRANSPOSED_COPY = 64
+
+
+def _dims(n_lhs: int, n_contract: int) -> tuple:
+    """Contract the trailing `n_contract` axes of an `n_lhs`-axis lhs with the rhs's leading ones."""
+    return ((tuple(range(n_lhs - n_contract, n_lhs)), tuple(range(n_contract))), ((), ()))
+
+
+def _dot(a, b, n_contract: int):
+    return lax.dot_general(a, b, _dims(a.ndim, n_contract), preferred_element_type=jnp.float32)
+
+
+def _cpu_transposed_copy(a, perm):
+    # Barrier 1: `a` is computed in its own pass (an elementwise producer fused into a transposing
+    # loop runs ~5x slower than a plain transposing copy). Barrier 2: the transpose (with a float32
+    # convert, still the fast copy kind) is a pass of its own. Pad-then-slice gives the result a
+    # fresh row-major layout that XLA does not fold back into the matmul.
+    t = lax.optimization_barrier(jnp.transpose(lax.optimization_barrier(a), perm).astype(jnp.float32))
+    pad = [(0, 0, 0)] * (t.ndim - 1) + [(0, 1, 0)]
+    t = lax.slice_in_dim(lax.pad(t, jnp.zeros((), t.dtype), pad), 0, t.shape[-1], axis=t.ndim - 1)
+    return t.astype(a.dtype)
+
+
+def transposed_copy(a, perm: tuple[int, ...]):
+    """`jnp.transpose(a, perm)`; on CPU materialised as a row-major array (see the module doc)."""
+    return lax.platform_dependent(
+        a, cpu=partial(_cpu_transposed_copy, perm=perm), default=partial(jnp.transpose, axes=perm))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _low_precision_contract(x, w, n_in):
+    return _dot(x, w, n_in)
+
+
+def _forward(x, w, n_in):
+    return _dot(x, w, n_in), (x, w)
+
+
+def _backward(n_in, residuals, g):
+    x, w = residuals
+    g = g.astype(x.dtype)
+    n_lead, n_out = x.ndim - n_in, w.ndim - n_in
+    w_t = transposed_copy(w, tuple(range(n_in, w.ndim)) + tuple(range(n_in)))  # [out..., in...]
+    dx = _dot(g, w_t, n_out)                                                   # [lead..., in...]
+    x_t = transposed_copy(x, tuple(range(n_lead, x.ndim)) + tuple(range(n_lead)))  # [in..., lead...]
+    dw = _dot(x_t, g, n_lead)                                                  # [in..., out...]
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_low_precision_contract.defvjp(_forward, _backward)
+
+
+@jax.custom_vjp
+def _low_precision_contract_t(x, w_t):
+    return _dot(x, transposed_copy(w_t, (1, 0)), 1)
+
+
+def _forward_t(x, w_t):
+    return _low_precision_contract_t(x, w_t), (x, w_t)
+
+
+def _backward_t(residuals, g):
+    x, w_t = residuals
+    g = g.astype(x.dtype)
+    dx = _dot(g, w_t, 1)                                       # [..., out] x [out, in]: as laid out
+    x_t = transposed_copy(x, (x.ndim - 1,) + tuple(range(x.ndim - 1)))
+    # [in, out]; the barrier keeps XLA from folding the transpose below into the product, which
+    # would swap its operands into a layout the bf16 kernel does not take.
+    dw = lax.optimization_barrier(_dot(x_t, g, x.ndim - 1))
+    return dx.astype(x.dtype), dw.T.astype(w_t.dtype)
+
+
+_low_precision_contract_t.defvjp(_forward_t, _backward_t)
+
+
+def contract_transposed(x, w_t):
+    """x [..., in] times w_t^T for a weight stored as w_t [out, in] (the tied embedding used as
+    the output projection) -> float32 [..., out]. In bfloat16 with many rows, the forward product
+    reads a transposed copy of w_t and the backward pass reads w_t as it is; otherwise one
+    `lax.dot_general`."""
+    if x.dtype != w_t.dtype:
+        raise TypeError(f"contract_transposed: x is {x.dtype} but w_t is {w_t.dtype}")
+    if x.dtype == jnp.bfloat16 and x.size // x.shape[-1] >= MIN_TOKENS_FOR_TRANSPOSED_COPY:
+        return _low_precision_contract_t(x, w_t)
+    return lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+
+def contract(x, w, n_in: int = 1):
+    """x [..., in...] times w [in..., out...] over the `n_in` `in` axes -> float32 [..., out...].
+
+    x and w must share a dtype; bfloat16 inputs take the backward pass described above."""
+    if x.dtype != w.dtype:
+        raise TypeError(f"contract: x is {x.dtype} but w is {w.dtype}; cast both to the compute dtype")
+    if x.dtype == jnp.bfloat16:
+        return _low_precision_contract(x, w, n_in)
+    return _dot(x, w, n_in)
