@@ -45,6 +45,19 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return x.nbytes / median_time(lambda: total(x), repeats)
 
 
+def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int = 40,
+                     repeats: int = 5) -> float:
+    """Bytes per second of float32 weights read by one jitted program that multiplies a [rows, d_in]
+    activation by `count` distinct [d_in, d_out] matrices (~380 MiB, more than the caches hold): the
+    rate at which a decoding step's matmuls can stream parameters at batch `rows`, as opposed to
+    `memory_bandwidth`, which no matmul kernel need reach."""
+    keys = jax.random.split(jax.random.key(0), count)
+    weights = [jax.random.normal(k, (d_in, d_out), jnp.float32) for k in keys]
+    x = jnp.ones((rows, d_in), jnp.float32)
+    products = jax.jit(lambda x, ws: [x @ w for w in ws])
+    return sum(w.nbytes for w in weights) / median_time(lambda: products(x, weights), repeats)
+
+
 def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 

@@ -84,6 +84,11 @@ def decode_rows(quick):
         # bench_decode's roofline fraction, against the higher of the two adjacent measurements.
         row["roofline_frac"] = round(row["roofline_frac"] * before / max(before, after), 3)
         row["bandwidth_gb_s"] = round(max(before, after) / 1e9, 2)
+        # What this batch size's matmul kernels can stream: the step's bytes at that rate, over the
+        # measured step time (1.0 = as fast as the kernels allow).
+        stream = hardware.weight_streaming(batch, repeats=3)
+        row["weight_stream_gb_s"] = round(stream / 1e9, 2)
+        row["stream_frac"] = round(row["bytes_per_step"] / stream / (row["decode_step_ms"] / 1e3), 3)
         rows.append(dict(row, load=hardware.load()))
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -131,8 +136,10 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
                 f"matmul peak ratio {peaks['bfloat16'] / peaks['float32']:.2f}x",
                 speedup, TARGETS["bf16_speedup"], "≥ speed-up")
     for r in results.get("decode", {}).get("rows", []):
+        streaming = (f"; b{r['batch']} matmuls stream {r['weight_stream_gb_s']:.1f} GB/s, "
+                     f"step at {r['stream_frac']:.2f} of that" if "stream_frac" in r else "")
         add(f"decode gpt2_small b{r['batch']} ({r['new_tokens']} new)", f"{r['decode_tok_s']} tok/s",
-            f"{r['bandwidth_gb_s']:.1f} GB/s", r["roofline_frac"],
+            f"{r['bandwidth_gb_s']:.1f} GB/s{streaming}", r["roofline_frac"],
             TARGETS["decode_roofline"] if r["batch"] == 8 else None, "≥ of bandwidth roofline")
     attention = results.get("attention", {}).get("rows", [])
     by = {(r["impl"], r["length"]): r for r in attention}
