@@ -207,6 +207,22 @@ def test_cache_is_head_major_and_every_backend_reads_it(impl):
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
 
 
+def test_bf16_cached_prefill_follows_full_forward_at_batch_8():
+    """bf16 weights and compute, a cached 32-token prefill at batch 8: XLA:CPU once turned the
+    attention-weighted sum over the head-major cache into a bf16 product it has no kernel for,
+    which failed at run time (the shapes matter; batch 1 ran)."""
+    cfg = tj.ModelConfig(vocab_size=512, d_model=64, num_heads=4, d_ff=128, num_encoder_layers=0,
+                         num_decoder_layers=1, max_len=64, dropout_rate=0.0, norm="pre",
+                         dtype="bfloat16", param_dtype="bfloat16")
+    prompt = jax.random.randint(jax.random.key(1), (8, 32), 3, cfg.vocab_size)
+    lm, params = init_lm(cfg, prompt)
+    full = japply(lm)({"params": params}, prompt)
+    logits, cache = japply(lm)({"params": params}, prompt, cache=tj.init_cache(cfg, 8, 48))
+    np.testing.assert_array_equal(cache.lengths, 32)
+    err = jnp.abs(logits - full).max() / jnp.abs(full).max()
+    assert err < 0.02, err  # the same product order up to bf16 rounding
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_encoder_decoder_cache_equals_full_recomputation(variant):
     cfg = config(**VARIANTS[variant])

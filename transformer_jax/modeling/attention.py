@@ -40,7 +40,10 @@ def _reference_attention(q, k, v, mask, *, dropout_rate, dropout_rng, determinis
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     weights = probs.astype(v.dtype).reshape(B, N, H // N, L, -1)
-    out = jnp.einsum(f"BNGLS,{kv_layout}->BLNGK", weights, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(f"BNGLS,{kv_layout}->BNGLK", weights, v, preferred_element_type=jnp.float32)
+    # The barrier keeps XLA from folding the transpose below into the product by swapping its
+    # operands: with bf16 inputs XLA:CPU has no kernel for the swapped form and fails at run time.
+    out = jnp.transpose(jax.lax.optimization_barrier(out), (0, 3, 1, 2, 4))
     out = out.astype(v.dtype).reshape(B, L, H, K)
     return out, probs
 
