@@ -2,7 +2,7 @@
 
     python benchmarks/run.py --quick            # a few minutes on a 2-core CPU
     python benchmarks/run.py                    # the full set (longer: more lengths and depths)
-    python benchmarks/run.py --accelerator-size # adds a ~350M decoder at 2k tokens, bf16 (GPU/TPU)
+    python benchmarks/accelerator.py            # on a GPU/TPU: the accelerator-sized suite (its own script)
 
 Writes benchmarks/results/<date>.json and .md and prints the Markdown table. Workloads:
   train     training step (fwd+bwd+Adam) tokens/s and MFU, GPT-2-small-shaped decoder and the paper's
@@ -94,23 +94,6 @@ def decode_rows(quick):
     return rows
 
 
-def accelerator_rows():
-    """A ~350M-parameter decoder at 2k tokens, bf16, fused attention, scanned and rematerialised."""
-    platform = jax.default_backend()
-    kind = str(jax.devices()[0].device_kind)
-    if platform not in ("gpu", "tpu"):
-        return [dict(workload="accelerator_350m", device_kind=kind,
-                     note=f"not measured: no accelerator ({platform})")]
-    config = tj.ModelConfig(
-        vocab_size=50304, d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=0,
-        num_decoder_layers=24, dropout_rate=0.0, max_len=2048, norm="pre", activation="gelu",
-        position="learned", dtype="bfloat16", scan_layers=True, remat="dots_saveable",
-        attention_impl="cudnn" if platform == "gpu" else "flash")
-    peak = hardware.peak_matmul_flops("bfloat16", n=8192)
-    row = bench_model.bench_train(config, 8 * jax.device_count(), 2048, steps=5, peak_flops=peak)
-    return [dict(workload="accelerator_350m", device_kind=kind, peak_bf16_tflops=peak / 1e12, **row)]
-
-
 def summarise(results, peaks, bandwidth) -> list[dict]:
     """The table: measured figure, the machine's limit (same run), ratio, target."""
     table = []
@@ -170,9 +153,6 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
             ratio = compiles[(scan, depths[-1])] / compiles[(scan, depths[0])]
             add(f"compile {depths[-1]}/{depths[0]} layers scan={scan}", f"{ratio:.2f}x", "", ratio,
                 TARGETS["scan_compile_ratio"] if scan else None, "≤ compile-time ratio")
-    for r in results.get("accelerator", {}).get("rows", []):
-        add(f"train ~350M decoder 2k bf16 ({r['device_kind']})",
-            r.get("note") or f"{r['tokens_per_s']} tok/s", "", r.get("mfu"), None, "≥ MFU")
     return table
 
 
@@ -195,7 +175,6 @@ def markdown(table, meta) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer lengths, depths and repeats")
-    parser.add_argument("--accelerator-size", action="store_true", help="add the ~350M GPU/TPU workload")
     parser.add_argument("--only", nargs="+", default=None,
                         help="sections to run: train decode attention compile")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -218,8 +197,6 @@ def main():
     if "compile" in wanted:
         depths = (2, 24) if args.quick else (2, 6, 12, 24)
         section("compile", lambda: bench_compile.bench(depths), results)
-    if args.accelerator_size:
-        section("accelerator", accelerator_rows, results)
     end_hw = hardware.measure(repeats=3 if args.quick else 5)
     # The higher of the two measurements is the limit: ratios stay conservative under varying load.
     peaks = dict(float32=max(peaks["float32"], end_hw["matmul_f32_tflops"]),
