@@ -63,7 +63,9 @@ WORKER = textwrap.dedent(
     assert batch["targets"].shape == (8, 3)
     total = jax.jit(lambda x: x.sum())(batch["targets"])
     parallel.sync_global("after sum")
-    print("RESULT", rank, parallel.is_primary(), int(total), parallel.describe_mesh(mesh))
+    # A line of its own: the C++ runtime logs to the same pipe.
+    print("\\nRESULT", rank, parallel.is_primary(), int(total), parallel.describe_mesh(mesh), flush=True)
+    parallel.leave_and_exit(0)  # as train.py ends (interpreter teardown can hang after such a run)
     """
 )
 
@@ -102,7 +104,9 @@ def test_two_cpu_processes_form_one_mesh(tmp_path):
             raise
         outputs.append(out)
         assert p.returncode == 0, out
-    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
+    lines = sorted(line for out in outputs for line in out.splitlines() if "RESULT " in line)
+    lines = [line[line.index("RESULT "):] for line in lines]
+    assert len(lines) == 2, outputs
     # rows of process 1 hold 1s: 4 rows * 3 columns = 12
     assert lines[0].startswith("RESULT 0 True 12 mesh data=4 fsdp=1 tensor=1 | 4 cpu devices, 2 proc")
     assert lines[1].startswith("RESULT 1 False 12")

@@ -4,7 +4,7 @@ Mesh axes ``('data', 'fsdp', 'tensor')`` appear only in this package; the model 
 axis names (``'batch'``, ``'embed'``, ``'mlp'``, ...) and :data:`DEFAULT_RULES` maps them.
 """
 
-from transformer_jax.parallel.distributed import initialize, is_primary, sync_global
+from transformer_jax.parallel.distributed import initialize, is_primary, leave_and_exit, sync_global
 from transformer_jax.parallel.mesh import (
     MESH_AXES,
     create_mesh,
@@ -31,6 +31,7 @@ __all__ = [
     "check_batch_divisible",
     "create_mesh",
     "data_parallel_size",
+    "leave_and_exit",
     "describe_mesh",
     "initialize",
     "is_primary",
