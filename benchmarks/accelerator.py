@@ -12,9 +12,10 @@ downloaded. One run measures the device's own limits and each workload against t
              tokens on one device, bf16 compute with float32 master weights, scan_layers, dots_saveable
              remat, cuDNN attention on GPU / Pallas flash on TPU: tokens/s and MFU
              (target: MFU >= 0.45 of the measured bf16 peak)
-  decode     the same model with bf16 weights, cached greedy decoding of 256 new tokens after a
-             32-token prompt at batch 1 and 8: ms/step and the fraction of the bandwidth roofline
-             (parameters + whole KV cache read once per step; target at batch 1: >= 0.6)
+  decode     a ~1.3B decoder (d_model 2048, d_ff 8192, 24 layers) with bf16 weights, cached greedy
+             decoding of 256 new tokens after a 32-token prompt at batch 1 and 8: ms/step and the
+             fraction of the bandwidth roofline (parameters + whole KV cache read once per step;
+             target at batch 1: >= 0.6)
   attention  causal attention, batch 1, 16 heads of 64, bf16, at 4k / 16k / 32k tokens for the
              platform's fused kernel, XLA's and the chunked one: forward ms and peak memory
 
@@ -45,10 +46,16 @@ TARGETS = dict(train_mfu=0.45, decode_b1_roofline=0.60)
 
 FULL = dict(model=dict(vocab_size=50304, d_model=1024, num_heads=16, d_ff=4096,
                        num_decoder_layers=24, max_len=2048),
+            # Decoding reads every weight per token; a bigger model (~1.3B, 2.6 GB in bf16) keeps
+            # a step's bytes large against the fixed cost of launching its kernels.
+            decode_model=dict(vocab_size=50304, d_model=2048, num_heads=16, d_ff=8192,
+                              num_decoder_layers=24, max_len=2048),
             batch=8, length=2048, new_tokens=256, peak_n=8192, bandwidth_mib=4096,
             attention_lengths=(4096, 16384, 32768), attention_heads=16, train_steps=5)
 SMOKE = dict(model=dict(vocab_size=512, d_model=64, num_heads=4, d_ff=128,
                         num_decoder_layers=2, max_len=256),
+             decode_model=dict(vocab_size=512, d_model=96, num_heads=4, d_ff=192,
+                               num_decoder_layers=2, max_len=256),
              batch=2, length=128, new_tokens=16, peak_n=512, bandwidth_mib=64,
              attention_lengths=(256,), attention_heads=4, train_steps=2)
 
@@ -58,8 +65,8 @@ def fused_attention_impl(platform: str) -> str:
     return {"gpu": "cudnn", "tpu": "flash"}.get(platform, "xla")
 
 
-def model_config(sizes: dict, platform: str, **overrides) -> tj.ModelConfig:
-    fields = dict(sizes["model"], num_encoder_layers=0, dropout_rate=0.0, norm="pre",
+def model_config(sizes: dict, platform: str, model: str = "model", **overrides) -> tj.ModelConfig:
+    fields = dict(sizes[model], num_encoder_layers=0, dropout_rate=0.0, norm="pre",
                   activation="gelu", position="learned", dtype="bfloat16", scan_layers=True,
                   remat="dots_saveable", attention_impl=fused_attention_impl(platform))
     return tj.ModelConfig(**{**fields, **overrides})
@@ -78,8 +85,8 @@ def train_section(sizes: dict, platform: str, limits: dict) -> dict:
 
 
 def decode_section(sizes: dict, platform: str, limits: dict) -> list[dict]:
-    config = model_config(sizes, platform, param_dtype="bfloat16", scan_layers=False,
-                          remat="none")
+    config = model_config(sizes, platform, "decode_model", param_dtype="bfloat16",
+                          scan_layers=False, remat="none")
     model = tj.TransformerLM(config)
     params = bench_decode.random_params(model, jnp.ones((1, 8), jnp.int32), dtype=jnp.bfloat16)
     rows = []
