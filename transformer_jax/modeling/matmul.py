@@ -87,7 +87,7 @@ def _low_precision_contract_t(x, w_t):
 
 
 def _forward_t(x, w_t):
-    return _low_precision_contract_t(x, w_t), (x, w_t)
+    return _dot(x, transposed_copy(w_t, (1, 0)), 1), (x, w_t)
 
 
 def _backward_t(residuals, g):
