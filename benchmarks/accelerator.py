@@ -31,8 +31,6 @@ import datetime
 import json
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import transformer_jax as tj  # noqa: E402
 from benchmarks import bench_attention, bench_decode, bench_model, hardware  # noqa: E402
+from benchmarks.run import section  # noqa: E402
 
 TARGETS = dict(train_mfu=0.45, decode_b1_roofline=0.60)
 
@@ -77,11 +76,11 @@ def measure_hardware(sizes: dict) -> dict:
                 bandwidth_bytes_s=hardware.memory_bandwidth(mib=sizes["bandwidth_mib"], repeats=5))
 
 
-def train_section(sizes: dict, platform: str, limits: dict) -> dict:
+def train_section(sizes: dict, platform: str, limits: dict) -> list[dict]:
     config = model_config(sizes, platform)
     row = bench_model.bench_train(config, sizes["batch"], sizes["length"], steps=sizes["train_steps"],
                                   peak_flops=limits["peak_bf16_flops"])
-    return dict(row, attention_impl=config.attention_impl)
+    return [dict(row, attention_impl=config.attention_impl)]
 
 
 def decode_section(sizes: dict, platform: str, limits: dict) -> list[dict]:
@@ -110,26 +109,14 @@ def attention_section(sizes: dict, platform: str) -> list[dict]:
     return rows
 
 
-def _guarded(name, fn, results):
-    print(f"== {name}", flush=True)
-    start = time.perf_counter()
-    try:
-        results[name] = dict(result=fn())
-    except Exception as e:  # recorded; the other sections still run
-        results[name] = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        print(results[name]["error"], flush=True)
-    results[name]["seconds"] = round(time.perf_counter() - start, 1)
-
-
 def summary(results: dict, limits: dict) -> list[dict]:
     """One line per target: measured ratio, target, met."""
     lines = []
-    train = results.get("train", {}).get("result")
-    if train:
+    for train in results.get("train", {}).get("rows") or []:
         lines.append(dict(workload="train ~350M decoder bf16", tokens_per_s=train["tokens_per_s"],
                           ratio=train["mfu"], target=TARGETS["train_mfu"],
                           met=train["mfu"] >= TARGETS["train_mfu"]))
-    for row in results.get("decode", {}).get("result") or []:
+    for row in results.get("decode", {}).get("rows") or []:
         target = TARGETS["decode_b1_roofline"] if row["batch"] == 1 else None
         lines.append(dict(workload=f"decode batch {row['batch']}", tokens_per_s=row["decode_tok_s"],
                           ratio=row["roofline_frac"], target=target,
@@ -146,16 +133,15 @@ def run(smoke: bool = False) -> dict:
                 device_count=jax.device_count(), jax=jax.__version__, smoke=smoke)
     first = measure_hardware(sizes)
     results = {}
-    _guarded("train", lambda: train_section(sizes, platform, first), results)
-    _guarded("decode", lambda: decode_section(sizes, platform, first), results)
-    _guarded("attention", lambda: attention_section(sizes, platform), results)
+    section("train", lambda: train_section(sizes, platform, first), results)
+    section("decode", lambda: decode_section(sizes, platform, first), results)
+    section("attention", lambda: attention_section(sizes, platform), results)
     last = measure_hardware(sizes)
     limits = {k: max(first[k], last[k]) for k in first}
     # Ratios against the higher of the two measurements of each limit (conservative).
-    train = results["train"].get("result")
-    if train:
+    for train in results["train"].get("rows") or []:
         train["mfu"] = round(train["achieved_tflops"] * 1e12 / limits["peak_bf16_flops"], 3)
-    for row in results["decode"].get("result") or []:
+    for row in results["decode"].get("rows") or []:
         row["roofline_frac"] = round(row["bytes_per_step"] / limits["bandwidth_bytes_s"]
                                      / (row["decode_step_ms"] / 1e3), 3)
     meta.update(peak_bf16_tflops=round(limits["peak_bf16_flops"] / 1e12, 2),

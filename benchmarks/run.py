@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,7 +44,7 @@ def section(name, fn, results):
     try:
         results[name] = dict(load=hardware.load(), rows=fn())
     except Exception as e:  # a failing section is reported, the others still run
-        results[name] = dict(error=f"{type(e).__name__}: {e}")
+        results[name] = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         print(results[name]["error"], flush=True)
     results[name]["seconds"] = round(time.perf_counter() - start, 1)
 

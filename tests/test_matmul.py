@@ -82,7 +82,7 @@ def test_bf16_backward_products_stay_bf16_on_cpu():
     plain = lambda x, w: jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
     compiled = lambda f: jax.jit(jax.grad(_loss(f), argnums=(0, 1))).lower(x, w).compile().as_text()
     assert ("f32", "f32") in _dot_operand_dtypes(compiled(plain))
-    table = w[:, :, 0].T  # [13 * ..., 7]: any [V, D]
+    table = w[:, :, 0].T  # [11, 7]: a [V, D] table
     for product, args in ((lambda a, b: matmul.contract(a, b), (x, w)),
                           (matmul.contract_transposed, (x, table))):
         hlo = jax.jit(jax.grad(_loss(product), argnums=(0, 1))).lower(*args).compile().as_text()

@@ -13,6 +13,7 @@ Call :func:`initialize` first thing in the program, before anything touches a de
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -146,12 +147,9 @@ def leave_and_exit(code: int = 0) -> None:
     run that teardown occasionally hangs in the runtime's C++ destructors (about once in 20 runs
     with two CPU processes here, with no Python frame on the stack), which would leave a finished
     job running. Call it only once everything is written and closed."""
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     logging.flush()
     if jax.process_count() > 1:
         jax.distributed.shutdown()
         os._exit(code)
-
