@@ -19,6 +19,7 @@ POSITIONS = ("sinusoidal", "learned", "rope", "none")
 SINUSOIDAL_LAYOUTS = ("interleaved", "concat")
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked", "flash")
 REMAT_POLICIES = ("none", "dots_saveable", "full")
+KERNEL_LAYOUTS = ("in_out", "out_in")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -64,6 +65,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = False  # nn.scan over identical blocks: compile time flat in depth
     remat: str = "none"  # rematerialisation policy for each block
+    # Projection kernels stored inputs first ([D, F], Flax's order) or outputs first ([F, D],
+    # PyTorch's); 'out_in' decodes faster on CPU. tj.params.convert_kernel_layout converts.
+    kernel_layout: str = "in_out"
     pad_id: int | None = 0
     eos_id: int = 1
     bos_id: int = 2
@@ -118,6 +122,7 @@ class ModelConfig:
             "sinusoidal_layout": SINUSOIDAL_LAYOUTS,
             "attention_impl": ATTENTION_IMPLS,
             "remat": REMAT_POLICIES,
+            "kernel_layout": KERNEL_LAYOUTS,
             "dtype": DTYPES,
             "param_dtype": DTYPES,
         }

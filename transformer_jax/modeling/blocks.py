@@ -37,6 +37,7 @@ class TransformerBlock(nn.Module):
     attention_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    kernel_layout: str = "in_out"
 
     def setup(self):
         def attention(name, rope_theta):
@@ -46,7 +47,7 @@ class TransformerBlock(nn.Module):
                 use_bias=self.use_bias, rope_theta=rope_theta,
                 attention_dropout_rate=self.attention_dropout_rate,
                 attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
-                name=name,
+                kernel_layout=self.kernel_layout, name=name,
             )
 
         def norm(name):
@@ -58,7 +59,7 @@ class TransformerBlock(nn.Module):
             self.cross_attention_layer = attention("cross_attention", None)
             self.cross_attention_norm = norm("cross_attention_norm")
         self.feed_forward = FeedForward(self.d_ff, self.activation, self.use_bias, self.dtype,
-                                        self.param_dtype, name="feed_forward")
+                                        self.param_dtype, self.kernel_layout, name="feed_forward")
         self.feed_forward_norm = norm("feed_forward_norm")
         self.dropout = nn.Dropout(self.dropout_rate)
 

@@ -40,8 +40,20 @@ class KVCache:
         return k.shape[-2]  # [B, (layers,) N, S_max, K]
 
 
+def cache_dtype(config: ModelConfig):
+    """The KV cache's default dtype: the compute dtype, except float32 for a 16-bit compute dtype
+    on CPU. XLA:CPU has neither a bf16 scatter (the cache write) nor a bf16 batched matmul (the
+    attention products): with a bf16 cache it converts every layer's whole cache to float32 and
+    back on every decoding step. The values are the same either way: keys and values leave their
+    projections already rounded to the compute dtype."""
+    dtype = config.compute_dtype
+    if dtype.itemsize == 2 and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 def empty_layers(config: ModelConfig, batch_size: int, max_length: int, dtype=None):
-    dtype = config.compute_dtype if dtype is None else dtype
+    dtype = cache_dtype(config) if dtype is None else dtype
     shape = (batch_size, config.kv_heads, max_length, config.qk_dim)
     if config.scan_layers:
         shape = (batch_size, config.num_decoder_layers) + shape[1:]

@@ -63,10 +63,11 @@ class FeedForward(nn.Module):
     use_bias: bool = True
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    kernel_layout: str = "in_out"
 
     def _dense(self, features, names, name):
         return projection(features, names, use_bias=self.use_bias, dtype=self.dtype,
-                          param_dtype=self.param_dtype, name=name)
+                          param_dtype=self.param_dtype, kernel_layout=self.kernel_layout, name=name)
 
     @nn.compact
     def __call__(self, x):

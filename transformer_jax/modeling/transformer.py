@@ -11,26 +11,16 @@ import jax.numpy as jnp
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.modeling import masks
+from transformer_jax.modeling.attention import projection
 from transformer_jax.modeling.blocks import TransformerBlock
-from transformer_jax.modeling.cache import KVCache, empty_layers
+from transformer_jax.modeling.cache import KVCache, cache_dtype, empty_layers
 from transformer_jax.modeling.layers import Embed, make_norm
-from transformer_jax.modeling.matmul import contract
 from transformer_jax.modeling.positional import sinusoidal_encoding
 
 _REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
 }
-
-
-def _float32_accumulation(x, kernel, dimension_numbers, precision=None, **kwargs):
-    """The untied output layer's product (flax's `dot_general` hook): x [..., D] W [D, V] in
-    float32 accumulation, through `matmul.contract` for its bf16 backward pass."""
-    (x_axes, k_axes), batch = dimension_numbers
-    if tuple(x_axes) == (x.ndim - 1,) and tuple(k_axes) == (0,) and not any(batch):
-        return contract(x, kernel)
-    return jax.lax.dot_general(x, kernel, dimension_numbers, precision,
-                               preferred_element_type=jnp.float32)
 
 
 def make_embed(config: ModelConfig, name: str) -> Embed:
@@ -66,6 +56,7 @@ def block_kwargs(config: ModelConfig, cross_attention: bool) -> dict:
         rope_theta=config.rope_theta if config.position == "rope" else None,
         use_bias=config.use_bias, attention_impl=config.attention_impl,
         dtype=config.compute_dtype, param_dtype=config.weights_dtype,
+        kernel_layout=config.kernel_layout,
     )
 
 
@@ -195,12 +186,11 @@ class Decoder(_Stack):
         cfg = self.config
         self.blocks = make_blocks(cfg, cfg.num_decoder_layers, self.cross_attention, "layer")
         if not cfg.tie_output:
-            self.output = nn.DenseGeneral(
-                cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
-                param_dtype=cfg.weights_dtype,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(cfg.d_model**-0.5), ("embed", "vocab")),
-                dot_general=_float32_accumulation,  # logits accumulate in float32 (bf16 inputs)
+            self.output = projection(
+                cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=cfg.compute_dtype,
+                param_dtype=cfg.weights_dtype, kernel_layout=cfg.kernel_layout,
+                kernel_init=nn.initializers.normal(cfg.d_model**-0.5),
+                out_dtype=jnp.float32,  # logits accumulate and stay in float32 (bf16 inputs)
                 name="output",
             )
         if cfg.logits_bias:
@@ -323,7 +313,7 @@ class Transformer(nn.Module):
         """Encode `src` once and return a decoding cache for up to `max_length` target tokens,
         holding every decoder layer's cross-attention K/V of the source."""
         memory = self.encode(src, src_segment_ids=src_segment_ids)
-        dtype = self.config.compute_dtype if dtype is None else dtype
+        dtype = cache_dtype(self.config) if dtype is None else dtype
         cross = jax.tree.map(lambda a: a.astype(dtype), self.decoder.cross_kv(memory))
         return KVCache(
             layers=empty_layers(self.config, src.shape[0], max_length, dtype),
