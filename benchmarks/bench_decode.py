@@ -3,7 +3,7 @@
     python benchmarks/bench_decode.py --quick            # ~2-3 minutes on a 2-core CPU
     python benchmarks/bench_decode.py --out decode.json  # adds 512 new tokens and batch 8 baselines
 
-Models (random weights, float32 unless --dtype): a GPT-2-small-shaped decoder (tj.presets.gpt2_small)
+Models (random weights, float32 unless --dtype, kernel_layout from --kernel-layout): a GPT-2-small-shaped decoder (tj.presets.gpt2_small)
 and the paper's base encoder-decoder (tj.presets.transformer_base), 32-token prompts / sources.
 
 For each (model, batch, new tokens) it reports
@@ -188,13 +188,15 @@ def main():
     parser.add_argument("--quick", action="store_true", help="128 new tokens only; no-cache at batch 1")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kernel-layout", default="in_out", choices=["in_out", "out_in"],
+                        help="ModelConfig.kernel_layout ('out_in' decodes faster on CPU)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
     bandwidth = memory_bandwidth()
     new_tokens = (128,) if args.quick else (128, 512)
     no_cache_steps = {1: 4} if args.quick else {1: 6, 8: 2}
-    dtypes = dict(dtype=args.dtype, param_dtype=args.dtype)
+    dtypes = dict(dtype=args.dtype, param_dtype=args.dtype, kernel_layout=args.kernel_layout)
     gpt2 = tj.presets.gpt2_small(dropout_rate=0.0, **dtypes)
     base = tj.presets.transformer_base(dropout_rate=0.0, **dtypes)
     lm_rows = bench_lm(gpt2, (1, 8), new_tokens, no_cache_steps, bandwidth, args.repeats)
@@ -224,6 +226,7 @@ def main():
         host=platform.machine(),
         jax=jax.__version__,
         dtype=args.dtype,
+        kernel_layout=args.kernel_layout,
         prompt_tokens=PROMPT,
         memory_bandwidth_gb_s=round(bandwidth / 1e9, 1),
         results=lm_rows + s2s_rows,

@@ -8,8 +8,9 @@ Writes benchmarks/results/<date>.json and .md and prints the Markdown table. Wor
   train     training step (fwd+bwd+Adam) tokens/s and MFU, GPT-2-small-shaped decoder and the paper's
             base encoder-decoder, batch 8 x 256 tokens on CPU, float32 and bfloat16
             (MFU formula: benchmarks/bench_model.py; peak = the measured matmul FLOP/s, same dtype)
-  decode    batch-8 cached greedy decoding of the GPT-2-small shape (benchmarks/bench_decode.py),
-            fraction of the memory-bandwidth roofline (params + KV cache read once per step)
+  decode    cached greedy decoding of the GPT-2-small shape at batch 1 and 8 (bench_decode.py),
+            float32 and bf16 weights, kernel_layout 'in_out' and 'out_in': fraction of the
+            memory-bandwidth roofline (params + KV cache read once per step)
   attention causal attention at 1k-16k tokens per backend: forward time and XLA's peak memory
   compile   train-step compile time at 2/6/12/24 layers, with and without scan_layers
 Each train row's peak matmul FLOP/s (its dtype) and each decode row's bandwidth are measured just
@@ -66,32 +67,42 @@ def train_rows(peaks, quick, batch=8, length=256):
     return rows
 
 
+# (compute and weight dtype, kernel layout, batch sizes) of the decoding rows. 'out_in' stores the
+# kernels output axes first, which XLA:CPU streams faster at a few rows (ModelConfig.kernel_layout).
+DECODE_VARIANTS = (("float32", "in_out", (1, 8)), ("float32", "out_in", (8,)),
+                   ("bfloat16", "out_in", (1, 8)))
+
+
 def decode_rows(quick):
-    """Batch-8 cached decoding via the decoding engineer's bench_decode (same roofline definition)."""
+    """Cached greedy decoding of the GPT-2-small shape through bench_decode (same roofline
+    definition): bytes of the parameters and the whole KV cache per step, over the bandwidth."""
     from benchmarks import bench_decode
 
-    config = tj.presets.gpt2_small(dropout_rate=0.0)
-    model = tj.TransformerLM(config)
-    params = bench_decode.random_params(model, jax.numpy.ones((1, 8), jax.numpy.int32),
-                                        dtype=config.param_dtype)
     rows = []
-    for batch in (1, 8):
-        prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3, config.vocab_size)
-        lengths = jax.numpy.full((batch,), bench_decode.PROMPT, jax.numpy.int32)
-        steps = 64 if quick else 128
-        before = hardware.memory_bandwidth(repeats=3)
-        row = bench_decode.lm_row(config, model, params, prompt, lengths, steps, before, 2)
-        after = hardware.memory_bandwidth(repeats=3)
-        # bench_decode's roofline fraction, against the higher of the two adjacent measurements.
-        row["roofline_frac"] = round(row["roofline_frac"] * before / max(before, after), 3)
-        row["bandwidth_gb_s"] = round(max(before, after) / 1e9, 2)
-        # What this batch size's matmul kernels can stream: the step's bytes at that rate, over the
-        # measured step time (1.0 = as fast as the kernels allow).
-        stream = hardware.weight_streaming(batch, repeats=3)
-        row["weight_stream_gb_s"] = round(stream / 1e9, 2)
-        row["stream_frac"] = round(row["bytes_per_step"] / stream / (row["decode_step_ms"] / 1e3), 3)
-        rows.append(dict(row, load=hardware.load()))
-        print(json.dumps(rows[-1]), flush=True)
+    for dtype, layout, batches in DECODE_VARIANTS:
+        config = tj.presets.gpt2_small(dropout_rate=0.0, dtype=dtype, param_dtype=dtype,
+                                       kernel_layout=layout)
+        model = tj.TransformerLM(config)
+        params = bench_decode.random_params(model, jax.numpy.ones((1, 8), jax.numpy.int32),
+                                            dtype=config.param_dtype)
+        for batch in batches:
+            prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3,
+                                        config.vocab_size)
+            lengths = jax.numpy.full((batch,), bench_decode.PROMPT, jax.numpy.int32)
+            steps = 64 if quick else 128
+            before = hardware.memory_bandwidth(repeats=3)
+            row = bench_decode.lm_row(config, model, params, prompt, lengths, steps, before, 2)
+            after = hardware.memory_bandwidth(repeats=3)
+            # bench_decode's roofline fraction, against the higher of the two adjacent measurements.
+            row["roofline_frac"] = round(row["roofline_frac"] * before / max(before, after), 3)
+            row["bandwidth_gb_s"] = round(max(before, after) / 1e9, 2)
+            # What this batch size's matmul kernels can stream in this dtype and layout: the step's
+            # bytes at that rate, over the measured step time (1.0 = as fast as the kernels allow).
+            stream = hardware.weight_streaming(batch, dtype=dtype, layout=layout, repeats=3)
+            row["weight_stream_gb_s"] = round(stream / 1e9, 2)
+            row["stream_frac"] = round(row["bytes_per_step"] / stream / (row["decode_step_ms"] / 1e3), 3)
+            rows.append(dict(row, dtype=dtype, kernel_layout=layout, load=hardware.load()))
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -122,7 +133,9 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
     for r in results.get("decode", {}).get("rows", []):
         streaming = (f"; b{r['batch']} matmuls stream {r['weight_stream_gb_s']:.1f} GB/s, "
                      f"step at {r['stream_frac']:.2f} of that" if "stream_frac" in r else "")
-        add(f"decode gpt2_small b{r['batch']} ({r['new_tokens']} new)", f"{r['decode_tok_s']} tok/s",
+        variant = f"{r.get('dtype', 'float32')} {r.get('kernel_layout', 'in_out')}"
+        add(f"decode gpt2_small {variant} b{r['batch']} ({r['new_tokens']} new)",
+            f"{r['decode_tok_s']} tok/s ({r['decode_step_ms']} ms/step)",
             f"{r['bandwidth_gb_s']:.1f} GB/s{streaming}", r["roofline_frac"],
             TARGETS["decode_roofline"] if r["batch"] == 8 else None, "≥ of bandwidth roofline")
     attention = results.get("attention", {}).get("rows", [])

@@ -54,10 +54,14 @@ def convert_kernel_layout(params, config: ModelConfig, kernel_layout: str):
     `kernel_layout` ('in_out' or 'out_in', see `ModelConfig.kernel_layout`): the parameters of
     ``config.replace(kernel_layout=kernel_layout)``, computing the same function. Each kernel's axes
     are permuted so that its logical axis names follow the target layout; other parameters are
-    returned as they are. Works on sharded arrays (the transpose keeps each axis's sharding)."""
+    returned as they are (without `model.init`'s partitioning boxes). Works on sharded arrays (the
+    transpose keeps each axis's sharding)."""
+    import flax.linen as nn
+
     target = config.replace(kernel_layout=kernel_layout)
     if target == config:
         return params
+    params = nn.unbox(params)  # straight from `model.init`: logical-partitioning boxes removed
     source_names, target_names = _logical_names(config), _logical_names(target)
     expected = param_shapes(config)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
