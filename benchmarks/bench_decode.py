@@ -3,7 +3,8 @@
     python benchmarks/bench_decode.py --quick            # ~2-3 minutes on a 2-core CPU
     python benchmarks/bench_decode.py --out decode.json  # adds 512 new tokens and batch 8 baselines
 
-Models (random weights, float32 unless --dtype, kernel_layout from --kernel-layout): a GPT-2-small-shaped decoder (tj.presets.gpt2_small)
+Models (random weights, float32 unless --dtype, kernel_layout from --kernel-layout): a
+GPT-2-small-shaped decoder (tj.presets.gpt2_small)
 and the paper's base encoder-decoder (tj.presets.transformer_base), 32-token prompts / sources.
 
 For each (model, batch, new tokens) it reports

@@ -17,7 +17,7 @@ from transformer_jax.config import ConfigError
 from transformer_jax.decoding import generate
 from transformer_jax.decoding.model_steps import LMStep
 from transformer_jax.modeling import matmul
-from transformer_jax.params import convert_kernel_layout, param_shapes
+from transformer_jax.params import convert_params, param_shapes
 
 # Distinct primes, so that a swapped axis cannot pass.
 IN, OUT = (5, 7), (11, 13)
@@ -101,7 +101,7 @@ def test_out_in_layout_computes_the_same_model(variant):
     config = _lm(**VARIANTS[variant])
     model, params, inputs = _model_and_params(config)
     target = config.replace(kernel_layout="out_in")
-    converted = convert_kernel_layout(params, config, "out_in")
+    converted = convert_params(params, config, target)
     shapes = jax.tree.map(lambda s: s.shape, param_shapes(target))
     assert jax.tree.map(lambda a: a.shape, converted) == shapes
     query = lambda p: p["decoder"]["layers" if config.scan_layers else "layer_0"]["self_attention"]
@@ -111,10 +111,13 @@ def test_out_in_layout_computes_the_same_model(variant):
     expected = jax.jit(model.apply)({"params": params}, *inputs)
     got = jax.jit(tj.params.build_model(target).apply)({"params": converted}, *inputs)
     _close(got, expected, 1e-5)
-    back = convert_kernel_layout(converted, target, "in_out")
+    back = convert_params(converted, target, config)
     assert all(bool(jnp.array_equal(a, b)) for a, b in
                zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True))
-    assert convert_kernel_layout(params, config, "in_out") is params
+    same = convert_params(params, config, config.replace(dtype="bfloat16"))  # compute dtype only
+    assert all(a is b for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(params), strict=True))
+    as_bf16 = convert_params(params, config, target.replace(param_dtype="bfloat16"))
+    assert {x.dtype for x in jax.tree.leaves(as_bf16)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_out_in_layout_trains_from_its_own_initialisation():
@@ -137,18 +140,20 @@ def test_out_in_layout_trains_from_its_own_initialisation():
     assert all(float(jnp.abs(g).max()) > 0 for g in kernels(grads))
 
 
-def test_convert_kernel_layout_names_what_does_not_match():
+def test_convert_params_names_what_does_not_match():
     config = _lm()
     _, params, _ = _model_and_params(config)
     target = config.replace(kernel_layout="out_in")
-    converted = convert_kernel_layout(params, config, "out_in")
+    converted = convert_params(params, config, target)
     with pytest.raises(ValueError, match=r"params\['decoder'\]\['layer_0'\]\['feed_forward'\]\['wi'\]"
-                                         r"\['kernel'\] has shape \(64, 32\), but a model with "
-                                         r"kernel_layout='in_out' has \(32, 64\)"):
-        convert_kernel_layout(converted, config, "out_in")  # already converted
+                                         r"\['kernel'\] has shape \(64, 32\), but the source "
+                                         r"config \(kernel_layout='in_out'\) has \(32, 64\)"):
+        convert_params(converted, config, target)  # already converted
+    with pytest.raises(ValueError, match=r"also differ in \['d_ff', 'norm'\]"):
+        convert_params(params, config, target.replace(norm="pre", d_ff=32))
     del converted["decoder"]["layer_1"]
     with pytest.raises(ValueError, match=r"missing \[\"\['decoder'\]\['layer_1'\]"):
-        convert_kernel_layout(converted, target, "in_out")
+        convert_params(converted, target, config)
     with pytest.raises(ConfigError, match=r"kernel_layout='out-in': must be one of"):
         config.replace(kernel_layout="out-in")
 
@@ -172,7 +177,7 @@ def test_out_in_cached_decoding_follows_the_full_forward(dtype):
     config = _lm(dtype=dtype, param_dtype=dtype)
     _, params, _ = _model_and_params(config)
     target = config.replace(kernel_layout="out_in")
-    params = convert_kernel_layout(params, config, "out_in")
+    params = convert_params(params, config, target)
     tokens = jax.random.randint(jax.random.key(3), (8, 12), 3, config.vocab_size)
     full = jax.jit(tj.TransformerLM(target).apply)({"params": params}, tokens)
     cached, cache = _cached_logits(target, params, tokens)
@@ -194,7 +199,7 @@ def test_greedy_generation_is_the_same_in_both_layouts():
                         max_new_tokens=10, eos_id=None)
 
     a = run(config, params)
-    b = run(target, convert_kernel_layout(params, config, "out_in"))
+    b = run(target, convert_params(params, config, target))
     np.testing.assert_array_equal(b.tokens, a.tokens)
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
 
@@ -226,3 +231,26 @@ def test_out_in_layout_on_a_mesh_equals_one_device():
     # wi is [mlp, embed] in this layout: its first axis is the tensor-parallel one.
     assert out_spec[0] is not None and "tensor" in str(out_spec[0])
     _close(got, expected, 1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="about XLA:CPU's matmul kernels")
+@pytest.mark.parametrize("variant", [dict(), dict(activation="swiglu", norm_type="rmsnorm",
+                                                  tie_output=False)])
+def test_bf16_out_in_decoding_step_multiplies_bf16_weights_first(variant):
+    # In a whole decoding step (XLA may move transposes across the layers), every weight product
+    # is still a bf16 x bf16 product with the weights first: [out, in] x [8, in] -> [out, 8]. Only
+    # the attention products over the (float32) cache are float32.
+    config = _lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in", **variant)
+    model, params, _ = _model_and_params(config)
+    cache = tj.init_cache(config, 8, 16)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, cache=c))
+    hlo = step.lower(params, jnp.ones((8, 1), jnp.int32), cache).compile().as_text()
+    shapes = dict(re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", hlo))
+    dots = re.findall(r"= (\w+)\[([\d,]+)\]\{[\d,]+\} dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    weight_dots = [(shapes[a], shapes[b], out) for _, out, a, b in dots if out.count(",") == 1]
+    attention_dots = [d for d in dots if d[1].count(",") == 3]
+    assert len(weight_dots) == 2 * (4 + (3 if variant else 2)) + 1  # per layer; the output layer
+    for lhs, rhs, out in weight_dots:
+        assert lhs.startswith("bf16[") and rhs == "bf16[8,32]" or rhs == "bf16[8,64]", (lhs, rhs)
+        assert out.endswith(",8") and lhs[5:-1].split(",")[0] == out.split(",")[0]
+    assert len(attention_dots) == 4 and len(dots) == len(weight_dots) + 4

@@ -66,7 +66,7 @@ class ModelConfig:
     scan_layers: bool = False  # nn.scan over identical blocks: compile time flat in depth
     remat: str = "none"  # rematerialisation policy for each block
     # Projection kernels stored inputs first ([D, F], Flax's order) or outputs first ([F, D],
-    # PyTorch's); 'out_in' decodes faster on CPU. tj.params.convert_kernel_layout converts.
+    # PyTorch's); 'out_in' decodes faster on CPU. tj.params.convert_params converts.
     kernel_layout: str = "in_out"
     pad_id: int | None = 0
     eos_id: int = 1

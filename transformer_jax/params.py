@@ -49,40 +49,69 @@ def _logical_names(config: ModelConfig) -> dict:
     return {jax.tree_util.keystr(path): tuple(box.names) for path, box in leaves if is_box(box)}
 
 
-def convert_kernel_layout(params, config: ModelConfig, kernel_layout: str):
-    """`params` of a model built from `config`, with every projection kernel stored in
-    `kernel_layout` ('in_out' or 'out_in', see `ModelConfig.kernel_layout`): the parameters of
-    ``config.replace(kernel_layout=kernel_layout)``, computing the same function. Each kernel's axes
-    are permuted so that its logical axis names follow the target layout; other parameters are
-    returned as they are (without `model.init`'s partitioning boxes). Works on sharded arrays (the
-    transpose keeps each axis's sharding)."""
-    import flax.linen as nn
+# Fields `convert_params` converts, and fields that do not touch the parameters at all; every
+# other field fixes what the parameters mean.
+CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype")
+PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "attention_impl", "remat")
 
+
+def _check_matches(params, config: ModelConfig):
+    """The flat {path: array} of `params`, after checking its paths and shapes against `config`."""
+    want = {jax.tree_util.keystr(p): s
+            for p, s in jax.tree_util.tree_leaves_with_path(param_shapes(config))}
+    have = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    if set(have) != set(want):
+        missing, extra = sorted(set(want) - set(have))[:3], sorted(set(have) - set(want))[:3]
+        raise ValueError(f"convert_params: params do not match the source config (kernel_layout="
+                         f"{config.kernel_layout!r}): missing {missing}, unexpected {extra}")
+    for key, x in have.items():
+        if tuple(x.shape) != tuple(want[key].shape):
+            raise ValueError(f"convert_params: params{key} has shape {tuple(x.shape)}, but the "
+                             f"source config (kernel_layout={config.kernel_layout!r}) has "
+                             f"{tuple(want[key].shape)}")
+    return have
+
+
+def _relayout(params, config: ModelConfig, kernel_layout: str):
+    """Every kernel's axes permuted so that its logical axis names follow `kernel_layout`."""
     target = config.replace(kernel_layout=kernel_layout)
     if target == config:
         return params
-    params = nn.unbox(params)  # straight from `model.init`: logical-partitioning boxes removed
     source_names, target_names = _logical_names(config), _logical_names(target)
-    expected = param_shapes(config)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    want = dict((jax.tree_util.keystr(p), s) for p, s in jax.tree_util.tree_leaves_with_path(expected))
-    have = {jax.tree_util.keystr(p) for p, _ in flat}
-    if have != set(want):
-        missing, extra = sorted(set(want) - have)[:3], sorted(have - set(want))[:3]
-        raise ValueError(f"convert_kernel_layout: params do not match config (kernel_layout="
-                         f"{config.kernel_layout!r}): missing {missing}, unexpected {extra}")
-    out = []
-    for path, x in flat:
-        key = jax.tree_util.keystr(path)
-        if tuple(x.shape) != tuple(want[key].shape):
-            raise ValueError(f"convert_kernel_layout: params{key} has shape {tuple(x.shape)}, but "
-                             f"a model with kernel_layout={config.kernel_layout!r} has "
-                             f"{tuple(want[key].shape)}")
-        src, dst = source_names.get(key), target_names.get(key)
+
+    def move(path, x):
+        src, dst = source_names.get(jax.tree_util.keystr(path)), target_names.get(jax.tree_util.keystr(path))
         if src is None or src == dst:
-            out.append(x)
-            continue
+            return x
         if len(set(src)) != len(src):
-            raise ValueError(f"convert_kernel_layout: params{key} repeats an axis name: {src}")
-        out.append(jnp.transpose(x, [src.index(name) for name in dst]))
-    return jax.tree_util.tree_unflatten(treedef, out)
+            raise ValueError(f"convert_params: params{jax.tree_util.keystr(path)} repeats an axis "
+                             f"name: {src}")
+        return jnp.transpose(x, [src.index(name) for name in dst])
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
+def convert_params(params, config: ModelConfig, target: ModelConfig):
+    """`params` of a model built from `config`, as the parameters of `target`, which may differ
+    from it in `CONVERTIBLE_FIELDS` (and `PARAMETER_FREE_FIELDS`) only: the same function with
+    kernels stored in another `kernel_layout` (each kernel's axes permuted so that its logical
+    axis names follow), or cast to another `param_dtype`. For decoding on CPU, e.g.::
+
+        serving = config.replace(kernel_layout="out_in", dtype="bfloat16", param_dtype="bfloat16")
+        serving_params = tj.params.convert_params(params, config, serving)
+
+    `model.init`'s partitioning boxes are removed. Sharded arrays keep each axis's sharding through
+    the transposes. Errors name the parameter that does not match `config`."""
+    import flax.linen as nn
+
+    changed = sorted(set(config.diff(target)) - set(CONVERTIBLE_FIELDS + PARAMETER_FREE_FIELDS))
+    if changed:
+        raise ValueError(f"convert_params converts {CONVERTIBLE_FIELDS} only; the configs also "
+                         f"differ in {changed}, which change what the parameters mean")
+    params = nn.unbox(params)
+    if not set(config.diff(target)) & set(CONVERTIBLE_FIELDS):
+        return params
+    _check_matches(params, config)
+    params = _relayout(params, config, target.kernel_layout)
+    dtype = target.weights_dtype
+    return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), params)
