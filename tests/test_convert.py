@@ -91,6 +91,12 @@ def test_gpt2_logits_match_transformers(name):
     real = mask.astype(bool)
     assert np.abs(ref).max() > 1.0  # the random weights give non-trivial logits
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    # Loaded straight into the other kernel layout: other shapes, the same logits.
+    config, params = load_hf_checkpoint(directory, kernel_layout="out_in")
+    assert params["decoder"]["layer_0"]["self_attention"]["out"]["kernel"].shape == (
+        config.d_model, config.num_heads, config.qk_dim)
+    ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(MARIAN_CONFIGS))

@@ -4,13 +4,16 @@ the same tokens as on one device."""
 import flax.linen as nn
 import jax
 import numpy as np
+import pytest
 
 import transformer_jax as tj
 from transformer_jax import parallel
 
 
-def test_sharded_generate_and_beam_search_equal_unsharded():
-    config = tj.presets.tiny(norm="pre", num_encoder_layers=0)
+# 'out_in' kernels take the weights-first decoding products, and shard by their reordered names.
+@pytest.mark.parametrize("kernel_layout", ["in_out", "out_in"])
+def test_sharded_generate_and_beam_search_equal_unsharded(kernel_layout):
+    config = tj.presets.tiny(norm="pre", num_encoder_layers=0, kernel_layout=kernel_layout)
     model = tj.TransformerLM(config)
     prompts = jax.random.randint(jax.random.key(1), (8, 6), 3, config.vocab_size)
     lengths = np.array([6, 3, 5, 1, 6, 2, 4, 6], np.int32)

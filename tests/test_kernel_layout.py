@@ -17,6 +17,7 @@ from transformer_jax.config import ConfigError
 from transformer_jax.decoding import generate
 from transformer_jax.decoding.model_steps import LMStep
 from transformer_jax.modeling import matmul
+from transformer_jax.modeling.attention import dot_product_attention
 from transformer_jax.params import convert_params, param_shapes
 
 # Distinct primes, so that a swapped axis cannot pass.
@@ -204,6 +205,19 @@ def test_greedy_generation_is_the_same_in_both_layouts():
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["xla", "reference", "chunked"])
+def test_a_cache_in_another_dtype_is_read_in_the_wider_one(impl):
+    # float32 queries with a bf16 cache: K and V are widened; the queries are not rounded to bf16.
+    q = jax.random.normal(jax.random.key(0), (2, 1, 4, 8))
+    k, v = (jax.random.normal(jax.random.key(i), (2, 4, 16, 8)).astype(jnp.bfloat16) for i in (1, 2))
+    mask = jnp.ones((2, 1, 1, 16), bool)
+    out, _ = dot_product_attention(q, k, v, mask, impl=impl, kv_layout="BNSK")
+    wide, _ = dot_product_attention(q, k.astype(jnp.float32), v.astype(jnp.float32), mask,
+                                    impl=impl, kv_layout="BNSK")
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, wide, rtol=1e-6, atol=1e-6)
+
+
 def test_bf16_cache_is_float32_on_cpu_with_the_same_results():
     config = _lm(dtype="bfloat16")
     want = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -251,6 +265,7 @@ def test_bf16_out_in_decoding_step_multiplies_bf16_weights_first(variant):
     attention_dots = [d for d in dots if d[1].count(",") == 3]
     assert len(weight_dots) == 2 * (4 + (3 if variant else 2)) + 1  # per layer; the output layer
     for lhs, rhs, out in weight_dots:
-        assert lhs.startswith("bf16[") and rhs == "bf16[8,32]" or rhs == "bf16[8,64]", (lhs, rhs)
+        assert lhs.startswith("bf16[") and rhs in ("bf16[8,32]", "bf16[8,64]"), (lhs, rhs)
         assert out.endswith(",8") and lhs[5:-1].split(",")[0] == out.split(",")[0]
     assert len(attention_dots) == 4 and len(dots) == len(weight_dots) + 4
+    assert all(d[0] == "f32" for d in attention_dots)

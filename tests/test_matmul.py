@@ -119,6 +119,7 @@ def _relative_error(a, b):
 @pytest.mark.parametrize("variant", [
     dict(),
     dict(tie_output=False, scan_layers=True, remat="dots_saveable", norm="pre"),
+    dict(tie_output=False, kernel_layout="out_in"),
 ])
 def test_bf16_training_gradients_follow_float32(variant):
     # 4 x 24 = 96 tokens: the tied output projection takes its transposed-copy path too.

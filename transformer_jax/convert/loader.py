@@ -7,6 +7,7 @@ import os
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.convert import gpt2, marian
 from transformer_jax.convert.hf_files import ConversionError, read_config, read_weights
+from transformer_jax.params import convert_params
 
 _CONVERTERS = {"gpt2": gpt2, "marian": marian}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_CONVERTERS))
@@ -44,8 +45,9 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
     Args:
       path: a directory with config.json and model.safetensors (or a sharded safetensors index,
         or pytorch_model.bin, read only with ``torch.load(weights_only=True)``).
-      **overrides: `ModelConfig` fields to change (dtype, param_dtype, dropout_rate, ...); the
-        architecture fields must keep their checkpoint values for the weights to fit.
+      **overrides: `ModelConfig` fields to change (dtype, param_dtype, dropout_rate,
+        kernel_layout, ...); the architecture fields must keep their checkpoint values for the
+        weights to fit.
 
     Returns:
       (config, params): build the model with ``transformer_jax.params.build_model(config)``
@@ -60,4 +62,7 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
     converter = _converter(hf_config, directory)
     config = load_hf_config(directory, **overrides)
     tensors = read_weights(directory)
-    return config, converter.params_from_hf(tensors, config)
+    # The converters write Flax's [in, out] kernels; another kernel_layout is a permutation after.
+    base = config.replace(kernel_layout="in_out")
+    params = converter.params_from_hf(tensors, base)
+    return config, (params if base == config else convert_params(params, base, config))

@@ -160,6 +160,12 @@ def dot_product_attention(
         dropout_active=not deterministic and dropout_rate > 0.0,
         q_length=q.shape[1], kv_length=k.shape[kv_layout.index("S")], mask=mask,
     )
+    if len({q.dtype, k.dtype, v.dtype}) > 1:
+        # A cache in another dtype than the queries (cache.cache_dtype): the fused kernels take one
+        # 16-bit dtype, so K and V join the queries'; the others compute in the wider of the two.
+        wide = jnp.promote_types(q.dtype, jnp.promote_types(k.dtype, v.dtype))
+        dtype = q.dtype if impl in ("cudnn", "flash") else wide
+        q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     if kv_layout == "BNSK" and impl not in ("xla", "reference"):
         k, v, kv_layout = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), "BSNK"
     if kv_layout == "BNSK":
@@ -351,10 +357,8 @@ class MultiHeadAttention(nn.Module):
         dropout_rng = None
         if not deterministic and self.attention_dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
-        if cache is None and precomputed_kv is None:  # a cache is read in its own dtype
-            k, v = k.astype(self.dtype), v.astype(self.dtype)  # (see cache.cache_dtype)
-        elif q.dtype != k.dtype:
-            q = q.astype(k.dtype)
+        if cache is None and precomputed_kv is None:  # a cache is read in its own dtype (see
+            k, v = k.astype(self.dtype), v.astype(self.dtype)  # cache.cache_dtype)
         out, probs = dot_product_attention(
             q, k, v, mask, impl=self.attention_impl,
             dropout_rate=self.attention_dropout_rate, dropout_rng=dropout_rng,
