@@ -44,8 +44,9 @@ def cache_dtype(config: ModelConfig):
     """The KV cache's default dtype (self- and cross-attention): the compute dtype, except float32
     for a 16-bit compute dtype when the default backend is CPU. XLA:CPU has neither a bf16 scatter
     (the cache write) nor a bf16 batched matmul (the attention products): with a bf16 cache it
-    converts every layer's whole cache to float32 and back on every decoding step. The values are the same either way: keys and values leave their
-    projections already rounded to the compute dtype."""
+    converts every layer's whole cache to float32 and back on every decoding step. The values are
+    the same either way: keys and values leave their projections already rounded to the compute
+    dtype."""
     dtype = config.compute_dtype
     if dtype.itemsize == 2 and jax.default_backend() == "cpu":
         return jnp.dtype(jnp.float32)
