@@ -121,6 +121,8 @@ def test_truncate_cuts_long_prompts(capsys):
         ([], "give --prompt=TEXT or --input_file=FILE"),
         (["--prompt=a", "--max_new_tokens=64"], "leaves no room for a prompt"),
         (["--input_file=/nonexistent/in.txt"], "cannot read --input_file='/nonexistent/in.txt'"),
+        (["--prompt=a", "--kernel_layout=out-in"], "ModelConfig.kernel_layout='out-in': must be one of"),
+        (["--prompt=a", "--dtype=bf16"], "ModelConfig.dtype='bf16': must be one of"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, args, message):
@@ -212,3 +214,7 @@ def test_workdir_generation_equals_the_library(tmp_path):
     )
     ids = np.asarray(out.tokens[0, : int(out.lengths[0])]).tolist()
     assert lines == [tokenizer.decode([i for i in ids if i != config.eos_id])]
+    # The same checkpoint decoded with 'out_in' kernels (converted on load): the same text.
+    args = (f"--workdir={tmp_path}", "--prompt=the tired engineer", "--max_new_tokens=10")
+    assert run_cli(*args, "--kernel_layout=out_in") == lines
+    assert len(run_cli(*args, "--kernel_layout=out_in", "--dtype=bfloat16")) == 1

@@ -61,6 +61,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     float_("alpha", 0.6, "Length penalty exponent, --decoding=beam (the paper: 0.6).")
     integer("seed", 0, "Random seed for --decoding=sample.")
     integer("batch_size", 16, "Inputs decoded together.")
+    string("dtype", None, "Decode in this compute and weight dtype (e.g. bfloat16; default: the "
+                          "checkpoint's).")
+    string("kernel_layout", None, "Decode with kernels stored this way: 'out_in' is faster on CPU "
+                                  "(ModelConfig.kernel_layout; default: the checkpoint's).")
     flags.DEFINE_bool(
         "truncate",
         False,
@@ -128,6 +132,23 @@ def load_workdir_generator(workdir: str, step: int | None = None) -> Generator:
     cfg = bundle.model_config
     prefix = () if cfg.num_encoder_layers > 0 else (cfg.decoder_start_id,)
     return Generator(cfg, bundle.params, bundle.tokenizer, prompt_prefix=prefix)
+
+
+def for_decoding(gen: Generator, *, dtype: str | None = None,
+                 kernel_layout: str | None = None) -> Generator:
+    """`gen` with its parameters converted to another compute/weight dtype and kernel layout
+    (`params.convert_params`); None keeps the checkpoint's."""
+    from transformer_jax.params import convert_params
+
+    changes = {}
+    if dtype is not None:
+        changes.update(dtype=dtype, param_dtype=dtype)
+    if kernel_layout is not None:
+        changes.update(kernel_layout=kernel_layout)
+    if not changes:
+        return gen
+    target = gen.config.replace(**changes)  # ConfigError names a bad value
+    return dataclasses.replace(gen, config=target, params=convert_params(gen.params, gen.config, target))
 
 
 # ----------------------------------------------------------------------------- decoding settings
@@ -437,6 +458,7 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
             gen = load_hf_generator(fv.hf_checkpoint)
         else:
             gen = load_workdir_generator(fv.workdir, fv.step)
+        gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=fv.kernel_layout)
         progress = fv.input_file is not None and len(texts) > opts.batch_size
         outputs = generate_texts(gen, texts, opts, progress=progress)
     except (GenerateError, ConversionError, ConfigError) as e:
