@@ -22,15 +22,17 @@ def dummy_inputs(config: ModelConfig, batch_size: int = 1, length: int = 8):
     return (tokens, tokens) if config.num_encoder_layers > 0 else (tokens,)
 
 
+def _boxed_param_shapes(config: ModelConfig):
+    """The parameter pytree as `jax.ShapeDtypeStruct`s inside their logical-partitioning boxes."""
+    model = build_model(config)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), *dummy_inputs(config)))["params"]
+
+
 def param_shapes(config: ModelConfig):
     """The parameter pytree as `jax.ShapeDtypeStruct`s (logical-partitioning boxes removed)."""
     import flax.linen as nn
 
-    model = build_model(config)
-    variables = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), *dummy_inputs(config))
-    )
-    return nn.unbox(variables["params"])
+    return nn.unbox(_boxed_param_shapes(config))
 
 
 def count_params(config: ModelConfig) -> int:
@@ -38,12 +40,10 @@ def count_params(config: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes(config)))
 
 
-def _logical_names(config: ModelConfig) -> dict:
-    """{path: logical axis names} of every parameter (the 'layers' axis included when scanned)."""
+def _logical_names(boxed) -> dict:
+    """{path: logical axis names} of every boxed parameter (with the 'layers' axis when scanned)."""
     import flax.linen as nn
 
-    model = build_model(config)
-    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *dummy_inputs(config)))["params"]
     is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
     leaves = jax.tree_util.tree_leaves_with_path(boxed, is_leaf=is_box)
     return {jax.tree_util.keystr(path): tuple(box.names) for path, box in leaves if is_box(box)}
@@ -55,10 +55,9 @@ CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype")
 PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "attention_impl", "remat")
 
 
-def _check_matches(params, config: ModelConfig):
-    """The flat {path: array} of `params`, after checking its paths and shapes against `config`."""
-    want = {jax.tree_util.keystr(p): s
-            for p, s in jax.tree_util.tree_leaves_with_path(param_shapes(config))}
+def _check_matches(params, expected, config: ModelConfig) -> None:
+    """Raises, naming the parameter, unless `params` has the paths and shapes of `expected`."""
+    want = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(expected)}
     have = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
     if set(have) != set(want):
         missing, extra = sorted(set(want) - set(have))[:3], sorted(set(have) - set(want))[:3]
@@ -69,23 +68,18 @@ def _check_matches(params, config: ModelConfig):
             raise ValueError(f"convert_params: params{key} has shape {tuple(x.shape)}, but the "
                              f"source config (kernel_layout={config.kernel_layout!r}) has "
                              f"{tuple(want[key].shape)}")
-    return have
 
 
-def _relayout(params, config: ModelConfig, kernel_layout: str):
-    """Every kernel's axes permuted so that its logical axis names follow `kernel_layout`."""
-    target = config.replace(kernel_layout=kernel_layout)
-    if target == config:
-        return params
-    source_names, target_names = _logical_names(config), _logical_names(target)
+def _relayout(params, source_names: dict, target_names: dict):
+    """Every kernel's axes permuted so that its logical axis names follow the target's."""
 
     def move(path, x):
-        src, dst = source_names.get(jax.tree_util.keystr(path)), target_names.get(jax.tree_util.keystr(path))
+        key = jax.tree_util.keystr(path)
+        src, dst = source_names.get(key), target_names.get(key)
         if src is None or src == dst:
             return x
         if len(set(src)) != len(src):
-            raise ValueError(f"convert_params: params{jax.tree_util.keystr(path)} repeats an axis "
-                             f"name: {src}")
+            raise ValueError(f"convert_params: params{key} repeats an axis name: {src}")
         return jnp.transpose(x, [src.index(name) for name in dst])
 
     return jax.tree_util.tree_map_with_path(move, params)
@@ -111,7 +105,10 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
     params = nn.unbox(params)
     if not set(config.diff(target)) & set(CONVERTIBLE_FIELDS):
         return params
-    _check_matches(params, config)
-    params = _relayout(params, config, target.kernel_layout)
+    boxed = _boxed_param_shapes(config)
+    _check_matches(params, nn.unbox(boxed), config)
+    if target.kernel_layout != config.kernel_layout:
+        target_boxed = _boxed_param_shapes(config.replace(kernel_layout=target.kernel_layout))
+        params = _relayout(params, _logical_names(boxed), _logical_names(target_boxed))
     dtype = target.weights_dtype
     return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), params)
