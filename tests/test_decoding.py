@@ -128,6 +128,31 @@ def test_min_new_tokens_masks_eos():
     assert np.all(np.asarray(sampled.lengths) >= 3)
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_logprobs_are_log_softmax():
+    # Row t: ties at the maximum between tokens 3 and 7 (and 9 for odd t); large logits, so a
+    # naive exp would overflow.
+    table = np.full((V, V), -5.0, np.float32)
+    table[:, 3] = table[:, 7] = 900.0
+    table[1::2, 9] = 900.0
+    table[:, 4] = 899.0
+    table = jnp.asarray(table)
+    out = generate(bigram_step, table, bigram_cache(2), jnp.array([[2], [5]]), jnp.ones(2, jnp.int32),
+                   max_new_tokens=3, eos_id=None)
+    np.testing.assert_array_equal(out.tokens, [[3, 3, 3], [3, 3, 3]])
+    assert np.array_equal(np.asarray(jnp.argmax(table, -1)), np.full(V, 3))
+    expected = np.asarray(jax.nn.log_softmax(table, -1))
+    rows = [[2, 3, 3], [5, 3, 3]]  # the previous tokens: row 3 has three tied maxima
+    np.testing.assert_allclose(out.logprobs, expected[rows, 3], rtol=1e-6)
+    assert float(out.logprobs[0, 0]) == pytest.approx(-math.log(2.0 + math.exp(-1.0)), rel=1e-6)
+    # Sampled tokens report the same log-softmax of the raw logits (before the temperature).
+    previous, tokens = _sample_bigram(table, batch=8, steps=4, temperature=0.5)
+    sampled = generate(bigram_step, table, bigram_cache(8), jnp.asarray(previous[:, :1]),
+                       jnp.ones(8, jnp.int32), max_new_tokens=4, rng=jax.random.key(0),
+                       temperature=0.5, eos_id=None)
+    assert set(np.unique(sampled.tokens).tolist()) <= {3, 4, 7, 9}
+    np.testing.assert_allclose(sampled.logprobs, expected[previous, tokens], rtol=1e-6, atol=1e-6)
+
+
 def _sample_bigram(table, *, batch=64, steps=96, seed=0, **kwargs):
     prompts = jax.random.randint(jax.random.key(seed + 100), (batch, 1), 0, V)
     out = generate(

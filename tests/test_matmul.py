@@ -90,6 +90,35 @@ def test_bf16_backward_products_stay_bf16_on_cpu():
         assert len(kinds) == 3 and set(kinds) == {("bf16", "bf16")}, kinds
 
 
+def test_bf16_embedding_lookup_gathers_in_place_with_the_usual_gradient():
+    from transformer_jax.modeling.layers import _take_rows
+
+    table = (jax.random.normal(jax.random.key(1), (97, 12)) * 3).astype(jnp.bfloat16)
+    ids = jnp.array([[5, 96, 5, 0], [3, 3, 3, 41]])  # repeated rows accumulate in the gradient
+    np.testing.assert_array_equal(np.asarray(_take_rows(table, ids), np.float32),
+                                  np.asarray(jnp.take(table, ids, axis=0), np.float32))
+    weights = jax.random.normal(jax.random.key(2), ids.shape + (12,))
+    loss = lambda take: lambda t: jnp.sum(jnp.sin(take(t, ids).astype(jnp.float32) * weights))
+    ours = jax.grad(loss(_take_rows))(table)
+    plain = jax.grad(loss(lambda t, i: jnp.take(t, i, axis=0)))(table)
+    assert ours.dtype == jnp.bfloat16
+    _close(ours, plain, 1e-2)
+
+    # In a decoding loop the table is loop-invariant: neither a float32 conversion nor a bit-pattern
+    # copy of the whole [97, 12] table may be hoisted out of the loop.
+    def decode(table, ids):
+        step = lambda i, acc: acc + _take_rows(table, ids + i).astype(jnp.float32)
+        return jax.lax.fori_loop(0, 5, step, jnp.zeros(ids.shape + (12,)))
+
+    hlo = jax.jit(decode).lower(table, ids).compile().as_text()
+    whole_table = r"= (f32|u16)\[97,12\]\{1,0\} fusion\("  # a table-sized result written out
+    assert not re.search(whole_table, hlo)
+    plain_hlo = jax.jit(lambda t, i: jax.lax.fori_loop(
+        0, 5, lambda j, acc: acc + jnp.take(t, i + j, axis=0).astype(jnp.float32),
+        jnp.zeros(i.shape + (12,)))).lower(table, ids).compile().as_text()
+    assert re.search(whole_table, plain_hlo)  # what the bit-pattern gather avoids
+
+
 def _lm_grads(config, tokens, mesh=None):
     model = tj.TransformerLM(config)
     params = jax.jit(lambda k: nn.unbox(model.init(k, tokens))["params"])(jax.random.key(0))
