@@ -86,14 +86,22 @@ def test_lm_cached_step_logits_equal_full_forward(lm):
     @jax.jit
     def cached(params, tokens, lengths):
         logits, cache = step(params, tokens, tj.init_cache(CONFIG, 3, 16), lengths)
-        out = [jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]]
+        assert logits.shape == (3, 1, CONFIG.vocab_size)  # the prefill computes the last position only
+        every, _ = model.apply({"params": params}, tokens, cache=tj.init_cache(CONFIG, 3, 16),
+                               num_valid=lengths)
+        assert every.shape == (3, tokens.shape[1], CONFIG.vocab_size)
+        out = [logits[:, 0], jnp.take_along_axis(every, (lengths - 1)[:, None, None], axis=1)[:, 0]]
         for i in range(extra.shape[1]):
             logits, cache = step(params, jnp.asarray(extra[:, i : i + 1]), cache, jnp.ones(3, jnp.int32))
             out.append(logits[:, 0])
-        return jax.nn.log_softmax(jnp.stack(out, axis=1), axis=-1)  # [B, 4, V]
+        return jax.nn.log_softmax(jnp.stack(out, axis=1), axis=-1)  # [B, 5, V]
 
     tokens, lengths = pad_prompts(PROMPTS)
     got = np.asarray(cached(params, tokens, lengths))
+    np.testing.assert_allclose(got[:, 0], got[:, 1], atol=1e-6)  # last_only = every position's last
+    got = np.delete(got, 1, axis=1)
+    with pytest.raises(ValueError, match="last_only=True needs a cache"):
+        model.apply({"params": params}, tokens, last_only=True)
     seqs = [p + extra[row].tolist() for row, p in enumerate(PROMPTS)]
     full = _full_logprobs(model, params, pad_prompts(seqs, min_length=16)[0], [len(s) for s in seqs])
     for row, prompt in enumerate(PROMPTS):

@@ -3,7 +3,7 @@
 Nothing here knows the model. Both entry points take a step function
 
     step_fn(params, tokens [B, L] int32, cache, num_valid [B] int32)
-        -> (logits float32 [B, L, V], new_cache)
+        -> (logits float32 [B, L, V], or [B, 1, V] at each row's last real token; new_cache)
 
 plus ``params`` (a jit argument, so new weights never recompile) and an empty cache whose leaves
 all have the batch as their leading axis. ``model_steps`` builds step functions for

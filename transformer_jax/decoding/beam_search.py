@@ -12,7 +12,7 @@ fall as a hypothesis grows, so a live beam's best reachable score is its current
 divided by the penalty at the maximum length (alpha >= 0).
 
 Same step-function contract as `sampling.generate`:
-``step_fn(params, tokens [B, L], cache, num_valid [B]) -> (logits [B, L, V], cache)``.
+``step_fn(params, tokens [B, L], cache, num_valid [B]) -> (logits [B, L, V] or [B, 1, V], cache)``.
 The prompt is prefilled once at batch B; the cache is then repeated to B * beam_size rows.
 """
 
@@ -176,7 +176,7 @@ def beam_search(
 
     Args:
       step_fn: ``step_fn(params, tokens [B, L], cache, num_valid [B])``
-        ``-> (logits [B, L, V], cache)``;
+        ``-> (logits [B, L, V] or [B, 1, V] at each row's last real token, cache)``;
         hashable (a static jit argument).
       params: passed to ``step_fn`` unchanged (any pytree, may be None).
       cache: empty step-function state for B rows (it is repeated to B * beam_size rows after the

@@ -32,12 +32,14 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class LMStep:
     """``step_fn`` for `TransformerLM`: ``params`` is the module's 'params' collection and the
-    cache a `KVCache` from ``tj.init_cache``."""
+    cache a `KVCache` from ``tj.init_cache``. Returns the logits of each row's last real token
+    only ([B, 1, V]), so a prompt prefill does not compute a [B, P, V] array."""
 
     model: nn.Module
 
     def __call__(self, params, tokens, cache, num_valid):
-        return self.model.apply({"params": params}, tokens, cache=cache, num_valid=num_valid)
+        return self.model.apply({"params": params}, tokens, cache=cache, num_valid=num_valid,
+                                last_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,8 @@ class Seq2SeqStep:
     model: nn.Module
 
     def __call__(self, params, tokens, cache, num_valid):
-        return self.model.apply({"params": params}, None, tokens, cache=cache, num_valid=num_valid)
+        return self.model.apply({"params": params}, None, tokens, cache=cache, num_valid=num_valid,
+                                last_only=True)
 
 
 def lm_step_fn(model: nn.Module) -> LMStep:

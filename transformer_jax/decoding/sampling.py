@@ -3,10 +3,11 @@
 The sampler knows nothing about the model. It drives a *step function*::
 
     step_fn(params, tokens [B, L] int32, cache, num_valid [B] int32)
-        -> (logits float32 [B, L, V], new_cache)
+        -> (logits float32 [B, L, V] or [B, 1, V], new_cache)
 
 which appends ``tokens`` to each row of ``cache`` (only the first ``num_valid[b]`` of row ``b`` are
-real) and returns next-token logits for every input position. ``params`` is passed through as a
+real) and returns next-token logits for every input position, or ([B, 1, V]) only for each row's
+last real token, the one the sampler reads. ``params`` is passed through as a
 jit argument, never baked into the compiled program as a constant, so one compilation serves any
 parameter values of the same shapes. ``step_fn`` itself is a static (hashable) jit argument: pass
 the same object (a module-level function, or a frozen dataclass such as ``model_steps.LMStep``) on
@@ -194,7 +195,10 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
 
 
 def _last_valid(logits: jax.Array, num_valid: jax.Array) -> jax.Array:
-    """logits [B, L, V] -> [B, V] at position num_valid - 1 of each row."""
+    """logits [B, L, V] -> [B, V] at position num_valid - 1 of each row; [B, 1, V] holds only
+    those positions already."""
+    if logits.shape[1] == 1:
+        return logits[:, 0]
     index = (num_valid - 1)[:, None, None]
     return jnp.take_along_axis(logits, index, axis=1)[:, 0]
 
@@ -343,7 +347,7 @@ def generate(
 
     Args:
       step_fn: ``step_fn(params, tokens [B, L], cache, num_valid [B])``
-        ``-> (logits [B, L, V], cache)``;
+        ``-> (logits [B, L, V] or [B, 1, V] at each row's last real token, cache)``;
         hashable (it is a static jit argument).
       params: passed to ``step_fn`` unchanged (any pytree, may be None).
       cache: the step function's state, empty, with room for P + max_new_tokens positions;

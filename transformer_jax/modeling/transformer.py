@@ -221,16 +221,20 @@ class Decoder(_Stack):
     def __call__(
         self, tokens, *, memory=None, memory_valid=None, segment_ids=None, positions=None,
         memory_segment_ids=None, cache: KVCache | None = None, num_valid=None,
-        deterministic=True,
+        deterministic=True, last_only=False,
     ):
         """tokens: int [B, L] -> (logits [B, L, V], updated cache or None).
 
         Without a cache, query i sees tokens j <= i of its own segment. Right padding needs no
         mask: real tokens never look right. With a cache, the tokens are appended at each row's
-        `cache.lengths` and `num_valid` [B] (default L) of them are counted as real.
+        `cache.lengths` and `num_valid` [B] (default L) of them are counted as real; with
+        `last_only=True` only the logits of each row's last real token are computed ([B, 1, V]:
+        a prompt prefill needs no more, and skips a [B, L, V] product and array).
         """
         if cache is not None:
-            return self._decode_cached(tokens, cache, num_valid, deterministic)
+            return self._decode_cached(tokens, cache, num_valid, deterministic, last_only)
+        if last_only:
+            raise ValueError("last_only=True needs a cache (it picks each row's last of num_valid tokens)")
         if positions is None:
             positions = default_positions(tokens, segment_ids)
         L = tokens.shape[1]
@@ -248,7 +252,7 @@ class Decoder(_Stack):
                           memory=memory, cross_mask=cross_mask)
         return self.logits(self.finish(x)), None
 
-    def _decode_cached(self, tokens, cache, num_valid, deterministic):
+    def _decode_cached(self, tokens, cache, num_valid, deterministic, last_only=False):
         B, L = tokens.shape
         lengths = cache.lengths
         positions = lengths[:, None] + jnp.arange(L)[None, :]
@@ -263,8 +267,10 @@ class Decoder(_Stack):
                                    caches=cache.layers, cache_index=lengths)
         if num_valid is None:
             num_valid = jnp.full((B,), L, jnp.int32)
-        new_cache = cache.replace(layers=new_layers,
-                                  lengths=lengths + num_valid.astype(jnp.int32))
+        num_valid = num_valid.astype(jnp.int32)
+        new_cache = cache.replace(layers=new_layers, lengths=lengths + num_valid)
+        if last_only and L > 1:
+            x = jnp.take_along_axis(x, (num_valid - 1)[:, None, None], axis=1)
         return self.logits(self.finish(x)), new_cache
 
 
@@ -297,9 +303,13 @@ class Transformer(nn.Module):
     def __call__(
         self, src, tgt, *, src_segment_ids=None, tgt_segment_ids=None, src_positions=None,
         tgt_positions=None, cache: KVCache | None = None, num_valid=None, deterministic=True,
+        last_only=False,
     ):
         if cache is not None:
-            return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic)
+            return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic,
+                                last_only=last_only)
+        if last_only:
+            raise ValueError("last_only=True needs a cache (it picks each row's last of num_valid tokens)")
         memory = self.encode(src, src_segment_ids=src_segment_ids, src_positions=src_positions,
                              deterministic=deterministic)
         logits, _ = self.decoder(
@@ -337,10 +347,10 @@ class TransformerLM(nn.Module):
         self.decoder = Decoder(self.config, self.embed, cross_attention=False, name="decoder")
 
     def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None, num_valid=None,
-                 deterministic=True):
+                 deterministic=True, last_only=False):
         logits, new_cache = self.decoder(tokens, segment_ids=segment_ids, positions=positions,
                                          cache=cache, num_valid=num_valid,
-                                         deterministic=deterministic)
+                                         deterministic=deterministic, last_only=last_only)
         return logits if cache is None else (logits, new_cache)
 
 
