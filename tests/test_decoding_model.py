@@ -230,3 +230,37 @@ def test_seq2seq_greedy_and_beam_search_match_the_full_model(seq2seq):
             total = full[row, np.arange(length), hyp].sum()
             assert float(beams.logprobs[row, k]) == pytest.approx(total, abs=1e-4)
     assert np.all(np.asarray(beams.logprobs[:, 0]) >= np.asarray(out.logprobs.sum(1)) - 1e-4)
+
+
+def test_beam_reordering_leaves_the_source_cross_attention_alone(seq2seq, monkeypatch):
+    """`KVCache.reorder_beams` gathers the self-attention cache only: every beam of a row holds the
+    same source K/V. Same hypotheses as gathering every leaf, and no gather of source-shaped
+    arrays in the compiled loop."""
+    from transformer_jax.decoding.beam_search import _beam_search_jit
+    from transformer_jax.modeling.cache import KVCache
+
+    model, params = seq2seq
+    src = jnp.asarray(SOURCES)
+    start = jnp.full((3, 1), CONFIG.decoder_start_id, jnp.int32)
+    cache = encode_source(model, params, src, STEPS + 1)
+    args = (Seq2SeqStep(model), params, cache, start, jnp.ones(3, jnp.int32), jnp.float32(0.6))
+    static = dict(beam_size=2, max_new_tokens=STEPS, eos_id=1, pad_id=0)
+
+    reordered = KVCache(layers=cache.layers, lengths=jnp.arange(3), cross=cache.cross,
+                        source_mask=cache.source_mask).reorder_beams(jnp.array([2, 2, 0]))
+    assert reordered.cross is cache.cross and reordered.source_mask is cache.source_mask
+    np.testing.assert_array_equal(reordered.lengths, [2, 2, 0])
+
+    cross_shape = "f32[6,%d,%d,%d]" % (src.shape[1], CONFIG.kv_heads, CONFIG.qk_dim)  # [B*K, S, N, K]
+    gathers = lambda hlo: [line for line in hlo.splitlines()
+                           if line.lstrip().startswith("%") and f"= {cross_shape}" in line
+                           and "gather" in line]
+    ours = _beam_search_jit(*args, **static)
+    assert not gathers(_beam_search_jit.lower(*args, **static).compile().as_text())
+
+    monkeypatch.delattr(KVCache, "reorder_beams")
+    jax.clear_caches()
+    every_leaf = _beam_search_jit(*args, **static)
+    assert gathers(_beam_search_jit.lower(*args, **static).compile().as_text())  # what is avoided
+    np.testing.assert_array_equal(ours.tokens, every_leaf.tokens)
+    np.testing.assert_allclose(ours.scores, every_leaf.scores, atol=1e-6)

@@ -94,9 +94,16 @@ def _expand(live: _Beams, finished: _Beams, logprobs, step, alpha, *, eos_id):
 
 
 def _reorder(cache, parent: jax.Array):
-    """Gathers cache rows [B * K, ...] so row (b, k) holds the state of beam parent[b, k]."""
+    """Gathers cache rows [B * K, ...] so row (b, k) holds the state of beam parent[b, k].
+
+    A cache with a ``reorder_beams(rows)`` method gathers itself (`KVCache` leaves the source's
+    cross-attention K/V alone: every beam of a row holds the same); any other pytree has every
+    leaf gathered.
+    """
     batch, beam = parent.shape
     rows = (jnp.arange(batch)[:, None] * beam + parent).reshape(-1)
+    if hasattr(cache, "reorder_beams"):
+        return cache.reorder_beams(rows)
     return jax.tree.map(lambda x: x[rows], cache)
 
 

@@ -39,6 +39,16 @@ class KVCache:
         k = self.layers["k"] if isinstance(self.layers, dict) else self.layers[0]["k"]
         return k.shape[-2]  # [B, (layers,) N, S_max, K]
 
+    def reorder_beams(self, rows: jax.Array) -> KVCache:
+        """Row i of the result holds row ``rows[i]``'s self-attention state, for beam search.
+
+        ``rows`` must map every row to a row of the same source (the beams of one input), so the
+        source's cross-attention K/V and mask, identical across those rows, are kept as they are
+        rather than gathered on every step.
+        """
+        gather = lambda x: x[rows]
+        return self.replace(layers=jax.tree.map(gather, self.layers), lengths=gather(self.lengths))
+
 
 def cache_dtype(config: ModelConfig):
     """The KV cache's default dtype (self- and cross-attention): the compute dtype, except float32
