@@ -168,7 +168,8 @@ def test_lm_cache_with_ragged_prompts_equals_full_recomputation(variant):
     np.testing.assert_array_equal(cache.lengths, lengths + 5)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# Not the GQA variant: with fewer K/V heads than query heads the products are never stacked.
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if VARIANTS[v].get("num_kv_heads") is None])
 def test_fused_qkv_projection_equals_three_projections(variant, monkeypatch):
     """Self-attention's one stacked Q/K/V product (from FUSED_QKV_MIN_TOKENS tokens per call)
     gives the same outputs and parameter gradients as three separate products."""
