@@ -81,7 +81,7 @@ def test_encoder_decoder_scanned_equals_unscanned_with_cache():
     np.testing.assert_allclose(jax.jit(scanned.apply)({"params": sparams}, src, tgt), want, atol=1e-5)
 
     cache = jax.jit(lambda p, s: scanned.apply({"params": p}, s, 9, method="init_cache"))(sparams, src)
-    assert cache.cross["k"].shape == (B, 3, S, 5, 6)
+    assert cache.cross["k"].shape == (B, 3, 5, S, 6)  # [B, layers, N, S, K]
     step = jax.jit(lambda p, x, c: scanned.apply({"params": p}, None, x, cache=c))
     first, cache = step(sparams, tgt[:, :5], cache)
     second, cache = step(sparams, tgt[:, 5:], cache)

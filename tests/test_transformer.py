@@ -233,7 +233,7 @@ def test_encoder_decoder_cache_equals_full_recomputation(variant):
     full = japply(model)({"params": params}, src, tgt)
     start = jax.jit(lambda p, s: model.apply(p, s, L, method="init_cache"))
     cache = start({"params": params}, src)
-    assert cache.cross[0]["k"].shape == (B, S, cfg.kv_heads, cfg.qk_dim)
+    assert cache.cross[0]["k"].shape == (B, cfg.kv_heads, S, cfg.qk_dim)  # heads first
     logits, cache = japply(model)({"params": params}, None, tgt[:, :2], cache=cache)
     np.testing.assert_allclose(logits, full[:, :2], atol=1e-5)
     for t in range(2, L):

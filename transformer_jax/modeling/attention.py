@@ -331,8 +331,9 @@ class MultiHeadAttention(nn.Module):
         """inputs_q: [B, L, D]; inputs_kv: [B, S, D] for cross-attention (None: self-attention);
         mask: bool [B, 1, L, S] (True = attend) or a `masks.AttentionMask`.
 
-        precomputed_kv: (k, v) [B, S, N, K] already projected by `project_kv` (cross-attention
-        during decoding: the source's K/V are computed once).
+        precomputed_kv: (k, v) [B, N, S, K], heads first, already projected by `project_kv`
+        (cross-attention during decoding: the source's K/V are computed once, and stored in the
+        layout the attention matmuls read without a copy).
         cache: {'k', 'v'} [B, N, S_max, K] for self-attention decoding: the new keys and values
         are written at each row's `cache_index` [B], and attention runs over all S_max slots (the
         mask hides the unwritten ones). Returns (out [B, L, D], updated cache or None).
@@ -344,7 +345,7 @@ class MultiHeadAttention(nn.Module):
             k, v = precomputed_kv if precomputed_kv is not None else self.project_kv(inputs_kv, kv_positions)
         if self.rope_theta is not None:
             q = apply_rope(q, q_positions, self.rope_theta)
-        kv_layout = "BSNK"
+        kv_layout = "BSNK" if precomputed_kv is None else "BNSK"
         if cache is not None:
             # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max.
             write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1))

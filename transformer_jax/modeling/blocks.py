@@ -72,15 +72,18 @@ class TransformerBlock(nn.Module):
         return norm(x + self.dropout(out, deterministic=deterministic)), aux
 
     def cross_kv(self, memory):
-        """The cross-attention K/V of the encoder output [B, S_src, D], computed once per source."""
-        return self.cross_attention_layer.project_kv(memory)
+        """The cross-attention K/V of the encoder output [B, S_src, D], computed once per source and
+        stored heads first, [B, N, S_src, K]: the layout the attention matmuls read in place, as for
+        the self-attention cache (with positions first every decoding step transposed them)."""
+        k, v = self.cross_attention_layer.project_kv(memory)
+        return jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
     def __call__(
         self, x, deterministic=True, *, self_mask, positions=None, memory=None, cross_mask=None,
         cross_kv=None, cache=None, cache_index=None,
     ):
         """x: [B, L, D]; self_mask: [B, 1, L, S]; memory: encoder output [B, S_src, D] (or
-        `cross_kv`, its projected K/V from a cache); cross_mask: [B, 1, L, S_src].
+        `cross_kv`, its projected K/V [B, N, S_src, K] from a cache); cross_mask: [B, 1, L, S_src].
 
         Returns (y [B, L, D], updated self-attention cache or None).
         """

@@ -23,9 +23,9 @@ class KVCache:
              one {'k', 'v'} dict of [B, layers, N, S_max, K] (batch still leading).
     lengths: int32 [B]: how many slots of each row hold real tokens. New tokens are written from
              there, so a batch may hold prompts of different lengths.
-    cross:   encoder-decoder only: per layer, {'k', 'v'}: [B, S_src, N, K], the source's
-             cross-attention keys and values, computed once when the cache is built (scanned:
-             one dict of [B, layers, S_src, N, K]).
+    cross:   encoder-decoder only: per layer, {'k', 'v'}: [B, N, S_src, K], the source's
+             cross-attention keys and values, computed once when the cache is built, heads first
+             like `layers` (scanned: one dict of [B, layers, N, S_src, K]).
     source_mask: encoder-decoder only: bool [B, S_src], True on real source tokens.
     """
 

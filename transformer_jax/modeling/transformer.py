@@ -210,8 +210,8 @@ class Decoder(_Stack):
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
     def cross_kv(self, memory):
-        """Every layer's cross-attention K/V of `memory`: a tuple of {'k','v'} [B, S, N, K], or for a
-        scanned stack one dict of [B, layers, S, N, K]."""
+        """Every layer's cross-attention K/V of `memory`, heads first: a tuple of {'k','v'}
+        [B, N, S, K], or for a scanned stack one dict of [B, layers, N, S, K]."""
         if self.config.scan_layers:
             return self.blocks(memory, True, True, None, None, memory, None, None, None, None)[1]
         return tuple(
