@@ -5,6 +5,7 @@ split into heads) so a transposed axis cannot pass unnoticed.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +235,13 @@ def test_encoder_decoder_cache_equals_full_recomputation(variant):
     start = jax.jit(lambda p, s: model.apply(p, s, L, method="init_cache"))
     cache = start({"params": params}, src)
     assert cache.cross[0]["k"].shape == (B, cfg.kv_heads, S, cfg.qk_dim)  # heads first
+    if variant == "paper":  # ... so a decoding step reads the source's K/V without transposing them
+        step = jax.jit(lambda p, t, c: model.apply(p, None, t, cache=c))
+        hlo = step.lower({"params": params}, tgt[:, :1], cache).compile().as_text()
+        entry = hlo[hlo.index("ENTRY"):]
+        shapes = {tuple(map(int, dims.split(","))) for dims in re.findall(r"= f32\[([0-9,]+)\]", entry)}
+        cross_sized = {s for s in shapes if np.prod(s) == B * cfg.kv_heads * S * cfg.qk_dim}
+        assert cross_sized == {(B, cfg.kv_heads, S, cfg.qk_dim)}, cross_sized
     logits, cache = japply(model)({"params": params}, None, tgt[:, :2], cache=cache)
     np.testing.assert_allclose(logits, full[:, :2], atol=1e-5)
     for t in range(2, L):
