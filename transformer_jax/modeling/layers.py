@@ -26,13 +26,13 @@ def _take_rows(table, ids):
 
 
 def _take_rows_fwd(table, ids):
-    return _take_rows(table, ids), (ids, jnp.zeros((0,), table.dtype), table.shape[0])
+    return _take_rows(table, ids), (ids, table.shape[0])
 
 
-def _take_rows_bwd(res, grad):
-    ids, like, rows = res
+def _take_rows_bwd(res, grad):  # grad has the table's dtype; rows are summed in float32
+    ids, rows = res
     table_grad = jnp.zeros((rows, grad.shape[-1]), jnp.float32).at[ids].add(grad.astype(jnp.float32))
-    return table_grad.astype(like.dtype), None
+    return table_grad.astype(grad.dtype), None
 
 
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)

@@ -309,7 +309,7 @@ class Transformer(nn.Module):
             return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic,
                                 last_only=last_only)
         if last_only:
-            raise ValueError("last_only=True needs a cache (it picks each row's last of num_valid tokens)")
+            return self.decoder(tgt, last_only=True)  # raises: last_only needs a cache
         memory = self.encode(src, src_segment_ids=src_segment_ids, src_positions=src_positions,
                              deterministic=deterministic)
         logits, _ = self.decoder(
