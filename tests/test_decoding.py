@@ -145,11 +145,12 @@ def test_greedy_takes_the_first_of_tied_maxima_and_logprobs_are_log_softmax():
     np.testing.assert_allclose(out.logprobs, expected[rows, 3], rtol=1e-6)
     assert float(out.logprobs[0, 0]) == pytest.approx(-math.log(2.0 + math.exp(-1.0)), rel=1e-6)
     # Sampled tokens report the same log-softmax of the raw logits (before the temperature).
-    previous, tokens = _sample_bigram(table, batch=8, steps=4, temperature=0.5)
-    sampled = generate(bigram_step, table, bigram_cache(8), jnp.asarray(previous[:, :1]),
-                       jnp.ones(8, jnp.int32), max_new_tokens=4, rng=jax.random.key(0),
-                       temperature=0.5, eos_id=None)
-    assert set(np.unique(sampled.tokens).tolist()) <= {3, 4, 7, 9}
+    prompts = np.arange(8, dtype=np.int32)[:, None]
+    sampled = generate(bigram_step, table, bigram_cache(8), prompts, jnp.ones(8, jnp.int32),
+                       max_new_tokens=4, rng=jax.random.key(0), temperature=0.5, eos_id=None)
+    tokens = np.asarray(sampled.tokens)
+    previous = np.concatenate([prompts, tokens[:, :-1]], axis=1)
+    assert set(np.unique(tokens).tolist()) <= {3, 4, 7, 9}
     np.testing.assert_allclose(sampled.logprobs, expected[previous, tokens], rtol=1e-6, atol=1e-6)
 
 
