@@ -103,17 +103,12 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x):
         """x: [B, L, D] -> [B, L, D]."""
-        # The activation is computed in float32 and rounded once: in bf16 every intermediate of
-        # GELU's polynomial (x^3, tanh, ...) would be rounded, and XLA:CPU emulates each bf16 op
-        # with conversions (2x the time of the float32 form in a decoding step).
-        act32 = _activation(self.activation)
-        act = lambda z: act32(z.astype(jnp.float32))
+        act = _activation(self.activation)
         h = self._dense(self.d_ff, ("embed", "mlp"), "wi")(x)
         if self.activation in ("swiglu", "geglu"):
-            h = act(self._dense(self.d_ff, ("embed", "mlp"), "wi_gate")(x)) * h.astype(jnp.float32)
+            h = act(self._dense(self.d_ff, ("embed", "mlp"), "wi_gate")(x)) * h
         else:
             h = act(h)
-        h = h.astype(self.dtype)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         return self._dense(x.shape[-1], ("mlp", "embed"), "wo")(h)
 
