@@ -315,6 +315,24 @@ def test_repeated_calls_do_not_recompile():
     assert len(traces) > first  # a new static configuration does compile
 
 
+@pytest.mark.parametrize("eos_id", [None, EOS])
+def test_only_tokens_cross_decoding_steps(eos_id):
+    """The scan carries the chosen tokens, never a [B, V] logits array: each step picks its token
+    from the logits it just computed (so XLA reads them in the layout the model wrote them)."""
+    batch, width = 3, 2
+    args = (bigram_step, shift_table(), bigram_cache(batch), jnp.full((batch, width), 3),
+            jnp.full((batch,), width), jax.random.key(0), 1.0, 1.0, 0)
+    jaxpr = _generate_jit.trace(*args, max_new_tokens=5, greedy=True, top_k=0, use_top_p=False,
+                                eos_id=eos_id, pad_id=PAD).jaxpr
+    scans = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    assert len(scans) == 1
+    scan = scans[0]
+    consts, carries = scan.params["num_consts"], scan.params["num_carry"]
+    carried = [v.aval for v in scan.invars[consts:consts + carries]]
+    assert any(a.shape == (batch,) and a.dtype == jnp.int32 for a in carried)  # the tokens
+    assert not any(a.shape[-1:] == (V,) for a in carried), carried
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
