@@ -251,7 +251,7 @@ def test_beam_reordering_leaves_the_source_cross_attention_alone(seq2seq, monkey
     assert reordered.cross is cache.cross and reordered.source_mask is cache.source_mask
     np.testing.assert_array_equal(reordered.lengths, [2, 2, 0])
 
-    cross_shape = f"f32[6,{src.shape[1]},{CONFIG.kv_heads},{CONFIG.qk_dim}]"  # [B*K, S, N, K]
+    cross_shape = f"f32[6,{CONFIG.kv_heads},{src.shape[1]},{CONFIG.qk_dim}]"  # [B*K, N, S, K]
     gathers = lambda hlo: [line for line in hlo.splitlines()
                            if line.lstrip().startswith("%") and f"= {cross_shape}" in line
                            and "gather" in line]
