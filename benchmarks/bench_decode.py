@@ -129,6 +129,38 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
     )
 
 
+def gpt2_tensor_parallel_config(dtype, layout):
+    """The GPT-2-small shape with its vocabulary padded to a multiple of 128 (50257 -> 50304 rows),
+    so that a tensor mesh axis divides the table."""
+    return tj.presets.gpt2_small(dropout_rate=0.0, dtype=dtype, param_dtype=dtype, kernel_layout=layout,
+                                 pad_vocab_multiple=128)
+
+
+def tensor_parallel_row(config, batch, steps, tensor, repeats=2):
+    """`lm_row` with the model split over a tensor mesh of the first `tensor` devices (heads, d_ff
+    and the vocabulary; the cache follows the heads). On a CPU, run it with one host device per
+    core (``--xla_force_host_platform_device_count``). Its `roofline_frac` is against 1 byte/s:
+    divide it by the machine's bandwidth, measured outside this process's split of the cores."""
+    import flax.linen as nn
+
+    from transformer_jax import parallel
+
+    if jax.device_count() < tensor:
+        raise SystemExit(f"--tensor-parallel {tensor}: only {jax.device_count()} devices; on a CPU "
+                         f"set XLA_FLAGS=--xla_force_host_platform_device_count={tensor}")
+    model = tj.TransformerLM(config)
+    mesh = parallel.create_mesh(data=1, fsdp=1, tensor=tensor, devices=jax.devices()[:tensor])
+    dummy = jnp.ones((1, 8), jnp.int32)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), dummy)
+    prompt = jax.random.randint(jax.random.key(1), (batch, PROMPT), 3, config.vocab_size)
+    lengths = jnp.full((batch,), PROMPT, jnp.int32)
+    with parallel.sharding_context(mesh):
+        params = jax.device_put(random_params(model, dummy, dtype=config.param_dtype),
+                                parallel.logical_to_sharding(boxed, mesh)["params"])
+        row = lm_row(config, model, nn.unbox(params), prompt, lengths, steps, 1.0, repeats)
+    return dict(row, tensor_parallel=tensor, padded_vocab=config.padded_vocab_size)
+
+
 def bench_no_cache(model, params, prompt, lengths, steps, total_new=512):
     """Per-step cost of decoding without a cache in a buffer of PROMPT + total_new tokens."""
     batch = prompt.shape[0]
@@ -192,7 +224,17 @@ def main():
     parser.add_argument("--kernel-layout", default="in_out", choices=["in_out", "out_in"],
                         help="ModelConfig.kernel_layout ('out_in' decodes faster on CPU)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
+                        help="only the GPT-2-small row split over a tensor mesh of N devices "
+                             "(see tensor_parallel_row); prints that one row")
+    parser.add_argument("--batch", type=int, default=8, help="with --tensor-parallel")
+    parser.add_argument("--steps", type=int, default=64, help="new tokens, with --tensor-parallel")
     args = parser.parse_args()
+    if args.tensor_parallel:
+        config = gpt2_tensor_parallel_config(args.dtype, args.kernel_layout)
+        row = tensor_parallel_row(config, args.batch, args.steps, args.tensor_parallel, args.repeats)
+        print(json.dumps(row))
+        return
 
     bandwidth = memory_bandwidth()
     new_tokens = (128,) if args.quick else (128, 512)

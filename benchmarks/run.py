@@ -10,7 +10,9 @@ Writes benchmarks/results/<date>.json and .md and prints the Markdown table. Wor
             (MFU formula: benchmarks/bench_model.py; peak = the measured matmul FLOP/s, same dtype)
   decode    cached greedy decoding of the GPT-2-small shape at batch 1 and 8 (bench_decode.py),
             float32 and bf16 weights, kernel_layout 'in_out' and 'out_in': fraction of the
-            memory-bandwidth roofline (params + KV cache read once per step)
+            memory-bandwidth roofline (params + KV cache read once per step); on a CPU also bf16
+            'out_in' batch 8 split over a 2-device tensor mesh, one host device per core, in a
+            child process (the vocabulary padded to 50304 rows so that the mesh divides it)
   attention causal attention at 1k-16k tokens per backend: forward time and XLA's peak memory
   compile   train-step compile time at 2/6/12/24 layers, with and without scan_layers
 Each train row's peak matmul FLOP/s (its dtype) and each decode row's bandwidth are measured just
@@ -27,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -107,7 +110,40 @@ def decode_rows(quick):
             row["stream_frac"] = round(row["bytes_per_step"] / stream / (row["decode_step_ms"] / 1e3), 3)
             rows.append(dict(row, dtype=dtype, kernel_layout=layout, load=hardware.load()))
             print(json.dumps(rows[-1]), flush=True)
+    row = tensor_parallel_decode_row(quick)
+    if row is not None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
+
+
+# The batch-8 bf16 'out_in' row again with the model split over two devices of a tensor mesh, one
+# host device per core on a CPU: XLA:CPU runs each device's attention on its own core.
+TENSOR_PARALLEL_DECODE = dict(dtype="bfloat16", layout="out_in", batch=8, tensor=2)
+
+
+def tensor_parallel_decode_row(quick):
+    """`TENSOR_PARALLEL_DECODE` in a child process with one host device per core (the device count
+    is fixed when jax starts), set against the bandwidth this process measures next to it. None
+    off CPU (accelerator.py covers real devices) or on a one-core machine."""
+    v = TENSOR_PARALLEL_DECODE
+    if jax.default_backend() != "cpu" or (os.cpu_count() or 1) < v["tensor"]:
+        return None
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={v['tensor']}"
+    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode.py"),
+               "--tensor-parallel", str(v["tensor"]), "--batch", str(v["batch"]),
+               "--steps", str(64 if quick else 128), "--dtype", v["dtype"], "--kernel-layout", v["layout"]]
+    before = hardware.memory_bandwidth(repeats=3)
+    done = subprocess.run(command, env=dict(os.environ, XLA_FLAGS=flags.strip()), capture_output=True,
+                          text=True, timeout=900)
+    after = hardware.memory_bandwidth(repeats=3)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    bandwidth = max(before, after)
+    row["roofline_frac"] = round(row["bytes_per_step"] / bandwidth / (row["decode_step_ms"] / 1e3), 3)
+    row["bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
+    return dict(row, dtype=v["dtype"], kernel_layout=v["layout"], load=hardware.load())
 
 
 def against_run_limits(results, peaks: dict, bandwidth_gb_s: float) -> tuple[dict, float]:
@@ -163,6 +199,8 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
         streaming = (f"; b{r['batch']} matmuls stream {r['weight_stream_gb_s']:.1f} GB/s, "
                      f"step at {r['stream_frac']:.2f} of that" if "stream_frac" in r else "")
         variant = f"{r.get('dtype', 'float32')} {r.get('kernel_layout', 'in_out')}"
+        if r.get("tensor_parallel"):
+            variant += f" tensor={r['tensor_parallel']}"
         limit = f"{r.get('run_bandwidth_gb_s', r['bandwidth_gb_s']):.1f} GB/s"
         if "run_bandwidth_gb_s" in r:
             limit += f" (highest in the run; {r['bandwidth_gb_s']:.1f} next to the row)"

@@ -1,7 +1,10 @@
-"""The accelerator benchmark script runs end to end (tiny sizes, on CPU) and reports every figure."""
+"""The accelerator benchmark script runs end to end (tiny sizes, on CPU) and reports every figure;
+the CPU suite's rows are set against the run's limits."""
 
 import json
 import math
+
+import jax
 
 from benchmarks import accelerator
 
@@ -49,3 +52,24 @@ def test_rows_are_set_against_the_highest_reading_of_the_run():
     table = run.summarise(results | {"train": {"rows": []}}, peaks, bandwidth)
     assert [line["ratio"] for line in table] == [0.512, 0.5]
     assert table[0]["target_met"] is False  # 0.64 against its own low reading would have met 0.6
+
+
+def test_tensor_parallel_decoding_row_counts_the_padded_model_and_is_labelled():
+    import transformer_jax as tj
+    from benchmarks import bench_decode, run
+
+    config = tj.presets.tiny(vocab_size=61, num_encoder_layers=0, pad_vocab_multiple=8, dropout_rate=0.0)
+    row = bench_decode.tensor_parallel_row(config, batch=4, steps=4, tensor=4, repeats=1)
+    assert row["tensor_parallel"] == 4 and row["padded_vocab"] == 64 and row["decode_step_ms"] > 0
+    params = bench_decode.random_params(tj.TransformerLM(config), jax.numpy.ones((1, 8), jax.numpy.int32),
+                                        dtype="float32")
+    cache = tj.init_cache(config, 4, bench_decode.PROMPT + 4)
+    # every parameter (the 64-row table included) and the whole cache, read once per step
+    assert row["bytes_per_step"] == bench_decode.tree_bytes(params) + bench_decode.tree_bytes(cache.layers)
+    assert params["embed"]["embedding"].value.shape == (64, config.d_model)
+    # the row is set against the run's bandwidth like the others and carries the batch-8 target
+    line = dict(row, batch=8, roofline_frac=0.61, bandwidth_gb_s=24.0, dtype="bfloat16",
+                kernel_layout="out_in")
+    table = run.summarise({"decode": {"rows": [line]}}, {}, 24.0)
+    assert table[0]["workload"] == "decode gpt2_small bfloat16 out_in tensor=4 b8 (4 new)"
+    assert table[0]["target"] == 0.6 and table[0]["target_met"] is True

@@ -97,6 +97,13 @@ def test_gpt2_logits_match_transformers(name):
         config.d_model, config.num_heads, config.qk_dim)
     ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    # With the table padded for an even tensor split: zero rows added, the same logits, as wide.
+    config, params = load_hf_checkpoint(directory, pad_vocab_multiple=64)
+    assert params["embed"]["embedding"].shape[0] == config.padded_vocab_size == 320
+    np.testing.assert_array_equal(params["embed"]["embedding"][config.vocab_size:], 0)
+    ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
+    assert ours.shape[-1] == config.vocab_size
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(MARIAN_CONFIGS))
@@ -116,10 +123,14 @@ def test_marian_logits_match_transformers(name):
             decoder_input_ids=torch.tensor(tgt),
             decoder_attention_mask=torch.tensor(tgt_mask),
         ).logits.numpy()
-    forward = jax.jit(build_model(config).apply)
-    ours = np.asarray(forward({"params": params}, jnp.asarray(src, jnp.int32), jnp.asarray(tgt, jnp.int32)))
     real = tgt_mask.astype(bool)
-    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    for pad_multiple in (1, 16):  # the padded table and logits bias give the same logits
+        config, params = load_hf_checkpoint(directory, pad_vocab_multiple=pad_multiple)
+        assert params["decoder"]["final_logits_bias"].shape == (config.padded_vocab_size,)
+        forward = jax.jit(build_model(config).apply)
+        ours = np.asarray(forward({"params": params}, jnp.asarray(src, jnp.int32),
+                                  jnp.asarray(tgt, jnp.int32)))
+        np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
 
 
 # ----------------------------------------------------------------------------- greedy generation

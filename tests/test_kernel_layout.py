@@ -148,7 +148,8 @@ def test_convert_params_names_what_does_not_match():
     converted = convert_params(params, config, target)
     with pytest.raises(ValueError, match=r"params\['decoder'\]\['layer_0'\]\['feed_forward'\]\['wi'\]"
                                          r"\['kernel'\] has shape \(64, 32\), but the source "
-                                         r"config \(kernel_layout='in_out'\) has \(32, 64\)"):
+                                         r"config \(kernel_layout='in_out', 64 vocabulary rows\) "
+                                         r"has \(32, 64\)"):
         convert_params(converted, config, target)  # already converted
     with pytest.raises(ValueError, match=r"also differ in \['d_ff', 'norm'\]"):
         convert_params(params, config, target.replace(norm="pre", d_ff=32))

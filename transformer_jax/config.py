@@ -37,6 +37,10 @@ class ModelConfig:
     """
 
     vocab_size: int = 37000
+    # Rows of the embedding table (and of an untied output projection) rounded up to a multiple of
+    # this, so that a tensor mesh axis divides them (128: GPT-2's 50257 -> 50304). The extra rows
+    # are never looked up and their logits are dropped: the model computes the same function.
+    pad_vocab_multiple: int = 1
     d_model: int = 512
     num_heads: int = 8
     head_dim: int | None = None  # d_k = d_v; default d_model // num_heads
@@ -85,7 +89,7 @@ class ModelConfig:
         def fail(field, message):
             raise ConfigError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
 
-        positive = ("vocab_size", "d_model", "num_heads", "d_ff", "max_len")
+        positive = ("vocab_size", "pad_vocab_multiple", "d_model", "num_heads", "d_ff", "max_len")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -137,6 +141,11 @@ class ModelConfig:
             fail("pad_id", f"must be None or a token id in [0, vocab_size={self.vocab_size})")
 
     # ----------------------------------------------------------------- derived sizes
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding table: `vocab_size` rounded up to a multiple of `pad_vocab_multiple`."""
+        return -(-self.vocab_size // self.pad_vocab_multiple) * self.pad_vocab_multiple
+
     @property
     def qk_dim(self) -> int:
         """d_k = d_v: the size of each head."""

@@ -51,7 +51,7 @@ def _logical_names(boxed) -> dict:
 
 # Fields `convert_params` converts, and fields that do not touch the parameters at all; every
 # other field fixes what the parameters mean.
-CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype")
+CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype", "pad_vocab_multiple")
 PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "attention_impl", "remat")
 
 
@@ -66,8 +66,8 @@ def _check_matches(params, expected, config: ModelConfig) -> None:
     for key, x in have.items():
         if tuple(x.shape) != tuple(want[key].shape):
             raise ValueError(f"convert_params: params{key} has shape {tuple(x.shape)}, but the "
-                             f"source config (kernel_layout={config.kernel_layout!r}) has "
-                             f"{tuple(want[key].shape)}")
+                             f"source config (kernel_layout={config.kernel_layout!r}, "
+                             f"{config.padded_vocab_size} vocabulary rows) has {tuple(want[key].shape)}")
 
 
 def _relayout(params, source_names: dict, target_names: dict):
@@ -85,11 +85,30 @@ def _relayout(params, source_names: dict, target_names: dict):
     return jax.tree_util.tree_map_with_path(move, params)
 
 
+def _resize_vocab(params, names: dict, rows: int, rows_before: int):
+    """Every array with a 'vocab' axis padded with zero rows, or cut, to `rows` along it. Only
+    padding rows are cut: they are never looked up and their logits are dropped."""
+
+    def resize(path, x):
+        axes = names.get(jax.tree_util.keystr(path), ())
+        if "vocab" not in axes:
+            return x
+        axis = axes.index("vocab")
+        if rows < rows_before:
+            return jax.lax.slice_in_dim(x, 0, rows, axis=axis)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, rows - rows_before)
+        return jnp.pad(x, widths)
+
+    return jax.tree_util.tree_map_with_path(resize, params)
+
+
 def convert_params(params, config: ModelConfig, target: ModelConfig):
     """`params` of a model built from `config`, as the parameters of `target`, which may differ
     from it in `CONVERTIBLE_FIELDS` (and `PARAMETER_FREE_FIELDS`) only: the same function with
     kernels stored in another `kernel_layout` (each kernel's axes permuted so that its logical
-    axis names follow), or cast to another `param_dtype`. For decoding on CPU, e.g.::
+    axis names follow), cast to another `param_dtype`, or with the vocabulary padded to another
+    `pad_vocab_multiple` (zero rows added or padding rows removed). For decoding on CPU, e.g.::
 
         serving = config.replace(kernel_layout="out_in", dtype="bfloat16", param_dtype="bfloat16")
         serving_params = tj.params.convert_params(params, config, serving)
@@ -110,5 +129,8 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
     if target.kernel_layout != config.kernel_layout:
         target_boxed = _boxed_param_shapes(config.replace(kernel_layout=target.kernel_layout))
         params = _relayout(params, _logical_names(boxed), _logical_names(target_boxed))
+    if target.padded_vocab_size != config.padded_vocab_size:
+        names = _logical_names(_boxed_param_shapes(config.replace(kernel_layout=target.kernel_layout)))
+        params = _resize_vocab(params, names, target.padded_vocab_size, config.padded_vocab_size)
     dtype = target.weights_dtype
     return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), params)

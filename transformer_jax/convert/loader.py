@@ -62,7 +62,8 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
     converter = _converter(hf_config, directory)
     config = load_hf_config(directory, **overrides)
     tensors = read_weights(directory)
-    # The converters write Flax's [in, out] kernels; another kernel_layout is a permutation after.
-    base = config.replace(kernel_layout="in_out")
+    # The converters write Flax's [in, out] kernels and the checkpoint's own vocabulary; another
+    # kernel_layout is a permutation after, and a padded vocabulary gets zero rows.
+    base = config.replace(kernel_layout="in_out", pad_vocab_multiple=1)
     params = converter.params_from_hf(tensors, base)
     return config, (params if base == config else convert_params(params, base, config))

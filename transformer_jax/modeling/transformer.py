@@ -25,7 +25,7 @@ _REMAT_POLICIES = {
 
 def make_embed(config: ModelConfig, name: str) -> Embed:
     scale = config.d_model**0.5 if config.scale_embeddings else 1.0
-    return Embed(config.vocab_size, config.d_model, scale=scale, dtype=config.compute_dtype,
+    return Embed(config.padded_vocab_size, config.d_model, scale=scale, dtype=config.compute_dtype,
                  param_dtype=config.weights_dtype, name=name)
 
 
@@ -187,7 +187,7 @@ class Decoder(_Stack):
         self.blocks = make_blocks(cfg, cfg.num_decoder_layers, self.cross_attention, "layer")
         if not cfg.tie_output:
             self.output = projection(
-                cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=cfg.compute_dtype,
+                cfg.padded_vocab_size, ("embed", "vocab"), use_bias=False, dtype=cfg.compute_dtype,
                 param_dtype=cfg.weights_dtype, kernel_layout=cfg.kernel_layout,
                 kernel_init=nn.initializers.normal(cfg.d_model**-0.5),
                 out_dtype=jnp.float32,  # logits accumulate and stay in float32 (bf16 inputs)
@@ -197,17 +197,18 @@ class Decoder(_Stack):
             self.final_logits_bias = self.param(
                 "final_logits_bias",
                 nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
-                (cfg.vocab_size,), cfg.weights_dtype,
+                (cfg.padded_vocab_size,), cfg.weights_dtype,
             )
 
     def logits(self, x):
-        """[B, L, D] -> float32 logits [B, L, V]."""
+        """[B, L, D] -> float32 logits [B, L, V] (a padded table's extra rows dropped)."""
         cfg = self.config
         logits = self.embed.attend(x) if cfg.tie_output else self.output(x)
         logits = logits.astype(jnp.float32)
         if cfg.logits_bias:
             logits = logits + self.final_logits_bias.astype(jnp.float32)
-        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+        logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+        return logits[..., : cfg.vocab_size] if cfg.padded_vocab_size != cfg.vocab_size else logits
 
     def cross_kv(self, memory):
         """Every layer's cross-attention K/V of `memory`, heads first: a tuple of {'k','v'}
