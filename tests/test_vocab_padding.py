@@ -107,6 +107,7 @@ def test_a_padded_vocabulary_splits_over_the_tensor_axis_and_decodes_the_same(ca
     with caplog.at_level(logging.WARNING):
         assert embedding(config).spec[0] is None  # 61 rows: replicated, with a warning
         assert "not divisible" in caplog.text
+        assert "Set ModelConfig.pad_vocab_multiple to a multiple of 4 to split it" in caplog.text
         caplog.clear()
         assert embedding(padded).spec[0] == "tensor"  # 64 rows: a quarter per tensor shard
         assert "not divisible" not in caplog.text

@@ -66,23 +66,28 @@ def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str):
+def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str,
+                  names: Sequence[str | None] = ()):
     """Replicates any dimension whose size the assigned mesh axes do not divide (with a warning).
 
     jit refuses uneven shardings, and e.g. a 37,000-token vocabulary is not divisible by a tensor
-    axis of 16; replicating that one dimension is the useful fallback.
+    axis of 16; replicating that one dimension is the useful fallback (for the vocabulary,
+    `ModelConfig.pad_vocab_multiple` avoids it, and the warning says so).
     """
     fitted = []
-    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = tuple(names) + (None,) * (len(shape) - len(names))
+    for dim, axes, name in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), names):
         size = _axis_size(mesh, axes)
         if size > 1 and dim % size:
             logging.warning(
                 "%s: dimension of size %d is not divisible by mesh axes %s (size %d); "
-                "replicating it instead.",
+                "replicating it instead.%s",
                 where,
                 dim,
                 axes,
                 size,
+                f" Set ModelConfig.pad_vocab_multiple to a multiple of {size} to split it."
+                if name == "vocab" else "",
             )
             axes = None
         fitted.append(axes)
@@ -95,7 +100,8 @@ def _leaf_sharding(path, leaf, mesh: Mesh, rules: LogicalRules) -> NamedSharding
         shape = getattr(leaf.value, "shape", ())
     else:
         spec, shape = PartitionSpec(), getattr(leaf, "shape", ())
-    spec = _fit_to_shape(spec, shape, mesh, jax.tree_util.keystr(path))
+    names = tuple(leaf.names) if isinstance(leaf, nn.Partitioned) else ()
+    spec = _fit_to_shape(spec, shape, mesh, jax.tree_util.keystr(path), names)
     return NamedSharding(mesh, spec)
 
 
