@@ -110,7 +110,10 @@ def decode_rows(quick):
             row["stream_frac"] = round(row["bytes_per_step"] / stream / (row["decode_step_ms"] / 1e3), 3)
             rows.append(dict(row, dtype=dtype, kernel_layout=layout, load=hardware.load()))
             print(json.dumps(rows[-1]), flush=True)
-    row = tensor_parallel_decode_row(quick)
+    try:
+        row = tensor_parallel_decode_row(quick)
+    except Exception as e:  # reported in the JSON; the rows measured above are kept
+        row = dict(TENSOR_PARALLEL_DECODE, error=f"{type(e).__name__}: {e}")
     if row is not None:
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -153,7 +156,7 @@ def against_run_limits(results, peaks: dict, bandwidth_gb_s: float) -> tuple[dic
     readings next to each row are kept as `mfu_adjacent` / `roofline_frac_adjacent`. Returns the
     run's (peaks in TFLOP/s per dtype, bandwidth in GB/s)."""
     train = results.get("train", {}).get("rows", [])
-    decode = results.get("decode", {}).get("rows", [])
+    decode = [r for r in results.get("decode", {}).get("rows", []) if "error" not in r]
     peaks = {dtype: max([peak] + [r["peak_tflops"] for r in train if r["dtype"] == dtype])
              for dtype, peak in peaks.items()}
     for r in train:
@@ -196,6 +199,10 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
                 f"matmul peak ratio {peaks['bfloat16'] / peaks['float32']:.2f}x",
                 speedup, TARGETS["bf16_speedup"], "≥ speed-up")
     for r in results.get("decode", {}).get("rows", []):
+        if "error" in r:
+            add(f"decode gpt2_small tensor={r['tensor']} b{r['batch']}", f"failed: {r['error']}", "",
+                None, None)
+            continue
         streaming = (f"; b{r['batch']} matmuls stream {r['weight_stream_gb_s']:.1f} GB/s, "
                      f"step at {r['stream_frac']:.2f} of that" if "stream_frac" in r else "")
         variant = f"{r.get('dtype', 'float32')} {r.get('kernel_layout', 'in_out')}"

@@ -27,7 +27,12 @@ from test_convert_fixtures import (  # noqa: E402
     marian_checkpoint,
 )
 
-from transformer_jax.convert import ConversionError, load_hf_checkpoint, load_hf_tokenizer  # noqa: E402
+from transformer_jax.convert import (  # noqa: E402
+    ConversionError,
+    load_hf_checkpoint,
+    load_hf_config,
+    load_hf_tokenizer,
+)
 from transformer_jax.convert.hf_files import read_safetensors  # noqa: E402
 from transformer_jax.decoding import generate, model_steps, pad_prompts  # noqa: E402
 from transformer_jax.modeling import init_cache  # noqa: E402
@@ -109,7 +114,7 @@ def test_gpt2_logits_match_transformers(name):
 @pytest.mark.parametrize("name", sorted(MARIAN_CONFIGS))
 def test_marian_logits_match_transformers(name):
     directory = marian_checkpoint(name)
-    config, params = load_hf_checkpoint(directory)
+    config = load_hf_config(directory)
     rng = np.random.default_rng(1)
     pad, v = config.pad_id, config.vocab_size
     src, src_mask = _ragged(rng, [9, 4, 6], 9, 1, v - 1, pad)

@@ -130,3 +130,21 @@ def test_a_padded_vocabulary_splits_over_the_tensor_axis_and_decodes_the_same(ca
         got = decode(padded, sharded, jax.device_put(prompts, parallel.batch_sharding(mesh)), lengths)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+    # Training through the vocabulary-sharded table and logits: the unpadded model's loss and
+    # gradients, none on the extra rows.
+    tokens = jax.random.randint(jax.random.key(4), (4, 9), 0, config.vocab_size)
+
+    def loss(params, config):
+        logits = build_model(config).apply({"params": params}, tokens[:, :-1])
+        total, count, _ = cross_entropy(logits, tokens[:, 1:], label_smoothing=0.1)
+        return total / count
+
+    want_loss, want_grads = jax.value_and_grad(loss)(params, config)
+    with parallel.sharding_context(mesh):
+        got_loss, got_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(sharded, padded)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    table_grad = got_grads["embed"]["embedding"]
+    assert table_grad.sharding.shard_shape(table_grad.shape)[0] == 16
+    np.testing.assert_array_equal(table_grad[61:], 0)
+    np.testing.assert_allclose(table_grad[:61], want_grads["embed"]["embedding"], rtol=1e-4, atol=1e-6)

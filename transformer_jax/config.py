@@ -37,10 +37,6 @@ class ModelConfig:
     """
 
     vocab_size: int = 37000
-    # Rows of the embedding table (and of an untied output projection) rounded up to a multiple of
-    # this, so that a tensor mesh axis divides them (128: GPT-2's 50257 -> 50304). The extra rows
-    # are never looked up and their logits are dropped: the model computes the same function.
-    pad_vocab_multiple: int = 1
     d_model: int = 512
     num_heads: int = 8
     head_dim: int | None = None  # d_k = d_v; default d_model // num_heads
@@ -72,6 +68,10 @@ class ModelConfig:
     # Projection kernels stored inputs first ([D, F], Flax's order) or outputs first ([F, D],
     # PyTorch's); 'out_in' decodes faster on CPU. tj.params.convert_params converts.
     kernel_layout: str = "in_out"
+    # Rows of the embedding table (and of an untied output projection) rounded up to a multiple of
+    # this, so that a tensor mesh axis divides them (128: GPT-2's 50257 -> 50304). The extra rows
+    # are never looked up and their logits are dropped: the model computes the same function.
+    pad_vocab_multiple: int = 1
     pad_id: int | None = 0
     eos_id: int = 1
     bos_id: int = 2

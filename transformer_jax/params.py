@@ -36,7 +36,8 @@ def param_shapes(config: ModelConfig):
 
 
 def count_params(config: ModelConfig) -> int:
-    """Number of trainable parameters (shared embeddings counted once). Allocates nothing."""
+    """Number of parameters (shared embeddings counted once; the extra rows of a padded vocabulary,
+    `pad_vocab_multiple`, included). Allocates nothing."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes(config)))
 
 
