@@ -139,8 +139,9 @@ def gpt2_tensor_parallel_config(dtype, layout):
 def tensor_parallel_row(config, batch, steps, tensor, repeats=2):
     """`lm_row` with the model split over a tensor mesh of the first `tensor` devices (heads, d_ff
     and the vocabulary; the cache follows the heads). On a CPU, run it with one host device per
-    core (``--xla_force_host_platform_device_count``). Its `roofline_frac` is against 1 byte/s:
-    divide it by the machine's bandwidth, measured outside this process's split of the cores."""
+    core (``--xla_force_host_platform_device_count``). The row has no `roofline_frac`: the caller
+    sets `bytes_per_step` against the machine's bandwidth, measured outside this process's split of
+    the cores."""
     import flax.linen as nn
 
     from transformer_jax import parallel
@@ -158,6 +159,7 @@ def tensor_parallel_row(config, batch, steps, tensor, repeats=2):
         params = jax.device_put(random_params(model, dummy, dtype=config.param_dtype),
                                 parallel.logical_to_sharding(boxed, mesh)["params"])
         row = lm_row(config, model, nn.unbox(params), prompt, lengths, steps, 1.0, repeats)
+    del row["roofline_frac"]  # against 1 byte/s here
     return dict(row, tensor_parallel=tensor, padded_vocab=config.padded_vocab_size)
 
 
