@@ -54,3 +54,22 @@ def test_paper_sizes(name, millions):
     opt = config.optimizer
     assert (opt.b1, opt.b2, opt.eps, opt.warmup_steps, opt.label_smoothing) == (0.9, 0.98, 1e-9, 4000, 0.1)
     assert opt.schedule == "rsqrt_paper"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p))
+def test_every_model_field_can_be_set_from_the_command_line(path):
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["train.py", f"--config={path}", "--config.model.kernel_layout=out_in",
+            "--config.model.pad_vocab_multiple=64", "--config.model.scan_layers=True"]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+    values(argv)
+    config = values.config
+    check_config(config)
+    model = ModelConfig.from_dict(config.model.to_dict())
+    assert (model.kernel_layout, model.pad_vocab_multiple, model.scan_layers) == ("out_in", 64, True)
+    # The fields the config leaves out get ModelConfig's defaults, as before.
+    unset = ModelConfig.from_dict(load(path).get_config().model.to_dict())
+    assert model == unset.replace(kernel_layout="out_in", pad_vocab_multiple=64, scan_layers=True)

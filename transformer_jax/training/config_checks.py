@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
 from transformer_jax.config import ConfigError, ModelConfig
@@ -47,9 +49,18 @@ def training_defaults() -> ml_collections.ConfigDict:
 
 
 def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """``config`` with every missing loop setting filled from :func:`training_defaults`."""
+    """``config`` with every missing loop setting filled from :func:`training_defaults`, and every
+    `ModelConfig` field that ``config.model`` leaves out and that has a value by default filled with
+    that default (what `ModelConfig.from_dict` would use anyway), so that a command line can override
+    it: ``--config.model.kernel_layout=out_in`` works with any config. (Fields whose default is None,
+    such as ``head_dim``, stay out: a None field cannot be overridden from the command line.)"""
     out = training_defaults()
     out.update(config)
+    if isinstance(out.get("model"), ml_collections.ConfigDict):
+        with out.model.unlocked():
+            for field in dataclasses.fields(ModelConfig):
+                if field.name not in out.model and field.default is not None:
+                    out.model[field.name] = field.default
     return out
 
 
