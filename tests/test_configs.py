@@ -56,20 +56,53 @@ def test_paper_sizes(name, millions):
     assert opt.schedule == "rsqrt_paper"
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p))
-def test_every_model_field_can_be_set_from_the_command_line(path):
+def _parse(argv):
     from absl import flags
     from ml_collections import config_flags
 
-    argv = ["train.py", f"--config={path}", "--config.model.kernel_layout=out_in",
-            "--config.model.pad_vocab_multiple=64", "--config.model.scan_layers=True"]
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
     values(argv)
-    config = values.config
+    return values.config
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p))
+def test_every_model_field_can_be_set_from_the_command_line(path):
+    # kernel_layout, pad_vocab_multiple, scan_layers: fields most configs leave out; head_dim,
+    # num_kv_heads, final_norm: fields whose default is None, which ml_collections can override only
+    # through a typed placeholder.
+    argv = ["train.py", f"--config={path}", "--config.model.kernel_layout=out_in",
+            "--config.model.pad_vocab_multiple=64", "--config.model.scan_layers=True",
+            "--config.model.head_dim=16", "--config.model.num_kv_heads=1", "--config.model.final_norm=False"]
+    config = _parse(argv)
     check_config(config)
     model = ModelConfig.from_dict(config.model.to_dict())
-    assert (model.kernel_layout, model.pad_vocab_multiple, model.scan_layers) == ("out_in", 64, True)
+    changed = dict(kernel_layout="out_in", pad_vocab_multiple=64, scan_layers=True, head_dim=16,
+                   num_kv_heads=1, final_norm=False)
+    assert {k: getattr(model, k) for k in changed} == changed
     # The fields the config leaves out get ModelConfig's defaults, as before.
     unset = ModelConfig.from_dict(load(path).get_config().model.to_dict())
-    assert model == unset.replace(kernel_layout="out_in", pad_vocab_multiple=64, scan_layers=True)
+    assert unset.head_dim is None and unset.num_kv_heads is None
+    assert model == unset.replace(**changed)
+
+
+def test_a_field_a_config_sets_to_none_can_be_set_from_the_command_line(tmp_path):
+    path = tmp_path / "no_pad.py"
+    path.write_text(
+        "from configs.tiny import get_config as tiny\n"
+        "from transformer_jax.training import with_defaults\n"
+        "def get_config():\n"
+        "    c = tiny()\n"
+        "    c.model.pad_id = None\n"
+        "    return with_defaults(c)\n"
+    )
+    import sys
+    sys.path.insert(0, REPO)
+    try:
+        assert ModelConfig.from_dict(_parse(["train.py", f"--config={path}"]).model.to_dict()).pad_id is None
+        config = _parse(["train.py", f"--config={path}", "--config.model.pad_id=0"])
+    finally:
+        sys.path.remove(REPO)
+    assert ModelConfig.from_dict(config.model.to_dict()).pad_id == 0
+    with pytest.raises(Exception, match="pad_id"):
+        _parse(["train.py", f"--config={path}", "--config.model.pad_id=zero"])

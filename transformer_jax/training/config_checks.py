@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 
 import ml_collections
+from ml_collections import config_dict
 
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DATASET_NAMES
@@ -48,19 +52,39 @@ def training_defaults() -> ml_collections.ConfigDict:
     return c
 
 
+@functools.cache
+def _optional_model_fields() -> dict[str, type]:
+    """The `ModelConfig` fields that may be None, each with the type of its other values."""
+    out = {}
+    for name, hint in typing.get_type_hints(ModelConfig).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
+        if type(None) in args:
+            (base,) = [a for a in args if a is not type(None)]
+            out[name] = base
+    return out
+
+
 def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """``config`` with every missing loop setting filled from :func:`training_defaults`, and every
-    `ModelConfig` field that ``config.model`` leaves out and that has a value by default filled with
-    that default (what `ModelConfig.from_dict` would use anyway), so that a command line can override
-    it: ``--config.model.kernel_layout=out_in`` works with any config. (Fields whose default is None,
-    such as ``head_dim``, stay out: a None field cannot be overridden from the command line.)"""
+    `ModelConfig` field that ``config.model`` leaves out filled with its default (what
+    `ModelConfig.from_dict` would use anyway), so that a command line can override it:
+    ``--config.model.kernel_layout=out_in`` works with any config. A field that is None (``head_dim``,
+    ``num_kv_heads``, ``final_norm`` by default) becomes a typed ml_collections placeholder, still None
+    but settable from the command line: ``--config.model.head_dim=32``."""
     out = training_defaults()
     out.update(config)
     if isinstance(out.get("model"), ml_collections.ConfigDict):
+        optional = _optional_model_fields()
         with out.model.unlocked():
             for field in dataclasses.fields(ModelConfig):
-                if field.name not in out.model and field.default is not None:
-                    out.model[field.name] = field.default
+                name = field.name
+                if name not in out.model:
+                    value = field.default
+                elif name in optional and out.model[name] is None:
+                    value = None
+                else:
+                    continue
+                out.model[name] = config_dict.placeholder(optional[name]) if value is None else value
     return out
 
 
