@@ -25,6 +25,8 @@ MASKS = {
     "key_padding": AttentionMask(L, S, kv_valid=jnp.arange(S)[None] < jnp.array([[7], [19]])),
     "segments_with_padding_rows": AttentionMask(L, S, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV),
     "key_lengths_one_row_empty": AttentionMask(L, S, kv_lengths=jnp.array([0, 10])),
+    "causal_key_lengths_and_limit": AttentionMask(L, S, causal=True, kv_lengths=jnp.array([3, 17]),
+                                                  kv_limit=12),
     "dense_per_head": AttentionMask(
         L, S, dense=jax.random.bernoulli(jax.random.key(9), 0.3, (B, H, L, S))),
 }
@@ -60,6 +62,52 @@ def test_chunked_equals_reference_forward_and_gradients(name):
     np.testing.assert_allclose(got, want, atol=2e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", MASKS)
+def test_xla_backend_equals_reference_forward_and_gradients(name):
+    """jax.nn.dot_product_attention gets causal masks and key lengths as arguments, the rest dense."""
+    spec = MASKS[name]
+    q, k, v = qkv()
+
+    def run(impl):
+        fn = lambda q, k, v: dot_product_attention(q, k, v, spec, impl=impl)[0]
+        return jax.jit(lambda q, k, v: (fn(q, k, v), jax.grad(loss(fn), (0, 1, 2))(q, k, v)))(q, k, v)
+
+    (got, got_grads), (want, want_grads) = run("xla"), run("reference")
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("causal", dict(is_causal=True)),
+    ("key_lengths_one_row_empty", dict(is_causal=False, key_value_seq_lengths=[0, 10])),
+    ("causal_key_lengths_and_limit", dict(is_causal=True, key_value_seq_lengths=[3, 12])),
+    ("causal_cache_offset", dict(mask=(B, 1, L, S))),
+    ("key_padding", dict(mask=(B, 1, 1, S))),
+])
+def test_cudnn_gets_causal_and_key_lengths_as_arguments_not_a_dense_mask(monkeypatch, name, expected):
+    """What the cuDNN path hands jax.nn.dot_product_attention (recorded, then run by XLA on CPU): a
+    causal mask from position 0 and key lengths go as is_causal / key_value_seq_lengths, so that
+    cuDNN's causal and padding kernels run and no [L, S] mask is built; other masks go dense."""
+    calls = []
+    real = jax.nn.dot_product_attention
+
+    def record(*args, implementation=None, **kwargs):
+        calls.append((implementation, kwargs))
+        return real(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", record)
+    q, k, v = qkv()
+    got = dot_product_attention(q, k, v, MASKS[name], impl="cudnn")[0]
+    ((implementation, kwargs),) = calls
+    assert implementation == "cudnn"
+    seen = {key: (value.shape if key == "mask" else value.tolist() if key.endswith("lengths") else value)
+            for key, value in kwargs.items()}
+    assert seen == expected
+    want = dot_product_attention(q, k, v, MASKS[name], impl="reference")[0]
+    np.testing.assert_allclose(got, want, atol=2e-6)
 
 
 def test_fully_masked_rows_are_zero():

@@ -50,12 +50,37 @@ def _reference_attention(q, k, v, mask, *, dropout_rate, dropout_rng, determinis
     return out, probs
 
 
+def _fused_mask_args(mask, batch: int):
+    """(keyword arguments for jax.nn.dot_product_attention, bool [B, 1, L|1, 1] or None: the queries
+    that see at least one key).
+
+    A mask that is only causal from position 0 (training, and decoder self-attention without a
+    cache) and/or key lengths goes as ``is_causal`` / ``key_value_seq_lengths``: cuDNN then picks its
+    causal and padding kernels, which skip masked blocks, and nothing of size [L, S] is built. Any
+    other mask is materialised and passed dense.
+    """
+    if (isinstance(mask, masks.AttentionMask) and mask.dense is None and mask.kv_valid is None
+            and mask.q_segment_ids is None and mask.causal_offset is None):
+        lengths = mask.kv_lengths
+        if mask.kv_limit is not None:
+            limit = jnp.full((batch,), mask.kv_limit, jnp.int32)
+            lengths = limit if lengths is None else jnp.minimum(lengths, limit)
+        if lengths is None:  # every query sees key 0 at least
+            return dict(is_causal=mask.causal), None
+        lengths = jnp.broadcast_to(lengths.astype(jnp.int32), (batch,))
+        return dict(is_causal=mask.causal, key_value_seq_lengths=lengths), (lengths > 0)[:, None, None, None]
+    mask = _materialize(mask)
+    if mask is None:
+        return {}, None
+    return dict(mask=mask), jnp.swapaxes(jnp.any(mask, axis=-1), 1, 2)[..., None]
+
+
 def _fused_attention(q, k, v, mask, implementation):
     """jax.nn.dot_product_attention ('xla' everywhere, 'cudnn' on NVIDIA GPUs)."""
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
-    if mask is not None:  # the fused kernels average V over a fully masked row; we want zeros
-        any_visible = jnp.any(mask, axis=-1)  # [B, 1|H, L]
-        out = out * jnp.swapaxes(any_visible, 1, 2)[..., None].astype(out.dtype)
+    kwargs, visible = _fused_mask_args(mask, q.shape[0])
+    out = jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+    if visible is not None:  # the fused kernels average V over a fully masked row; we want zeros
+        out = jnp.where(visible, out, jnp.zeros((), out.dtype))
     return out
 
 
@@ -128,7 +153,7 @@ def _pallas_tpu_flash(q, k, v, mask):
 def _flash_attention(q, k, v, mask):
     backend = jax.default_backend()
     if backend == "gpu":
-        return _fused_attention(q, k, v, _materialize(mask), "cudnn")
+        return _fused_attention(q, k, v, mask, "cudnn")
     if backend == "tpu":
         if not _pallas_tpu_supports(mask, q.shape[1], k.shape[1]):
             raise NotImplementedError(
@@ -178,15 +203,14 @@ def dot_product_attention(
         return chunked_attention(q, k, v, mask), None
     if impl == "flash":
         return _flash_attention(q, k, v, mask), None
-    mask = _materialize(mask)
+    if impl in ("xla", "cudnn"):
+        return _fused_attention(q, k, v, mask, impl), None
     if impl == "reference":
         out, probs = _reference_attention(
-            q, k, v, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            q, k, v, _materialize(mask), dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             deterministic=deterministic,
         )
         return out, (probs if return_weights else None)
-    if impl in ("xla", "cudnn"):
-        return _fused_attention(q, k, v, mask, impl), None
     raise NotImplementedError(f"attention_impl={impl!r} is not available in this build")
 
 

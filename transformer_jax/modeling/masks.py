@@ -142,7 +142,8 @@ class AttentionMask:
 
         return self.replace(
             q_length=self.q_length + pad_q, kv_length=self.kv_length + pad_kv,
-            kv_limit=self.kv_length if pad_kv else self.kv_limit,
+            kv_limit=(self.kv_limit if not pad_kv else self.kv_length if self.kv_limit is None
+                      else min(self.kv_limit, self.kv_length)),
             q_segment_ids=pad(self.q_segment_ids, 1, pad_q, 0),
             kv_segment_ids=pad(self.kv_segment_ids, 1, pad_kv, 0),
             kv_valid=pad(self.kv_valid, 1, pad_kv, False),
