@@ -32,23 +32,22 @@ _PROFILE_STEPS = flags.DEFINE_integer("profile_num_steps", None, "Steps to trace
 
 
 def _default_workdir() -> str:
-    for arg in sys.argv[1:]:
-        if arg.startswith("--config=") or arg.startswith("--config "):
-            name = os.path.splitext(os.path.basename(arg.split("=", 1)[1].split(":")[0]))[0]
-            return os.path.join("runs", name)
-    return os.path.join("runs", "default")
+    """runs/<config file name>, from the parsed flag (so `--config=X.py` and `--config X.py` agree)."""
+    path = flags.FLAGS["config"].config_filename.split(":")[0]  # "file.py:param" takes a parameter
+    return os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    import jax
     from absl import logging
 
     from transformer_jax import parallel
 
     if not flags.FLAGS["verbosity"].present:  # library INFO logs (orbax writes many) only on request
         logging.set_verbosity(logging.WARNING)
-    from transformer_jax.training import train_and_evaluate
+    from transformer_jax.training import USER_ERRORS, train_and_evaluate
 
     parallel.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     config = flags.FLAGS.config
@@ -57,7 +56,13 @@ def main(argv):
     if _PROFILE_STEPS.value is not None:
         config.profile_num_steps = _PROFILE_STEPS.value
     workdir = _WORKDIR.value or _default_workdir()
-    final = train_and_evaluate(config, workdir)
+    try:
+        final = train_and_evaluate(config, workdir)
+    except USER_ERRORS as e:  # a problem with the config, the data or the workdir: no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if jax.process_count() > 1:
+            os._exit(2)  # the other processes may be inside a collective: no orderly shutdown
+        sys.exit(2)
     if parallel.is_primary():
         print(
             "final: "

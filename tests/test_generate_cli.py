@@ -116,7 +116,7 @@ def test_truncate_cuts_long_prompts(capsys):
         (["--prompt=a", "--max_new_tokens=0"], "--max_new_tokens=0: must be a positive integer"),
         (["--prompt=a", "--decoding=sample", "--top_p=1.5"], "--top_p=1.5: must be in (0, 1]"),
         (["--prompt=a", "--decoding=sample", "--temperature=-1"], "--temperature=-1.0: must be > 0"),
-        (["--prompt=a", "--top_k=5"], "--top_k only apply to --decoding=sample"),
+        (["--prompt=a", "--top_k=5"], "--top_k applies only to --decoding=sample"),
         (["--prompt=a", "--decoding=nucleus"], "--decoding='nucleus': must be one of"),
         ([], "give --prompt=TEXT or --input_file=FILE"),
         (["--prompt=a", "--max_new_tokens=64"], "leaves no room for a prompt"),
@@ -218,3 +218,17 @@ def test_workdir_generation_equals_the_library(tmp_path):
     args = (f"--workdir={tmp_path}", "--prompt=the tired engineer", "--max_new_tokens=10")
     assert run_cli(*args, "--kernel_layout=out_in") == lines
     assert len(run_cli(*args, "--kernel_layout=out_in", "--dtype=bfloat16")) == 1
+
+
+def test_real_process_prints_outputs_and_nothing_on_stderr(tmp_path):
+    """A successful run writes one line per prompt to stdout and nothing to stderr (the checkpoint
+    library's notices are hidden unless --verbosity is given)."""
+    _tiny_workdir(str(tmp_path))
+    command = [sys.executable, "-m", "transformer_jax.generate", f"--workdir={tmp_path}",
+               "--prompt=the tired engineer", "--max_new_tokens=4"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == 1 and proc.stderr == ""
+    proc = subprocess.run(command + ["--verbosity=0"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "orbax" in proc.stderr  # on request, the library's logs are back

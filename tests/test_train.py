@@ -158,6 +158,8 @@ def test_non_finite_stops_or_skips(data_dir, tmp_path):
         ("optimizer.name", "sgd", "config.optimizer.name"),
         ("num_train_steps", 0, "config.num_train_steps"),
         ("optimizer.grad_accum_steps", 3, "grad_accum_steps"),
+        ("dataset.name", "stdlib_lm", r"dataset.name='stdlib_lm' is a language-modelling dataset"),
+        ("model.num_encoder_layers", 0, r"dataset.name='enfr_builtin' is a translation dataset"),
     ],
 )
 def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, message):
@@ -169,6 +171,34 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+def test_a_url_workdir_is_refused_before_anything_is_written(data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"workdir 'gs://bucket/run': URLs are not supported"):
+        train_and_evaluate(tiny_config(data_dir), "gs://bucket/run")
+    assert os.listdir(tmp_path) == []  # no local folder named 'gs:'
+
+
+def _train_py_error(cwd, *flags):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), *flags], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+    return proc.returncode, proc.stderr.strip().splitlines()
+
+
+def test_train_py_reports_user_errors_in_one_line_and_names_runs_after_the_config(data_dir, tmp_path):
+    """Config, data and workdir problems end train.py with status 2 and one 'error: ...' line, no
+    traceback. `--config X.py` (a space, not '=') still names the default workdir runs/X."""
+    code, lines = _train_py_error(tmp_path, "--config", os.path.join(REPO, "configs", "tiny.py"),
+                                  f"--config.dataset.data_dir={data_dir}", "--config.dataset.name=tsv")
+    assert code == 2, lines
+    assert lines[-1] == "error: dataset 'tsv' needs dataset.train_files", lines
+    assert not any("Traceback" in line for line in lines), lines
+    assert os.path.isdir(tmp_path / "runs" / "tiny")  # the workdir was created before the data check
+    code, lines = _train_py_error(tmp_path, "--config=" + os.path.join(REPO, "configs", "tiny.py"),
+                                  "--config.optimizer.label_smoothing=1.0")
+    assert (code, lines[-1]) == (2, "error: config.optimizer.label_smoothing=1.0 must be in [0, 1)")
 
 
 def _free_port() -> int:

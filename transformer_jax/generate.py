@@ -21,12 +21,13 @@ sampling settings, a workdir without a checkpoint) ends with ``error: ...`` on s
 from __future__ import annotations
 
 import dataclasses
+import logging as pylogging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 _DECODINGS = ("greedy", "sample", "beam")
@@ -416,7 +417,8 @@ def _check_flag_combinations(flag_values: flags.FlagValues) -> None:
         given = [f"--{n}" for n in names if fv[n].present]
         if given and fv.decoding != decoding:
             raise GenerateError(
-                f"{', '.join(given)} only apply to --decoding={decoding} (got --decoding={fv.decoding})"
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to "
+                f"--decoding={decoding} (got --decoding={fv.decoding})"
             )
 
 
@@ -469,10 +471,18 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
     out.flush()
 
 
+def _hide_checkpoint_library_warnings(record) -> bool:
+    """Drops orbax's notices below ERROR ("Given directory is read only", ...) from the log."""
+    return record.levelno >= pylogging.ERROR or "orbax" not in record.pathname
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         print(f"error: unexpected arguments {list(argv[1:])} (flags are --name=value)", file=sys.stderr)
         sys.exit(2)
+    if not FLAGS["verbosity"].present:  # library logs only on request: stderr stays for our errors
+        logging.set_verbosity(logging.WARNING)
+        logging.get_absl_handler().addFilter(_hide_checkpoint_library_warnings)
     run()
 
 

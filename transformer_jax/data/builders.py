@@ -30,6 +30,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from transformer_jax.data import translation_corpus
+from transformer_jax.data.errors import DataError
 
 # name -> (feature keys, train split, eval split)
 STANDARD_TRANSLATION = {
@@ -213,7 +214,7 @@ def files_config(train_files: Sequence[str], eval_files: Sequence[str]) -> Files
     for tag, paths in (("train", train_files), ("eval", eval_files)):
         for p in paths:
             if not os.path.isfile(p):
-                raise ValueError(f"Data file not found: {p}")
+                raise DataError(f"Data file not found: {p}")
             st = os.stat(p)
             h.update(f"{tag}\0{p}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return FilesConfig(name="f" + h.hexdigest()[:16], train_files=train_files,
@@ -345,16 +346,16 @@ def builtin_builder(name: str, data_dir: str, config: str | None = None,
         return prepare(StdlibLm(config=config or _PY, **kwargs))
     if name in ("tsv", "text"):
         if not train_files:
-            raise ValueError(f"dataset {name!r} needs dataset.train_files")
+            raise DataError(f"dataset {name!r} needs dataset.train_files")
         config = files_config(train_files, eval_files)  # checks that the files exist
         for tag, files in (("train_files", train_files), ("eval_files", eval_files)):
             if files and next(read_lines(files, tsv=name == "tsv"), None) is None:
-                raise ValueError(f"dataset {name!r}: no usable lines in {tag} {list(files)} "
-                                 f"(empty, whitespace-only, invalid UTF-8 or, for TSV, not "
-                                 f"'source<TAB>target')")
+                raise DataError(f"dataset {name!r}: no usable lines in {tag} {list(files)} "
+                                f"(empty, whitespace-only, invalid UTF-8 or, for TSV, not "
+                                f"'source<TAB>target')")
         cls = TranslationFiles if name == "tsv" else TextFiles
         return prepare(cls(config=config, **kwargs))
-    raise ValueError(f"Unknown built-in dataset {name!r}")
+    raise DataError(f"Unknown built-in dataset {name!r}")
 
 
 def standard_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
@@ -362,7 +363,7 @@ def standard_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
     try:
         return tfds.core.read_only_builder.builder_from_files(name, data_dir=data_dir)
     except Exception as e:  # DatasetNotFoundError and friends
-        raise ValueError(
+        raise DataError(
             f"Dataset {name!r} is not prepared in data_dir={data_dir!r}. It cannot be "
             f"downloaded here; build it with TFDS where TensorFlow and the internet are "
             f"available: `tfds build {name} --file_format=array_record --data_dir={data_dir}`"
@@ -372,9 +373,9 @@ def standard_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
 def data_source(builder: tfds.core.DatasetBuilder, split: str):
     """Random-access source of one split; a clear error if it is missing or empty."""
     if split not in builder.info.splits:
-        raise ValueError(f"Dataset {builder.info.full_name} has no split {split!r}; it has "
-                         f"{sorted(builder.info.splits)}")
+        raise DataError(f"Dataset {builder.info.full_name} has no split {split!r}; it has "
+                        f"{sorted(builder.info.splits)}")
     source = builder.as_data_source(split=split)
     if len(source) == 0:
-        raise ValueError(f"Dataset {builder.info.full_name} split {split!r} is empty")
+        raise DataError(f"Dataset {builder.info.full_name} split {split!r} is empty")
     return source

@@ -22,6 +22,7 @@ import numpy as np
 from absl import logging
 
 from transformer_jax.data import builders, pipeline
+from transformer_jax.data.errors import DataError
 from transformer_jax.data.tokenizer import Tokenizer, get_or_train_tokenizer
 
 TRANSLATION_DATASETS = ("enfr_builtin", "tsv", *builders.STANDARD_TRANSLATION)
@@ -43,7 +44,7 @@ _DEFAULTS = {
 def default_dataset_config(name: str = "enfr_builtin") -> ml_collections.ConfigDict:
     """Every dataset field with its default for ``name``; configs/ start from this."""
     if name not in _DEFAULTS:
-        raise ValueError(f"Unknown dataset {name!r}; choose one of {list(_DEFAULTS)}")
+        raise DataError(f"Unknown dataset {name!r}; choose one of {list(_DEFAULTS)}")
     vocab, src_len, tgt_len, max_len, batch = _DEFAULTS[name]
     cfg = ml_collections.ConfigDict()
     cfg.name = name
@@ -92,8 +93,8 @@ def _direction(cfg, default: tuple[str, str], available) -> tuple[str, str]:
         src, tgt = tgt, src
     for lang in (src, tgt):
         if lang not in available:
-            raise ValueError(f"Dataset {cfg.name!r} has no language {lang!r}; it has "
-                             f"{sorted(available)}")
+            raise DataError(f"Dataset {cfg.name!r} has no language {lang!r}; it has "
+                            f"{sorted(available)}")
     return src, tgt
 
 
@@ -102,7 +103,7 @@ def _open(cfg):
     data_dir = os.path.expanduser(cfg.data_dir)
     name = cfg.name
     if name not in DATASET_NAMES:
-        raise ValueError(f"Unknown dataset {name!r}; choose one of {list(DATASET_NAMES)}")
+        raise DataError(f"Unknown dataset {name!r}; choose one of {list(DATASET_NAMES)}")
     if name in builders.STANDARD_TRANSLATION or name in builders.STANDARD_LM:
         builder = builders.standard_builder(name, data_dir)
         if name in builders.STANDARD_LM:
@@ -159,8 +160,8 @@ def build_datasets(cfg: ml_collections.ConfigDict, workdir: str, *,
     index, count = pipeline._shard_options(shard)
     shard = grain.sharding.ShardOptions(index, count)
     if cfg.batch_size % count or cfg.eval_batch_size % count:
-        raise ValueError(f"batch_size {cfg.batch_size} and eval_batch_size "
-                         f"{cfg.eval_batch_size} must divide by the {count} processes")
+        raise DataError(f"batch_size {cfg.batch_size} and eval_batch_size "
+                        f"{cfg.eval_batch_size} must divide by the {count} processes")
 
     corpus_key = f"{builder.info.full_name}:{train_split}:{len(train_source)}:" + \
         hashlib.sha1(",".join(sorted(set(fields))).encode()).hexdigest()[:8]

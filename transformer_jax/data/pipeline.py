@@ -30,6 +30,7 @@ import grain
 import numpy as np
 from absl import logging
 
+from transformer_jax.data.errors import DataError
 from transformer_jax.data.packing import FirstFitPackIterDataset, make_row
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
 
@@ -81,10 +82,10 @@ class Tokenize(grain.transforms.Map):
     def __init__(self, tokenizer: Tokenizer, features: Features, lengths: Mapping[str, int],
                  policy: str = "truncate", name: str = "train"):
         if policy not in ("truncate", "drop", "split"):
-            raise ValueError(f"length_policy must be 'truncate', 'drop' or 'split', got "
-                             f"{policy!r}")
+            raise DataError(f"length_policy must be 'truncate', 'drop' or 'split', got "
+                            f"{policy!r}")
         if policy == "split" and len(features.fields) != 1:
-            raise ValueError("length_policy='split' is for decoder-only data (one feature)")
+            raise DataError("length_policy='split' is for decoder-only data (one feature)")
         self._tokenizer = tokenizer
         self._features = features
         self._lengths = dict(lengths)
@@ -204,8 +205,8 @@ def make_train_iterator(
     index, count = _shard_options(shard)
     start, end = shard_bounds(len(source), index, count)
     if end <= start:
-        raise ValueError(f"process {index} of {count} has no training records "
-                         f"({len(source)} in all)")
+        raise DataError(f"process {index} of {count} has no training records "
+                        f"({len(source)} in all)")
     # Shuffle record indices (repeat reseeds the shuffle every epoch), then read and tokenise
     # them in chunks: per-record overheads (ArrayRecord reads, grain bookkeeping) dominate
     # otherwise.
@@ -245,7 +246,7 @@ def make_eval_batches(
     index, count = _shard_options(shard)
     n = len(source) if max_examples is None else min(len(source), max_examples)
     if n == 0:
-        raise ValueError("evaluation set is empty")
+        raise DataError("evaluation set is empty")
     start, end = shard_bounds(n, index, count)
     read = ReadAndTokenize(source, Tokenize(tokenizer, features, lengths, "truncate", "eval"))
     rows = [make_row([ex], lengths) for i in range(start, end, 256)

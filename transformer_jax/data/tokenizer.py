@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import sentencepiece as spm
 from absl import logging
 
+from transformer_jax.data.errors import DataError
+
 PAD_ID = 0
 EOS_ID = 1
 BOS_ID = 2
@@ -54,11 +56,11 @@ class TokenizerSettings:
 
     def __post_init__(self):
         if self.model_type not in ("bpe", "unigram"):
-            raise ValueError(f"tokenizer model_type must be 'bpe' or 'unigram', got "
-                             f"{self.model_type!r}")
+            raise DataError(f"tokenizer model_type must be 'bpe' or 'unigram', got "
+                            f"{self.model_type!r}")
         if self.vocab_size < 300:
-            raise ValueError(f"vocab_size must be >= 300 (256 byte pieces + specials), got "
-                             f"{self.vocab_size}")
+            raise DataError(f"vocab_size must be >= 300 (256 byte pieces + specials), got "
+                            f"{self.vocab_size}")
 
 
 class Tokenizer:
@@ -99,7 +101,7 @@ class Tokenizer:
         """Trains a tokenizer on ``texts`` (any iterable of strings; long ones are cut)."""
         sentences = list(_training_sentences(texts, settings))
         if not sentences:
-            raise ValueError("no text to train the tokenizer on")
+            raise DataError("no text to train the tokenizer on")
         # Every character seen gets its own piece (coverage 1.0) unless there are too many for
         # the vocabulary; then the rarest are left to byte fallback, which still spells them.
         for coverage in (1.0, 0.9999, 0.9995, 0.999, 0.995, 0.99, 0.98, 0.95):

@@ -7,10 +7,11 @@ from transformer_jax.training.checkpoint import (
     restore_for_inference,
 )
 from transformer_jax.training.config_checks import check_config, training_defaults, with_defaults
-from transformer_jax.training.loop import train_and_evaluate
+from transformer_jax.training.loop import USER_ERRORS, train_and_evaluate
 from transformer_jax.training.state import TrainState, create_train_state
 
 __all__ = [
+    "USER_ERRORS",
     "InferenceBundle",
     "TrainState",
     "average_checkpoints",

@@ -38,6 +38,12 @@ CONFIG_FILENAME = "config.json"
 CHECKPOINT_DIRNAME = "checkpoints"
 
 
+def _read_only_options() -> ocp.CheckpointManagerOptions:
+    """Options for reading checkpoints: nothing is created or saved (set explicitly, so that orbax
+    does not warn that it overrides them)."""
+    return ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+
+
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIRNAME)
 
@@ -266,7 +272,7 @@ def abstract_params(model_config: ModelConfig, mesh):
 
 def _restore_params(directory: str, step: int | None, abstract, model_config: ModelConfig | None = None):
     """-> (params, step): ``step``, or the newest step that verifies (see ``integrity.py``)."""
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    manager = ocp.CheckpointManager(directory, options=_read_only_options())
     try:
         steps = [step] if step is not None else sorted(manager.all_steps())[::-1]
         if not steps:
@@ -323,7 +329,7 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
     mesh = parallel.create_mesh(data=-1)
     abstract = abstract_params(model_config, mesh)
     manager = ocp.CheckpointManager(
-        checkpoint_dir(workdir), options=ocp.CheckpointManagerOptions(read_only=True)
+        checkpoint_dir(workdir), options=_read_only_options()
     )
     steps = sorted(manager.all_steps())[-last_k:]
     if not steps:

@@ -12,6 +12,7 @@ from ml_collections import config_dict
 
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DATASET_NAMES
+from transformer_jax.data.inputs import LM_DATASETS, TRANSLATION_DATASETS
 from transformer_jax.training.optimizer import OPTIMIZERS
 from transformer_jax.training.schedules import SCHEDULES
 
@@ -108,12 +109,23 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "transformer_jax.training.config_checks.with_defaults"
         )
     try:
-        ModelConfig.from_dict(config.model.to_dict())
+        model = ModelConfig.from_dict(config.model.to_dict())
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"config.model: {e}") from e
     ds, opt = config.dataset, config.optimizer
     if ds.name not in DATASET_NAMES:
         raise ConfigError(f"config.dataset.name={ds.name!r} is not one of {list(DATASET_NAMES)}")
+    if ds.name in TRANSLATION_DATASETS and model.num_encoder_layers == 0:
+        raise ConfigError(
+            f"config.dataset.name={ds.name!r} is a translation dataset (source -> target), but "
+            "config.model.num_encoder_layers=0 is a decoder-only model; give it encoder layers or "
+            f"use a language-modelling dataset: {list(LM_DATASETS)}")
+    if ds.name in LM_DATASETS and model.num_encoder_layers > 0:
+        raise ConfigError(
+            f"config.dataset.name={ds.name!r} is a language-modelling dataset (one text stream), but "
+            f"config.model.num_encoder_layers={model.num_encoder_layers} makes an encoder-decoder; "
+            "set it to 0 (e.g. start from configs/lm_stdlib.py) or use a translation dataset: "
+            f"{list(TRANSLATION_DATASETS)}")
     for key in ("batch_size", "eval_batch_size"):
         _positive_int(ds, key)
     if opt.name not in OPTIMIZERS:

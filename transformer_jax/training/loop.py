@@ -14,8 +14,8 @@ import ml_collections
 import numpy as np
 
 from transformer_jax import parallel
-from transformer_jax.config import ModelConfig
-from transformer_jax.data import build_datasets, to_global_batch
+from transformer_jax.config import ConfigError, ModelConfig
+from transformer_jax.data import DataError, build_datasets, to_global_batch
 from transformer_jax.params import build_model
 from transformer_jax.training import checkpoint as ckpt_lib
 from transformer_jax.training import evaluate, integrity, steps
@@ -99,6 +99,12 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
     return out
 
 
+# What `train_and_evaluate` raises for a problem in the config, the data or the workdir (each message
+# names the key, file or step); train.py prints these without a traceback and exits with status 2.
+USER_ERRORS = (ConfigError, DataError, integrity.CheckpointConfigMismatchError,
+               integrity.CheckpointCorruptError, integrity.CheckpointWriteError)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
     """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates.
 
@@ -109,6 +115,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     """
     # --- setup: checks before anything is compiled -----------------------------------------------
     check_config(config)
+    if not integrity.is_local(workdir):
+        raise ConfigError(
+            f"workdir {workdir!r}: URLs are not supported (the tokenizer, metrics and checkpoint "
+            "manifests are written with local file calls); use a local path, or mount the bucket "
+            "(e.g. Cloud Storage FUSE) and give its mount point")
     if config.compilation_cache:
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
     mesh = parallel.mesh_from_config(config.mesh) if mesh is None else mesh
