@@ -51,8 +51,8 @@ def _reference_attention(q, k, v, mask, *, dropout_rate, dropout_rng, determinis
 
 
 def _fused_mask_args(mask, batch: int):
-    """(keyword arguments for jax.nn.dot_product_attention, bool [B, 1, L|1, 1] or None: the queries
-    that see at least one key).
+    """(keyword arguments for jax.nn.dot_product_attention, None or a bool array broadcastable to the
+    output [B, L, H, K] that is False for queries that see no key).
 
     A mask that is only causal from position 0 (training, and decoder self-attention without a
     cache) and/or key lengths goes as ``is_causal`` / ``key_value_seq_lengths``: cuDNN then picks its
