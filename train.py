@@ -61,6 +61,7 @@ def main(argv):
     except USER_ERRORS as e:  # a problem with the config, the data or the workdir: no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         if jax.process_count() > 1:
+            sys.stdout.flush()
             os._exit(2)  # the other processes may be inside a collective: no orderly shutdown
         sys.exit(2)
     if parallel.is_primary():

@@ -82,15 +82,16 @@ def test_xla_backend_equals_reference_forward_and_gradients(name):
 
 @pytest.mark.parametrize("name, expected", [
     ("causal", dict(is_causal=True)),
-    ("key_lengths_one_row_empty", dict(is_causal=False, key_value_seq_lengths=[0, 10])),
+    ("key_lengths_one_row_empty", dict(is_causal=False, key_value_seq_lengths=[1, 10])),  # 0 -> 1, zeroed
     ("causal_key_lengths_and_limit", dict(is_causal=True, key_value_seq_lengths=[3, 12])),
     ("causal_cache_offset", dict(mask=(B, 1, L, S))),
     ("key_padding", dict(mask=(B, 1, 1, S))),
 ])
 def test_cudnn_gets_causal_and_key_lengths_as_arguments_not_a_dense_mask(monkeypatch, name, expected):
-    """What the cuDNN path hands jax.nn.dot_product_attention (recorded, then run by XLA on CPU): a
-    causal mask from position 0 and key lengths go as is_causal / key_value_seq_lengths, so that
-    cuDNN's causal and padding kernels run and no [L, S] mask is built; other masks go dense."""
+    """What the cuDNN path hands jax.nn.dot_product_attention (recorded, then run by XLA on CPU; the
+    cuDNN kernel itself needs a GPU): a causal mask from position 0 and key lengths go as is_causal /
+    key_value_seq_lengths, so that cuDNN's causal and padding kernels run and no [L, S] mask is
+    built; other masks go dense."""
     calls = []
     real = jax.nn.dot_product_attention
 

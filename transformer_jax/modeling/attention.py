@@ -68,7 +68,10 @@ def _fused_mask_args(mask, batch: int):
         if lengths is None:  # every query sees key 0 at least
             return dict(is_causal=mask.causal), None
         lengths = jnp.broadcast_to(lengths.astype(jnp.int32), (batch,))
-        return dict(is_causal=mask.causal, key_value_seq_lengths=lengths), (lengths > 0)[:, None, None, None]
+        # A row with no key goes to the kernel with one (a fully masked row may give NaN statistics
+        # in a fused kernel's backward pass) and is zeroed afterwards, its gradient with it.
+        visible = (lengths > 0)[:, None, None, None]
+        return dict(is_causal=mask.causal, key_value_seq_lengths=jnp.maximum(lengths, 1)), visible
     mask = _materialize(mask)
     if mask is None:
         return {}, None

@@ -59,9 +59,9 @@ def _optional_model_fields() -> dict[str, type]:
     out = {}
     for name, hint in typing.get_type_hints(ModelConfig).items():
         args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
-        if type(None) in args:
-            (base,) = [a for a in args if a is not type(None)]
-            out[name] = base
+        others = [a for a in args if a is not type(None)]
+        if type(None) in args and len(others) == 1:  # e.g. `int | None` (a wider union stays as is)
+            out[name] = others[0]
     return out
 
 
