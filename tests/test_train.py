@@ -136,6 +136,12 @@ def test_tfrecord_checksums():
     assert metrics.train_flops_per_step(ModelConfig(), 1, 10, 10) > 0
 
 
+def test_mfu_counts_the_output_product_over_a_padded_table():
+    flops = lambda cfg: metrics.train_flops_per_step(cfg, 1, 10, 10)
+    # 6 x 10 target tokens x d_model 512 x (37008 - 37000) padding rows, which the product computes
+    assert flops(ModelConfig(pad_vocab_multiple=16)) - flops(ModelConfig()) == 6 * 10 * 512 * 8
+
+
 def test_non_finite_stops_or_skips(data_dir, tmp_path):
     config = tiny_config(
         data_dir, num_train_steps=8, log_every_steps=1, checkpoint_every_steps=2, inject_nan_at_step=5

@@ -159,7 +159,8 @@ def train_flops_per_step(cfg: ModelConfig, batch_size: int, target_len: int, sou
 
     Per token: projections ``4 D HK`` + feed-forward ``2 D F`` (x1.5 gated) per self-attention
     layer, attention ``2 L HK``; cross-attention ``2 D HK`` (q, o) per target token plus ``2 D HK``
-    (k, v) per source token and ``2 S HK``; the output projection ``D V``.
+    (k, v) per source token and ``2 S HK``; the output projection ``D V``, V with any padding rows
+    (``pad_vocab_multiple``), which the product computes (as `benchmarks/` counts them).
     """
     d, hk, f = cfg.d_model, cfg.num_heads * cfg.qk_dim, cfg.d_ff
     ff = 2 * d * f * (1.5 if cfg.activation in ("swiglu", "geglu") else 1.0)
@@ -167,7 +168,7 @@ def train_flops_per_step(cfg: ModelConfig, batch_size: int, target_len: int, sou
     dec_self = target_len * (4 * d * hk + ff + 2 * target_len * hk)
     cross = (target_len * (2 * d * hk + 2 * source_len * hk) + source_len * 2 * d * hk) if source_len else 0
     dec = cfg.num_decoder_layers * (dec_self + cross)
-    return 6.0 * batch_size * (enc + dec + target_len * d * cfg.vocab_size)
+    return 6.0 * batch_size * (enc + dec + target_len * d * cfg.padded_vocab_size)
 
 
 # ------------------------------------------------------------------------------------ the logger
