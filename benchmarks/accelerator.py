@@ -144,7 +144,7 @@ def run(smoke: bool = False) -> dict:
         train["mfu"] = round(train["achieved_tflops"] * 1e12 / limits["peak_bf16_flops"], 3)
     for row in results["decode"].get("rows") or []:
         row["roofline_frac"] = round(row["bytes_per_step"] / limits["bandwidth_bytes_s"]
-                                     / (row["decode_step_ms"] / 1e3), 3)
+                                     / row["decode_step_s"], 3)
     meta.update(peak_bf16_tflops=round(limits["peak_bf16_flops"] / 1e12, 2),
                 bandwidth_gb_s=round(limits["bandwidth_bytes_s"] / 1e9, 1),
                 hardware_start=first, hardware_end=last)

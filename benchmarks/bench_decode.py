@@ -124,6 +124,7 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
         prefill_tok_s=round(batch * PROMPT / prefill_s, 1),
         decode_tok_s=round(batch / decode_s, 1),
         decode_step_ms=round(1e3 * decode_s, 2),
+        decode_step_s=decode_s,  # unrounded, for ratios computed later (a tiny model's ms round to 0)
         bytes_per_step=step_bytes,
         roofline_frac=round(step_bytes / bandwidth / decode_s, 3),
     )
@@ -213,6 +214,7 @@ def seq2seq_row(config, model, params, src, steps, bandwidth, repeats):
         prefill_tok_s=round(batch * PROMPT / encode_s, 1),
         decode_tok_s=round(batch / decode_s, 1),
         decode_step_ms=round(1e3 * decode_s, 2),
+        decode_step_s=decode_s,  # unrounded, for ratios computed later (a tiny model's ms round to 0)
         bytes_per_step=step_bytes,
         roofline_frac=round(step_bytes / bandwidth / decode_s, 3),
     )

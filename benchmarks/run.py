@@ -107,7 +107,7 @@ def decode_rows(quick):
             # bytes at that rate, over the measured step time (1.0 = as fast as the kernels allow).
             stream = hardware.weight_streaming(batch, dtype=dtype, layout=layout, repeats=3)
             row["weight_stream_gb_s"] = round(stream / 1e9, 2)
-            row["stream_frac"] = round(row["bytes_per_step"] / stream / (row["decode_step_ms"] / 1e3), 3)
+            row["stream_frac"] = round(row["bytes_per_step"] / stream / row["decode_step_s"], 3)
             rows.append(dict(row, dtype=dtype, kernel_layout=layout, load=hardware.load()))
             print(json.dumps(rows[-1]), flush=True)
     try:
@@ -144,7 +144,7 @@ def tensor_parallel_decode_row(quick):
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
     bandwidth = max(before, after)
-    row["roofline_frac"] = round(row["bytes_per_step"] / bandwidth / (row["decode_step_ms"] / 1e3), 3)
+    row["roofline_frac"] = round(row["bytes_per_step"] / bandwidth / row["decode_step_s"], 3)
     row["bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
     return dict(row, dtype=v["dtype"], kernel_layout=v["layout"], load=hardware.load())
 
