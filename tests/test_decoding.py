@@ -501,6 +501,58 @@ def test_wide_beam_finds_the_exhaustive_best(alpha):
     assert float(out.scores[0, 0]) == pytest.approx(best, abs=1e-4)
 
 
+def _exhaustive_best(params, prompt, steps, alpha, min_new_tokens=0):
+    """The best length-penalised score of any hypothesis of at most ``steps`` tokens (brute force),
+    EOS not allowed among the first ``min_new_tokens``."""
+    best = -np.inf
+    for seq in set(itertools.product(range(V), repeat=steps)):
+        hyp = list(seq[: seq.index(EOS) + 1]) if EOS in seq else list(seq)
+        if EOS in hyp[:min_new_tokens]:
+            continue
+        best = max(best, rescore(params, prompt, hyp) / float(length_penalty(len(hyp), alpha)))
+    return best
+
+
+def test_per_row_limits_end_each_row_as_its_own_search_would():
+    """A row's hypotheses end at its own limit, exactly: its result is what a search with that
+    max_new_tokens alone gives (tokens, scores), and with beams wider than the search space, the
+    brute-force best within the limit. Before, a row batched with a longer limit got the first
+    tokens of a longer hypothesis."""
+    params, prompt, alpha = history_params(9, scale=2.0), [4, 7], 0.6
+    start, lengths = jnp.asarray([prompt] * 3), jnp.asarray([2, 2, 2])
+    limits = [1, 3, 2]
+    out = beam_search(history_step, params, history_cache(3), start, lengths, max_new_tokens=3,
+                      beam_size=V * V, alpha=alpha, max_new_tokens_per_row=np.array(limits))
+    for row, limit in enumerate(limits):
+        best = _exhaustive_best(params, prompt, limit, alpha)
+        assert float(out.scores[row, 0]) == pytest.approx(best, abs=1e-4)
+        assert int(out.lengths[row].max()) <= limit
+        assert np.all(np.asarray(out.tokens[row, :, limit:]) == PAD)
+    tokens, lengths = _ragged_batch(RAGGED)
+    batched = beam_search(history_step, params, history_cache(3, 64), tokens, lengths, max_new_tokens=9,
+                          beam_size=3, max_new_tokens_per_row=[4, 9, 2])
+    for row, limit in enumerate([4, 9, 2]):
+        alone = beam_search(history_step, params, history_cache(1, 64), tokens[row : row + 1],
+                            lengths[row : row + 1], max_new_tokens=limit, beam_size=3)
+        np.testing.assert_array_equal(batched.tokens[row, :, :limit], alone.tokens[0])
+        np.testing.assert_allclose(batched.scores[row], alone.scores[0], atol=1e-5)
+        np.testing.assert_array_equal(batched.lengths[row], alone.lengths[0])
+
+
+def test_beam_min_new_tokens_forbids_early_eos():
+    """min_new_tokens in beam search: the exhaustive best among hypotheses with no EOS in their
+    first tokens (the other tokens keep their log-probabilities, as a logits processor would)."""
+    params, prompt = history_params(9, scale=2.0), [4, 7]
+    for min_new in (0, 2):
+        out = beam_search(history_step, params, history_cache(1), jnp.asarray([prompt]), jnp.asarray([2]),
+                          max_new_tokens=3, beam_size=V * V, alpha=0.0, min_new_tokens=min_new)
+        assert float(out.scores[0, 0]) == pytest.approx(
+            _exhaustive_best(params, prompt, 3, 0.0, min_new), abs=1e-4)
+        hyps = np.asarray(out.tokens[0])[np.asarray(out.scores[0]) > -1e29]
+        assert not np.any(hyps[:, :min_new] == EOS)
+    assert _exhaustive_best(params, prompt, 3, 0.0, 2) < _exhaustive_best(params, prompt, 3, 0.0, 0)
+
+
 def test_beam_search_compiles_once_and_validates():
     traces = []
 
@@ -518,6 +570,9 @@ def test_beam_search_compiles_once_and_validates():
         (dict(beam_size=0), "beam_size"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(alpha=-1.0), "alpha"),
+        (dict(min_new_tokens=-1), "min_new_tokens"),
+        (dict(max_new_tokens_per_row=[3]), r"max_new_tokens_per_row must be integers of shape \(2,\)"),
+        (dict(max_new_tokens_per_row=[3, 6]), r"max_new_tokens_per_row must lie in \[1, max_new_tokens=5\]"),
     ]:
         with pytest.raises(ValueError, match=message):
             beam_search(

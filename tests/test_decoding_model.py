@@ -243,7 +243,8 @@ def test_beam_reordering_leaves_the_source_cross_attention_alone(seq2seq, monkey
     src = jnp.asarray(SOURCES)
     start = jnp.full((3, 1), CONFIG.decoder_start_id, jnp.int32)
     cache = encode_source(model, params, src, STEPS + 1)
-    args = (Seq2SeqStep(model), params, cache, start, jnp.ones(3, jnp.int32), jnp.float32(0.6))
+    args = (Seq2SeqStep(model), params, cache, start, jnp.ones(3, jnp.int32), jnp.float32(0.6),
+            jnp.int32(0), jnp.full((3,), STEPS, jnp.int32))
     static = dict(beam_size=2, max_new_tokens=STEPS, eos_id=1, pad_id=0)
 
     reordered = KVCache(layers=cache.layers, lengths=jnp.arange(3), cross=cache.cross,
@@ -264,3 +265,40 @@ def test_beam_reordering_leaves_the_source_cross_attention_alone(seq2seq, monkey
     assert gathers(_beam_search_jit.lower(*args, **static).compile().as_text())  # what is avoided
     np.testing.assert_array_equal(ours.tokens, every_leaf.tokens)
     np.testing.assert_allclose(ours.scores, every_leaf.scores, atol=1e-6)
+
+
+def test_a_cache_too_small_or_for_another_batch_is_refused_before_it_corrupts_tokens(lm):
+    """The cache write clamps its start index: a cache one slot short would overwrite its last
+    slot and decode wrong tokens with no error. The decoders check the size (a prompt of 6 and
+    7 new tokens need 6 + 7 - 1 = 12 slots: the last token is never fed back) and the batch."""
+    model, params = lm
+    tokens, lengths = jnp.asarray([PROMPTS[0]]), jnp.asarray([6])
+    fits = generate(LMStep(model), params, tj.init_cache(CONFIG, 1, 12), tokens, lengths,
+                    max_new_tokens=STEPS, eos_id=None)
+    roomy = generate(LMStep(model), params, tj.init_cache(CONFIG, 1, 20), tokens, lengths,
+                     max_new_tokens=STEPS, eos_id=None)
+    np.testing.assert_array_equal(fits.tokens, roomy.tokens)
+    for decode in (generate, functools.partial(beam_search, beam_size=2)):
+        with pytest.raises(ValueError, match=r"KV cache holds 11 positions .* need 12"):
+            decode(LMStep(model), params, tj.init_cache(CONFIG, 1, 11), tokens, lengths,
+                   max_new_tokens=STEPS, eos_id=None)
+        with pytest.raises(ValueError, match="built for batch size 2, the prompts have 1 rows"):
+            decode(LMStep(model), params, tj.init_cache(CONFIG, 2, 20), tokens, lengths,
+                   max_new_tokens=STEPS, eos_id=None)
+    with pytest.raises(ValueError, match="6 tokens do not fit in a KV cache of 4 positions"):
+        model.apply({"params": params}, tokens, cache=tj.init_cache(CONFIG, 1, 4))
+
+
+def test_learned_positions_past_max_len_are_refused_not_nan():
+    """A learned position table looked up past its end gives NaN logits (and a junk token from
+    them): decoding that would reach position max_len is refused, naming the field."""
+    config = CONFIG.replace(position="learned", max_len=12)
+    model = tj.TransformerLM(config)
+    params = _random_params(model, jnp.ones((1, 8), jnp.int32))
+    tokens, lengths = jnp.asarray([[9, 13, 60, 9, 9, 2, 7, 5]]), jnp.asarray([8])
+    ok = generate(LMStep(model), params, tj.init_cache(config, 1, 16), tokens, lengths,
+                  max_new_tokens=5, eos_id=None)  # positions 0..11
+    assert np.isfinite(np.asarray(ok.logprobs)).all()
+    with pytest.raises(ValueError, match=r"reach position 12, .* \(ModelConfig.max_len\)"):
+        generate(LMStep(model), params, tj.init_cache(config, 1, 16), tokens, lengths,
+                 max_new_tokens=6, eos_id=None)

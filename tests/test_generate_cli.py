@@ -100,6 +100,22 @@ def test_sampling_is_seeded_and_beam_runs():
     assert len(run_cli(*common, "--decoding=beam", "--beam_size=3", "--alpha=0.6")) == 2
 
 
+def test_batched_outputs_do_not_depend_on_the_inputs_batched_with_them():
+    """GPT-2 (48 learned positions): a prompt near the limit batched with a short one, which may
+    generate more tokens, would run past the position table; it is decoded apart, and each
+    output equals its one-by-one output. Translation by beam search: each row's hypotheses end at
+    its own limit (source length + 50), not the batch's longest."""
+    directory = gpt2_checkpoint("gpt2_b")
+    texts = [" ".join(["the cold coffee"] * 7), "hello"]
+    batched = run_cli(f"--hf_checkpoint={directory}", *(f"--prompt={t}" for t in texts))
+    assert batched == [run_cli(f"--hf_checkpoint={directory}", f"--prompt={t}")[0] for t in texts]
+    directory = marian_checkpoint("marian_swish")
+    texts = ["your cat is a great cat and the box is cold", "hello"]
+    beam = (f"--hf_checkpoint={directory}", "--decoding=beam", "--beam_size=3", "--min_new_tokens=2")
+    batched = run_cli(*beam, *(f"--prompt={t}" for t in texts))
+    assert batched == [run_cli(*beam, f"--prompt={t}")[0] for t in texts]
+
+
 def test_truncate_cuts_long_prompts(capsys):
     directory = gpt2_checkpoint("gpt2_b")  # 48 positions
     long_prompt = "--prompt=" + " ".join(["the cold coffee"] * 30)

@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from transformer_jax.decoding.sampling import NEG_INF, StepFn, _check_prompt, _last_valid
+from transformer_jax.decoding.sampling import NEG_INF, StepFn, _check_cache, _check_prompt, _last_valid
 
 
 class BeamOutput(NamedTuple):
@@ -69,11 +70,19 @@ def _top(beams: _Beams, rank: jax.Array, k: int) -> _Beams:
     return jax.tree.map(lambda x: _take(x, index), beams)
 
 
-def _expand(live: _Beams, finished: _Beams, logprobs, step, alpha, *, eos_id):
+def _expand(live: _Beams, finished: _Beams, logprobs, step, alpha, limits, min_new_tokens, *, eos_id):
     """One beam step: extends ``live`` with next-token ``logprobs`` [B, K, V] at position ``step``.
+
+    EOS is forbidden while ``step < min_new_tokens`` (its log-probability set to -inf, as a
+    logits processor would; the others are not renormalised). A row whose limit [B] is reached
+    (``step >= limits``) adds nothing to its finished set; its live beams, cut off when they
+    reached the limit (`_cut_off`), carry on unused.
 
     Returns (new live, new finished, parent beam index [B, K] of each new live beam).
     """
+    if eos_id is not None:
+        too_early = step < min_new_tokens
+        logprobs = logprobs.at[..., eos_id].set(jnp.where(too_early, NEG_INF, logprobs[..., eos_id]))
     batch, beam, vocab = logprobs.shape
     totals = (live.logprobs[:, :, None] + logprobs).reshape(batch, beam * vocab)
     cand_logprobs, flat = jax.lax.top_k(totals, 2 * beam)
@@ -88,9 +97,31 @@ def _expand(live: _Beams, finished: _Beams, logprobs, step, alpha, *, eos_id):
     new_live = jax.tree.map(lambda x: _take(x, live_index), candidates)
     new_live = new_live._replace(logprobs=_take(live_rank, live_index))
 
-    new_finished = candidates._replace(scores=jnp.where(is_eos, candidates.scores, NEG_INF * 2))
+    active = (step < limits)[:, None]
+    ended = is_eos & active
+    new_finished = candidates._replace(scores=jnp.where(ended, candidates.scores, NEG_INF * 2))
     pool = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), finished, new_finished)
     return new_live, _top(pool, pool.scores, beam), _take(parent, live_index)
+
+
+def _as_finished(live: _Beams, length, alpha, keep) -> _Beams:
+    """Live hypotheses ended without EOS at ``length`` tokens, scored; only rows/beams where ``keep``
+    [B, 1] is true and that are real hypotheses (not the -inf fillers) get a finite score."""
+    real = keep & (live.logprobs > NEG_INF)
+    return live._replace(
+        lengths=jnp.broadcast_to(jnp.asarray(length, jnp.int32), live.lengths.shape),
+        scores=jnp.where(real, live.logprobs / length_penalty(length, alpha), NEG_INF * 2),
+    )
+
+
+def _cut_off(live: _Beams, finished: _Beams, step, alpha, limits):
+    """After the token at position ``step``: rows whose limit [B] it reached end their live beams
+    there, which compete for the finished set as hypotheses cut off at max_new_tokens do."""
+    cut = (step + 1 == limits)[:, None]
+    ended = _as_finished(live, step + 1, alpha, cut)
+    pool = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), finished, ended)
+    live = live._replace(logprobs=jnp.where(cut, NEG_INF * 2, live.logprobs))
+    return live, _top(pool, pool.scores, live.logprobs.shape[1])
 
 
 def _reorder(cache, parent: jax.Array):
@@ -115,6 +146,8 @@ def _beam_search_jit(
     prompt_tokens,
     prompt_lengths,
     alpha,
+    min_new_tokens,
+    limits,
     *,
     beam_size,
     max_new_tokens,
@@ -133,15 +166,17 @@ def _beam_search_jit(
     live = _Beams(empty_tokens, jnp.broadcast_to(start, (batch, beam)), zeros * 0.0, zeros)
     finished = _Beams(empty_tokens, zeros * 0.0, jnp.full((batch, beam), NEG_INF * 2), zeros)
     live, finished, parent = _expand(
-        live, finished, jnp.repeat(first[:, None], beam, axis=1), 0, alpha, eos_id=eos_id
+        live, finished, jnp.repeat(first[:, None], beam, axis=1), jnp.int32(0), alpha, limits,
+        min_new_tokens, eos_id=eos_id,
     )
+    live, finished = _cut_off(live, finished, jnp.int32(0), alpha, limits)
     cache = _reorder(cache, parent)
     ones = jnp.ones((batch * beam,), jnp.int32)
 
     def keep_going(state):
         step, live, finished, _ = state
-        best_reachable = live.logprobs[:, 0] / length_penalty(steps, alpha)
-        can_improve = finished.scores[:, -1] < best_reachable
+        best_reachable = live.logprobs[:, 0] / length_penalty(limits, alpha)
+        can_improve = (finished.scores[:, -1] < best_reachable) & (step < limits)
         return (step < steps) & jnp.any(can_improve)
 
     def body(state):
@@ -150,17 +185,17 @@ def _beam_search_jit(
         logits, cache = step_fn(params, last, cache, ones)
         logprobs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
         live, finished, parent = _expand(
-            live, finished, logprobs.reshape(batch, beam, -1), step, alpha, eos_id=eos_id
+            live, finished, logprobs.reshape(batch, beam, -1), step, alpha, limits,
+            min_new_tokens, eos_id=eos_id,
         )
+        live, finished = _cut_off(live, finished, step, alpha, limits)
         return step + 1, live, finished, _reorder(cache, parent)
 
     step, live, finished, _ = jax.lax.while_loop(keep_going, body, (jnp.int32(1), live, finished, cache))
 
-    # Hypotheses still live when decoding ends (cut off at max_new_tokens) compete too.
-    live = live._replace(
-        lengths=jnp.full_like(live.lengths, step),
-        scores=live.logprobs / length_penalty(step, alpha),
-    )
+    # Hypotheses still live when decoding stops early (no live beam could beat the finished ones)
+    # compete too; rows cut off at their limit have already put theirs in the finished set.
+    live = _as_finished(live, step, alpha, (step < limits)[:, None])
     pool = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), finished, live)
     best = _top(pool, pool.scores, beam)
     return BeamOutput(best.tokens, best.scores, best.logprobs, best.lengths)
@@ -176,6 +211,8 @@ def beam_search(
     max_new_tokens: int,
     beam_size: int = 4,
     alpha: float = 0.6,
+    min_new_tokens: int = 0,
+    max_new_tokens_per_row=None,
     eos_id: int | None = 1,
     pad_id: int = 0,
 ) -> BeamOutput:
@@ -187,14 +224,20 @@ def beam_search(
         hashable (a static jit argument).
       params: passed to ``step_fn`` unchanged (any pytree, may be None).
       cache: empty step-function state for B rows (it is repeated to B * beam_size rows after the
-        prefill) with room for P + max_new_tokens positions; batch-leading leaves.
+        prefill) with room for P + max_new_tokens - 1 positions (checked for a `KVCache`);
+        batch-leading leaves.
       prompt_tokens: int32 [B, P], right-padded. For translation, the decoder start token (P = 1).
       prompt_lengths: int32 [B], each in [1, P].
       max_new_tokens: T (the paper uses source length + 50).
       beam_size: K (the paper uses 4). When fewer than K distinct hypotheses exist (tiny
         vocabularies), the missing ones come back with scores of about -1e30.
       alpha: length-penalty exponent, >= 0 (the paper uses 0.6; 0 ranks by log-probability).
-      eos_id: ends a hypothesis; None: every hypothesis runs to T tokens.
+      min_new_tokens: EOS is forbidden for the first ``min_new_tokens`` tokens (its
+        log-probability set to -inf; the other tokens keep theirs).
+      max_new_tokens_per_row: optional int [B], each in [1, T]: row b's hypotheses end at
+        ``max_new_tokens_per_row[b]`` tokens, exactly as at T (so the result for a row does not
+        depend on the longer limits of the rows batched with it). Traced: no recompilation.
+      eos_id: ends a hypothesis; None: every hypothesis runs to its row's limit.
       pad_id: written after EOS.
 
     Returns:
@@ -209,6 +252,23 @@ def beam_search(
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)
     _check_prompt(prompt_tokens, prompt_lengths)
+    _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, int(max_new_tokens))
+    if int(min_new_tokens) != min_new_tokens or min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be a non-negative integer, got {min_new_tokens}")
+    batch = prompt_tokens.shape[0]
+    if max_new_tokens_per_row is None:
+        limits = jnp.full((batch,), max_new_tokens, jnp.int32)
+    else:
+        limits = jnp.asarray(max_new_tokens_per_row)
+        if limits.shape != (batch,) or not jnp.issubdtype(limits.dtype, jnp.integer):
+            raise ValueError(f"max_new_tokens_per_row must be integers of shape ({batch},), got "
+                             f"{limits.dtype} {limits.shape}")
+        if not isinstance(limits, jax.core.Tracer):
+            values = np.asarray(limits)
+            if (values < 1).any() or (values > max_new_tokens).any():
+                raise ValueError(f"max_new_tokens_per_row must lie in [1, max_new_tokens="
+                                 f"{max_new_tokens}], got {values.tolist()}")
+        limits = limits.astype(jnp.int32)
     return _beam_search_jit(
         step_fn,
         params,
@@ -216,6 +276,8 @@ def beam_search(
         prompt_tokens.astype(jnp.int32),
         prompt_lengths.astype(jnp.int32),
         jnp.float32(alpha),
+        jnp.int32(min_new_tokens),
+        limits,
         beam_size=int(beam_size),
         max_new_tokens=int(max_new_tokens),
         eos_id=None if eos_id is None else int(eos_id),

@@ -336,6 +336,41 @@ def _check_prompt(prompt_tokens, prompt_lengths) -> None:
         )
 
 
+def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: int) -> None:
+    """Checks, before tracing, that ``cache`` is built for this batch and has room for the prompt
+    and ``max_new_tokens``, and that the positions decoding reaches are ones the model has.
+
+    A `KVCache` too small would not fail by itself: the cache write clamps its start index, so a
+    step past the end would overwrite the last slots and decode wrong tokens silently. A learned
+    position table looked up past its end gives NaN logits.
+    """
+    batch, width = prompt_tokens.shape
+    for leaf in jax.tree.leaves(cache):
+        if getattr(leaf, "ndim", 0) and leaf.shape[0] != batch:
+            raise ValueError(
+                f"the cache is built for batch size {leaf.shape[0]}, the prompts have {batch} rows: "
+                f"build it for {batch}")
+    if isinstance(prompt_lengths, jax.core.Tracer):
+        longest = width
+    else:
+        longest = int(np.max(np.asarray(prompt_lengths)))
+    # The prefill writes the whole padded prompt; the last decoding step writes the token before
+    # the last one generated (the last one is never fed back).
+    needed = max(width, longest + max_new_tokens - 1)
+    capacity = getattr(cache, "max_length", None)
+    if capacity is not None and needed > capacity:
+        raise ValueError(
+            f"the KV cache holds {capacity} positions per row, but a prompt of {longest} tokens "
+            f"(padded to {width}) and max_new_tokens={max_new_tokens} need {needed}: build the "
+            f"cache with max_length >= {needed}, or generate fewer tokens")
+    positions = getattr(step_fn, "max_positions", None)
+    if positions is not None and needed > positions:
+        raise ValueError(
+            f"decoding would reach position {needed - 1}, but the model's learned position table "
+            f"has {positions} rows (ModelConfig.max_len): shorten the prompt or max_new_tokens so "
+            f"that they fit in {positions} positions")
+
+
 def generate(
     step_fn: StepFn,
     params: Any,
@@ -359,8 +394,8 @@ def generate(
         ``-> (logits [B, L, V] or [B, 1, V] at each row's last real token, cache)``;
         hashable (it is a static jit argument).
       params: passed to ``step_fn`` unchanged (any pytree, may be None).
-      cache: the step function's state, empty, with room for P + max_new_tokens positions;
-        every leaf has the batch as its leading axis.
+      cache: the step function's state, empty, with room for P + max_new_tokens - 1 positions
+        (checked for a `KVCache`); every leaf has the batch as its leading axis.
       prompt_tokens: int32 [B, P], right-padded. Prefilled in one ``step_fn`` call.
       prompt_lengths: int32 [B], each in [1, P].
       max_new_tokens: T, the number of decoding steps (static).
@@ -381,6 +416,7 @@ def generate(
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)
     _check_prompt(prompt_tokens, prompt_lengths)
+    _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, int(max_new_tokens))
     if rng is None:
         if not sampling.greedy:
             raise ValueError("rng (a PRNG key) is required when temperature > 0")

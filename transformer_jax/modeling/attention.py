@@ -80,6 +80,11 @@ def _fused_mask_args(mask, batch: int):
 
 def _fused_attention(q, k, v, mask, implementation):
     """jax.nn.dot_product_attention ('xla' everywhere, 'cudnn' on NVIDIA GPUs)."""
+    if implementation == "cudnn" and not _cudnn_supports(q.dtype, q.shape[-1]):
+        raise NotImplementedError(
+            f"attention_impl='cudnn' (and 'flash' on a GPU) needs float16 or bfloat16 queries and a "
+            f"head dimension that is a multiple of 8, at most {CUDNN_MAX_HEAD_DIM}; got {q.dtype} "
+            f"and {q.shape[-1]}: set ModelConfig.dtype='bfloat16', or attention_impl='auto' or 'xla'")
     kwargs, visible = _fused_mask_args(mask, q.shape[0])
     out = jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
     if visible is not None:  # the fused kernels average V over a fully masked row; we want zeros
@@ -92,20 +97,33 @@ def _fused_attention(q, k, v, mask, implementation):
 CHUNKED_THRESHOLD = 8192 * 8192
 
 
+# cuDNN's fused attention takes 16-bit (or fp8) inputs only, and head dimensions that are multiples
+# of 8 up to 128 (256 from Hopper on; 128 is the bound every supported GPU meets).
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def _cudnn_supports(dtype, head_dim: int) -> bool:
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM)
+
+
 def resolve_impl(impl: str, *, need_weights: bool = False, dropout_active: bool = False,
-                 q_length: int = 0, kv_length: int = 0, mask=None) -> str:
+                 q_length: int = 0, kv_length: int = 0, mask=None, dtype=jnp.bfloat16,
+                 head_dim: int = 64) -> str:
     """The backend that will run.
 
-    'auto' picks cuDNN on GPU, the Pallas flash kernel on TPU (when it supports the mask), and
-    otherwise XLA, or 'chunked' once L*S exceeds `CHUNKED_THRESHOLD`. The reference path runs
-    whenever attention weights or attention dropout are needed.
+    'auto' picks cuDNN on GPU for float16/bfloat16 inputs whose head dimension it takes (a
+    float32 model gets XLA there: cuDNN has no float32 kernel), the Pallas flash kernel on TPU
+    (when it supports the mask), and otherwise XLA, or 'chunked' once L*S exceeds
+    `CHUNKED_THRESHOLD`. The reference path runs whenever attention weights or attention dropout
+    are needed.
     """
     if need_weights or dropout_active:
         return "reference"
     if impl != "auto":
         return impl
     backend = jax.default_backend()
-    if backend == "gpu":
+    if backend == "gpu" and _cudnn_supports(dtype, head_dim):
         return "cudnn"
     if backend == "tpu" and _pallas_tpu_supports(mask, q_length, kv_length):
         return "flash"
@@ -187,6 +205,7 @@ def dot_product_attention(
         impl, need_weights=return_weights,
         dropout_active=not deterministic and dropout_rate > 0.0,
         q_length=q.shape[1], kv_length=k.shape[kv_layout.index("S")], mask=mask,
+        dtype=q.dtype, head_dim=q.shape[-1],
     )
     if len({q.dtype, k.dtype, v.dtype}) > 1:
         # A cache in another dtype than the queries (cache.cache_dtype): the fused kernels take one

@@ -255,6 +255,12 @@ class Decoder(_Stack):
 
     def _decode_cached(self, tokens, cache, num_valid, deterministic, last_only=False):
         B, L = tokens.shape
+        if cache.max_length < L:  # the write would clamp and overwrite earlier slots
+            raise ValueError(f"{L} tokens do not fit in a KV cache of {cache.max_length} positions "
+                             "per row: build the cache with a larger max_length")
+        if cache.lengths.shape != (B,):
+            raise ValueError(f"the KV cache is built for batch size {cache.lengths.shape[0]}, the "
+                             f"tokens have {B} rows")
         lengths = cache.lengths
         positions = lengths[:, None] + jnp.arange(L)[None, :]
         self_mask = masks.cache_spec(lengths, L, cache.max_length)
