@@ -41,7 +41,9 @@ class GenerateOutput(NamedTuple):
     tokens:   int32 [B, T] generated tokens (prompt excluded); ``pad_id`` after a row's EOS.
     lengths:  int32 [B] number of generated tokens per row, counting the EOS (T if no EOS).
     logprobs: float32 [B, T] log-probability of each generated token under the model's
-              distribution (log-softmax of the raw logits, before temperature, top-k or top-p);
+              distribution (log-softmax of the raw logits, before temperature, top-k or top-p;
+              while ``min_new_tokens`` forbids EOS, over the tokens other than EOS, as
+              transformers' ``compute_transition_scores(..., normalize_logits=True)`` gives);
               0 after EOS.
     """
 
