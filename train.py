@@ -62,6 +62,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr, flush=True)
         if jax.process_count() > 1:
             sys.stdout.flush()
+            parallel.stop_child_processes()
             os._exit(2)  # the other processes may be inside a collective: no orderly shutdown
         sys.exit(2)
     if parallel.is_primary():

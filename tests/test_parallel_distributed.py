@@ -70,6 +70,23 @@ WORKER = textwrap.dedent(
 )
 
 
+def test_stop_child_processes_ends_worker_processes():
+    """A multi-process run exits with os._exit, which skips multiprocessing's clean-up: the input
+    pipeline's worker processes must be ended first, or they outlive the job."""
+    import multiprocessing
+    import time
+
+    worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=False)
+    worker.start()
+    try:
+        assert worker.is_alive()
+        parallel.stop_child_processes(timeout_s=20)
+        assert not worker.is_alive() and worker.exitcode is not None
+    finally:
+        if worker.is_alive():
+            worker.kill()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,7 +4,13 @@ Mesh axes ``('data', 'fsdp', 'tensor')`` appear only in this package; the model 
 axis names (``'batch'``, ``'embed'``, ``'mlp'``, ...) and :data:`DEFAULT_RULES` maps them.
 """
 
-from transformer_jax.parallel.distributed import initialize, is_primary, leave_and_exit, sync_global
+from transformer_jax.parallel.distributed import (
+    initialize,
+    is_primary,
+    leave_and_exit,
+    stop_child_processes,
+    sync_global,
+)
 from transformer_jax.parallel.mesh import (
     MESH_AXES,
     create_mesh,
@@ -35,6 +41,7 @@ __all__ = [
     "initialize",
     "is_primary",
     "leave_and_exit",
+    "stop_child_processes",
     "logical_to_mesh_spec",
     "logical_to_sharding",
     "mesh_from_config",

@@ -151,5 +151,23 @@ def leave_and_exit(code: int = 0) -> None:
     sys.stderr.flush()
     logging.flush()
     if jax.process_count() > 1:
+        stop_child_processes()
         jax.distributed.shutdown()
         os._exit(code)
+
+
+def stop_child_processes(timeout_s: float = 5.0) -> None:
+    """Terminates this process's multiprocessing children (the input pipeline's workers with
+    ``dataset.num_workers > 0``). ``os._exit`` skips the interpreter's own clean-up, which would
+    otherwise leave them running, holding memory and the parent's output pipes."""
+    import multiprocessing
+    import time
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
