@@ -9,6 +9,7 @@ import tensorflow_datasets as tfds
 
 from transformer_jax.data import builders, inputs, packing, pipeline
 from transformer_jax.data import tokenizer as tk
+from transformer_jax.data.errors import DataError
 
 tfds.disable_progress_bar()
 SOURCE = [{"src": f"sentence number {i} " + "x" * (i % 7), "tgt": f"phrase {i} " + "y" * (i % 5)}
@@ -154,6 +155,25 @@ def test_eval_covers_every_example_once(tok):
     assert sum(int((b["targets_segment_ids"].max(1) > 0).sum()) for b in limited) == 10
 
 
+def test_lm_eval_scores_every_token_once(tok):
+    lm = pipeline.Features({"targets": "text"})
+    docs = [{"text": f"doc {i} " + "word " * (i * 7)} for i in range(9)]
+    ids = [tok.encode(d["text"]) + [tk.EOS_ID] for d in docs]
+    assert max(map(len, ids)) > 3 * 16  # some documents need several rows
+    pieces, num_batches = [], set()
+    for i in range(2):
+        batches = pipeline.make_eval_batches(docs, tok, lm, {"targets": 16}, 4, shard=shard(i, 2))
+        num_batches.add(len(batches))
+        for b in batches:
+            _check_layout(b, "targets", eos=False)
+        pieces += _segments({k: np.concatenate([b[k] for b in batches]) for k in batches[0]},
+                            "targets")
+    assert len(num_batches) == 1  # both hosts run the same number of eval steps
+    # In order, every token once; EOS only at the end of a document, never at a cut.
+    assert [t for p in pieces for t in p] == [t for d in ids for t in d]
+    assert sum(p[-1] == tk.EOS_ID for p in pieces) == len(docs)
+
+
 def test_length_policies(tok):
     long = [{"text": "word " * 200}, {"text": "short"}]
     lm = pipeline.Features({"targets": "text"})
@@ -170,6 +190,25 @@ def test_length_policies(tok):
     assert pipeline.LENGTH_STATS.counts["train/targets/dropped"] >= 1
     with pytest.raises(ValueError, match="length_policy"):
         pipeline.Tokenize(tok, lm, {"targets": 16}, "wrap")
+
+
+def test_drop_with_nothing_that_fits_is_an_error_not_a_hang(tok):
+    lm = pipeline.Features({"targets": "text"})
+    long = [{"text": "word " * 200}] * 10
+    with pytest.raises(DataError, match=r"keeps none of the 10 examples of split 'mine'.*longer "
+                                        r"than 16 tokens \(EOS included\) in targets \(field "
+                                        r"'text'"):
+        pipeline.make_train_iterator(long, tok, lm, {"targets": 16}, 2, length_policy="drop",
+                                     shard=shard(), split="mine")
+    pairs = [{"src": "short", "tgt": "word " * 50}, {"src": "word " * 50, "tgt": "short"}]
+    with pytest.raises(DataError, match=r"1 longer than 20 tokens.* in targets.*1 longer than "
+                                        r"24 tokens.* in inputs \(field 'src'"):
+        pipeline.make_train_iterator(pairs, tok, TRANSLATION, LENGTHS, 2, length_policy="drop",
+                                     shard=shard())
+    # One example that fits is enough (the one that fits comes last in the shard).
+    it = pipeline.make_train_iterator(long + [{"text": "short"}], tok, lm, {"targets": 16}, 2,
+                                      length_policy="drop", shard=shard())
+    assert tok.decode(_segments(next(it), "targets")[0]) == "short"
 
 
 def test_to_global_batch_on_eight_devices():
@@ -283,6 +322,23 @@ def test_config_errors(data_dir, tmp_path):
     with pytest.raises(ValueError, match="language 'xx'"):
         inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small",
                                    source_lang="xx"), str(tmp_path), shard=shard())
+
+
+def test_missing_eval_split_is_an_error_not_replaced(data_dir, tmp_path):
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("".join(f"{r['src']}\t{r['tgt']}\n" for r in SOURCE[:20]))
+    valid = tmp_path / "valid.tsv"
+    valid.write_text("valid 1\tvalide 1\n")
+    cfg = _cfg("tsv", data_dir, train_files=[str(tsv)], eval_files=[str(valid)], vocab_size=300)
+    for split in ("test", "validaton"):
+        cfg.eval_split = split
+        with pytest.raises(DataError, match=rf"no split '{split}'.*it has \['train', "
+                                            r"'validation'\]"):
+            inputs.build_datasets(cfg, str(tmp_path / "w"), shard=shard())
+    cfg.eval_split = "validation"  # the default, by name
+    assert inputs.build_datasets(cfg, str(tmp_path / "w"), shard=shard()).eval_size == 1
+    cfg.eval_files, cfg.eval_split = (), ""  # no eval files: the training examples, as before
+    assert inputs.build_datasets(cfg, str(tmp_path / "w2"), shard=shard()).eval_size == 20
 
 
 # Stand-ins for the prepared WMT and LM1B datasets: same names, configs, features and splits.

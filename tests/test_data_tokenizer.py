@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transformer_jax.data import tokenizer as tk
+from transformer_jax.data.errors import DataError
 
 TEXTS = ["the tired engineer drank the cold coffee", "l'ingénieur fatigué a bu le café froid",
          "I love chocolates", "j'aime les chocolats", "def f(x):\n    return x  # 42",
@@ -97,3 +98,53 @@ def test_bad_settings():
         tk.TokenizerSettings(model_type="wordpiece")
     with pytest.raises(ValueError, match="vocab_size"):
         tk.TokenizerSettings(vocab_size=100)
+
+
+def test_workdir_with_checkpoints_never_retrains(tmp_path, monkeypatch):
+    calls = []
+
+    def texts():
+        calls.append(1)
+        return TEXTS
+
+    first = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+    model = (tmp_path / tk.MODEL_FILENAME).read_bytes()
+    (tmp_path / "checkpoints" / "20.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    tk.get_or_train_tokenizer(tmp_path, "c0", texts, 350, "bpe", process_index=0)
+    assert len(calls) == 2  # a partial save is not a checkpoint: retraining is still allowed
+    first = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+    model = (tmp_path / tk.MODEL_FILENAME).read_bytes()
+    (tmp_path / "checkpoints" / "20").mkdir()
+    # New or re-prepared data: the tokenizer the checkpoints were trained with is kept.
+    kept = tk.get_or_train_tokenizer(tmp_path, "c2", texts, 350, "bpe", process_index=0)
+    assert kept.model_proto == first.model_proto
+    with pytest.raises(DataError, match=r"vocab_size 350 \(tokenizer\) -> 360.*fresh workdir"):
+        tk.get_or_train_tokenizer(tmp_path, "c1", texts, 360, "bpe", process_index=1)
+    assert len(calls) == 3 and (tmp_path / tk.MODEL_FILENAME).read_bytes() == model
+    # A library upgrade (settings version) alone keeps the tokenizer the checkpoints used.
+    monkeypatch.setattr(tk, "_SETTINGS_VERSION", tk._SETTINGS_VERSION + 1)
+    again = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+    assert len(calls) == 3 and again.model_proto == first.model_proto
+    (tmp_path / tk.MODEL_FILENAME).write_bytes(b"junk")
+    with pytest.raises(DataError, match=r"Cannot use tokenizer .*tokenizer\.model"):
+        tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+
+
+def test_load_errors_name_the_file(tmp_path):
+    import io
+
+    import sentencepiece as spm
+
+    bad = tmp_path / "corrupt.model"
+    for data in (b"not a model", b""):
+        bad.write_bytes(data)
+        with pytest.raises(DataError, match=r"Cannot use tokenizer .*corrupt\.model: not a "
+                                            r"SentencePiece model.*Put back"):
+            tk.Tokenizer.load(bad)
+    buf = io.BytesIO()  # SentencePiece's default ids: unk 0, bos 1, eos 2, no pad
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS), model_writer=buf,
+                                   vocab_size=40, minloglevel=2)
+    (tmp_path / "default_ids.model").write_bytes(buf.getvalue())
+    with pytest.raises(DataError, match=r"default_ids\.model: SentencePiece model has special "
+                                        r"ids \(pad, eos, bos, unk\)=\(-1, 2, 1, 0\)"):
+        tk.Tokenizer.load(tmp_path / "default_ids.model")

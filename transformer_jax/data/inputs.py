@@ -67,7 +67,8 @@ def default_dataset_config(name: str = "enfr_builtin") -> ml_collections.ConfigD
     cfg.pack = True
     cfg.pack_bins = 0  # open rows in the packer; 0 = max(per-host batch, 32)
     # Training examples longer than the row: 'truncate' | 'drop' | 'split' (decoder-only: cut
-    # into row-sized pieces). Evaluation always truncates.
+    # into row-sized pieces). Evaluation truncates translation examples and cuts decoder-only
+    # documents into row-sized pieces.
     cfg.length_policy = "split" if name in LM_DATASETS else "truncate"
     cfg.seed = 0
     cfg.num_workers = 0  # grain worker processes (0 = in the main process)
@@ -123,6 +124,28 @@ def _open(cfg):
     return builder, "train", "validation", ("text",)
 
 
+def _eval_split(cfg, builder, default: str) -> str:
+    """``cfg.eval_split``, or the dataset's evaluation split ``default``.
+
+    Only the default is replaced by 'validation' where the dataset lacks it; a split that was
+    asked for by name and does not exist is a :class:`DataError` listing those that do.
+    """
+    splits = builder.info.splits
+    if cfg.eval_split and cfg.eval_split != default:
+        if cfg.eval_split not in splits:
+            files = (" (for 'tsv' and 'text', dataset.eval_files make the 'validation' split)"
+                     if cfg.name in ("tsv", "text") else "")
+            raise DataError(f"Dataset {builder.info.full_name} has no split {cfg.eval_split!r} "
+                            f"(dataset.eval_split, or test_split after training); it has "
+                            f"{sorted(splits)}{files}")
+        return cfg.eval_split
+    if default not in splits and "validation" in splits:
+        logging.warning("dataset %s has no %r split: evaluating on 'validation'",
+                        builder.info.full_name, default)
+        return "validation"
+    return default
+
+
 def _tokenizer_texts(source, fields, max_chars: int):
     """Yields the text of ``fields`` from an evenly spaced sample of ``source``."""
     def texts():
@@ -146,9 +169,7 @@ def build_datasets(cfg: ml_collections.ConfigDict, workdir: str, *,
     vocabulary) and kept as ``workdir/tokenizer.model``. ``shard`` defaults to this JAX process.
     """
     builder, train_split, eval_split, fields = _open(cfg)
-    eval_split = cfg.eval_split or eval_split
-    if eval_split not in builder.info.splits and "validation" in builder.info.splits:
-        eval_split = "validation"
+    eval_split = _eval_split(cfg, builder, eval_split)
     train_source = builders.data_source(builder, train_split)
     if eval_split not in builder.info.splits and cfg.name in ("tsv", "text"):
         # No eval_files: evaluate on (up to 1,000 of) the training examples, and say so.
@@ -181,7 +202,7 @@ def build_datasets(cfg: ml_collections.ConfigDict, workdir: str, *,
     train_iter = pipeline.make_train_iterator(
         train_source, tokenizer, features, lengths, cfg.batch_size // count,
         seed=cfg.seed, pack=cfg.pack, length_policy=cfg.length_policy, shard=shard,
-        num_workers=cfg.num_workers, num_bins=cfg.pack_bins or None)
+        num_workers=cfg.num_workers, num_bins=cfg.pack_bins or None, split=train_split)
     eval_batches = pipeline.make_eval_batches(
         eval_source, tokenizer, features, lengths, cfg.eval_batch_size // count, shard=shard,
         max_examples=cfg.max_eval_examples or None)

@@ -5,9 +5,10 @@ Training::
     source (random access) -> this host's slice -> shuffle(seed), reshuffled every epoch
       -> repeat -> tokenise + EOS + length policy -> pack (or pad) -> batch -> [worker processes]
 
-Evaluation: every example of this host's slice exactly once, truncated rather than dropped,
-one example per row, padded with all-zero rows (segment id 0) to the same number of batches
-on every host.
+Evaluation: every example of this host's slice exactly once, one example per row, padded with
+all-zero rows (segment id 0) to the same number of batches on every host. Long translation
+examples are truncated; long decoder-only documents are cut into row-sized pieces, so every
+token is scored once.
 
 Batches are dicts of host-local int32 numpy arrays in the layout of INTERFACES.md:
 ``inputs``/``targets`` plus ``*_segment_ids`` and ``*_positions``; :func:`to_global_batch`
@@ -114,6 +115,23 @@ class Tokenize(grain.transforms.Map):
             out[key] = np.asarray(ids, np.int32)
         return [out] if self._policy == "split" else out
 
+    def too_long(self, record: Mapping[str, Any]) -> dict[str, int]:
+        """{key: tokens with EOS} of the fields longer than their limit (nothing counted)."""
+        out = {}
+        for key, field in self._features.fields.items():
+            n = len(self._tokenizer.encode(record[field])) + 1
+            if n > self._lengths[key]:
+                out[key] = n
+        return out
+
+
+def _read(source, indices) -> list:
+    """The records at ``indices``, in one ``__getitems__`` call where the source has it."""
+    indices = [int(i) for i in indices]
+    if hasattr(source, "__getitems__"):
+        return source.__getitems__(indices)
+    return [source[i] for i in indices]
+
 
 class ReadAndTokenize(grain.transforms.Map):
     """A chunk of record indices -> the list of their tokenised examples.
@@ -128,13 +146,8 @@ class ReadAndTokenize(grain.transforms.Map):
         self._tokenize = tokenize
 
     def map(self, indices):
-        indices = [int(i) for i in indices]
-        if hasattr(self._source, "__getitems__"):
-            records = self._source.__getitems__(indices)
-        else:
-            records = [self._source[i] for i in indices]
         out = []
-        for record in records:
+        for record in _read(self._source, indices):
             example = self._tokenize.map(record)
             if isinstance(example, list):
                 out.extend(example)
@@ -178,6 +191,31 @@ def _shard_options(shard: grain.sharding.ShardOptions | None) -> tuple[int, int]
     return shard.shard_index, shard.shard_count
 
 
+def _check_something_fits(source, tokenize: Tokenize, start: int, end: int, split: str,
+                          chunk: int) -> None:
+    """With ``length_policy='drop'`` and no example that fits, the endless train iterator would
+    wait for ever: read records [start, end) up to the first that fits (usually the first one)
+    and raise a :class:`DataError` if none does."""
+    too_long: dict[str, list[int]] = {}  # key -> [count, longest]
+    for i in range(start, end, chunk):
+        for record in _read(source, range(i, min(i + chunk, end))):
+            over = tokenize.too_long(record)
+            if not over:
+                return
+            for key, n in over.items():
+                count, longest = too_long.get(key, (0, 0))
+                too_long[key] = [count + 1, max(longest, n)]
+    details = "; ".join(
+        f"{count} longer than {tokenize._lengths[key]} tokens (EOS included) in {key} (field "
+        f"{tokenize._features.fields[key]!r}; longest {longest})"
+        for key, (count, longest) in too_long.items())
+    raise DataError(
+        f"length_policy='drop' keeps none of the {end - start} examples of split {split!r} in "
+        f"this process's shard (records {start} to {end - 1}): {details}. Raise the length "
+        f"(dataset.max_len; max_source_len / max_target_len for translation) or use "
+        f"length_policy='truncate' ('split' for decoder-only data).")
+
+
 def make_train_iterator(
     source: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
@@ -193,6 +231,7 @@ def make_train_iterator(
     num_bins: int | None = None,
     read_threads: int = 2,
     read_chunk: int = 64,
+    split: str = "train",
 ) -> grain.DatasetIterator:
     """An endless iterator of host-local batches of ``batch_size`` rows.
 
@@ -200,20 +239,24 @@ def make_train_iterator(
     ``shard``: this host's shard (default ``jax.process_index()`` of ``jax.process_count()``);
     each host reads a distinct contiguous slice of the records. ``num_workers`` > 0 runs the
     pipeline in that many worker processes (absl flags must be parsed first). ``num_bins``:
-    rows kept open by the packer (default: ``max(batch_size, 32)``).
+    rows kept open by the packer (default: ``max(batch_size, 32)``). ``split``: the source's
+    name in error messages. With ``length_policy='drop'``, a shard where no example fits is a
+    :class:`DataError` here (it would otherwise never yield a batch).
     """
     index, count = _shard_options(shard)
     start, end = shard_bounds(len(source), index, count)
     if end <= start:
         raise DataError(f"process {index} of {count} has no training records "
                         f"({len(source)} in all)")
+    tokenize = Tokenize(tokenizer, features, lengths, length_policy, "train")
+    if length_policy == "drop":
+        _check_something_fits(source, tokenize, start, end, split, read_chunk)
     # Shuffle record indices (repeat reseeds the shuffle every epoch), then read and tokenise
     # them in chunks: per-record overheads (ArrayRecord reads, grain bookkeeping) dominate
     # otherwise.
     ds = grain.MapDataset.range(start, end).shuffle(seed=seed).repeat(None)
     ds = ds.batch(read_chunk, batch_fn=list)
-    ds = ds.map(ReadAndTokenize(source, Tokenize(tokenizer, features, lengths, length_policy,
-                                                 "train")))
+    ds = ds.map(ReadAndTokenize(source, tokenize))
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
                                               prefetch_buffer_size=2 * read_threads))
     it = grain.experimental.FlatMapIterDataset(it, Unbatch())
@@ -239,19 +282,32 @@ def make_eval_batches(
 ) -> list[dict[str, np.ndarray]]:
     """Every evaluation example of this host's slice once, one per row, in order.
 
-    Examples longer than ``lengths`` are truncated (an evaluation set drops nothing). The last
-    batches are filled with all-zero rows (segment id 0, so loss weight 0); every host gets
-    ``ceil(ceil(n / process_count) / batch_size)`` batches, so multi-host steps stay in step.
+    Translation examples longer than ``lengths`` are truncated (an evaluation set drops
+    nothing). Decoder-only documents are cut into pieces of at most the row length, as
+    ``length_policy='split'`` does, so every token is scored once (only the document's last
+    piece ends with EOS); then the hosts share the pieces, not the documents, so each host
+    tokenises all ``n`` documents. The last batches are filled with all-zero rows (segment id 0,
+    so loss weight 0); every host gets ``ceil(ceil(rows / process_count) / batch_size)``
+    batches, so multi-host steps stay in step.
     """
     index, count = _shard_options(shard)
     n = len(source) if max_examples is None else min(len(source), max_examples)
     if n == 0:
         raise DataError("evaluation set is empty")
-    start, end = shard_bounds(n, index, count)
-    read = ReadAndTokenize(source, Tokenize(tokenizer, features, lengths, "truncate", "eval"))
-    rows = [make_row([ex], lengths) for i in range(start, end, 256)
-            for ex in read.map(range(i, min(i + 256, end)))]
-    num_batches = math.ceil(math.ceil(n / count) / batch_size)
+    decoder_only = len(features.fields) == 1
+    read = ReadAndTokenize(source, Tokenize(tokenizer, features, lengths,
+                                            "split" if decoder_only else "truncate", "eval"))
+    if decoder_only:  # the number of pieces is known only after tokenising: share them out
+        examples = [ex for i in range(0, n, 256) for ex in read.map(range(i, min(i + 256, n)))]
+        start, end = shard_bounds(len(examples), index, count)
+        examples, total = examples[start:end], len(examples)
+    else:
+        start, end = shard_bounds(n, index, count)
+        examples = [ex for i in range(start, end, 256)
+                    for ex in read.map(range(i, min(i + 256, end)))]
+        total = n
+    rows = [make_row([ex], lengths) for ex in examples]
+    num_batches = math.ceil(math.ceil(total / count) / batch_size)
     empty = make_row([], lengths)
     rows += [empty] * (num_batches * batch_size - len(rows))
     return [{k: np.stack([r[k] for r in rows[b * batch_size:(b + 1) * batch_size]])

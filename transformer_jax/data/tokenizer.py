@@ -37,6 +37,8 @@ UNK_ID = 3
 
 MODEL_FILENAME = "tokenizer.model"
 METADATA_FILENAME = "tokenizer.json"
+# training/checkpoint.py's CHECKPOINT_DIRNAME (data/ does not import training/).
+CHECKPOINT_DIRNAME = "checkpoints"
 
 # SentencePiece's meta symbol for a space. Literal occurrences in the input are spelled with byte
 # pieces so that they do not come back as spaces.
@@ -71,12 +73,17 @@ class Tokenizer:
 
     def __init__(self, model_proto: bytes):
         self._proto = bytes(model_proto)
-        self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        except RuntimeError as e:  # the protobuf does not parse
+            raise DataError(f"not a SentencePiece model ({str(e).strip()})") from e
+        if self._sp.get_piece_size() == 0:  # an empty file parses as an empty model
+            raise DataError("not a SentencePiece model (empty, no pieces)")
         self._sp_no_prefix = None  # built lazily, only needed for text containing U+2581
         ids = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
         if ids != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
-            raise ValueError(f"SentencePiece model has special ids (pad, eos, bos, unk)={ids}, "
-                             f"expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}")
+            raise DataError(f"SentencePiece model has special ids (pad, eos, bos, unk)={ids}, "
+                            f"expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)} (as Tokenizer.train sets them)")
         self._space_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>")
                              for b in _SPACE_SYMBOL.encode("utf-8")]
 
@@ -90,8 +97,16 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """Reads a model file; a :class:`DataError` naming ``path`` if it is not a usable one."""
         with open(path, "rb") as f:
-            return cls(f.read())
+            proto = f.read()
+        try:
+            return cls(proto)
+        except DataError as e:
+            raise DataError(
+                f"Cannot use tokenizer {os.fspath(path)}: {e}. Put back the tokenizer.model the "
+                f"run was trained with; in a workdir without checkpoints you may instead delete it "
+                f"and {METADATA_FILENAME} so that training writes a new one.") from e
 
     def save(self, path: str | os.PathLike) -> None:
         _atomic_write(path, self._proto)
@@ -257,6 +272,63 @@ def _matching_model(workdir: str, metadata: dict) -> Tokenizer | None:
     return tok if stored.get("model_sha256") == digest else None
 
 
+def _has_checkpoints(workdir: str | os.PathLike) -> bool:
+    """Whether ``workdir/checkpoints`` holds a committed training step.
+
+    training/checkpoint.py keeps orbax steps as ``DIR/checkpoints/<step>/``; a save in progress
+    (``<step>.orbax-checkpoint-tmp-*``) does not count.
+    """
+    try:
+        with os.scandir(os.path.join(workdir, CHECKPOINT_DIRNAME)) as entries:
+            return any(e.name.isdigit() and e.is_dir() for e in entries)
+    except OSError:  # no such directory
+        return False
+
+
+def _checkpointed_model(workdir: str, metadata: dict) -> Tokenizer:
+    """The workdir's tokenizer, which its checkpoints were trained with; never retrained.
+
+    A :class:`DataError` if the corpus or settings recorded with it differ from ``metadata``
+    (retraining would silently change the vocabulary under the checkpoints).
+    """
+    model_path = os.path.join(workdir, MODEL_FILENAME)
+    meta_path = os.path.join(workdir, METADATA_FILENAME)
+    tok = Tokenizer.load(model_path)
+    try:
+        with open(meta_path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError):
+        logging.warning("Using %s as it is (no readable %s): %s has checkpoints, so it is not "
+                        "retrained.", model_path, METADATA_FILENAME, workdir)
+        return tok
+    fresh = f"use a fresh workdir, or delete {workdir}/{CHECKPOINT_DIRNAME} to start over"
+    if stored.get("model_sha256") != hashlib.sha256(tok.model_proto).hexdigest():
+        raise DataError(
+            f"{model_path} is not the tokenizer recorded in {meta_path} (sha256 differs), and "
+            f"{workdir} has checkpoints, so it is unknown which vocabulary they were trained "
+            f"with. Put back the tokenizer.model the run was trained with, or {fresh}.")
+    old = stored.get("settings") or {}
+    # settings_version alone changes with the library, not the data: keep the tokenizer.
+    changed = [f"{k} {old.get(k)!r} (tokenizer) -> {v!r} (now)" for k, v in metadata.items()
+               if k not in ("settings_version", "corpus_key") and old.get(k) != v]
+    if changed:
+        raise DataError(
+            f"{workdir} has checkpoints trained with its {MODEL_FILENAME}, but the tokenizer "
+            f"settings have changed since it was trained: {'; '.join(changed)}. Retraining it "
+            f"would change the vocabulary under the checkpoints, so it is kept and training "
+            f"stops here. To resume, set the tokenizer settings the run was started with; to "
+            f"train with the new ones, {fresh}.")
+    if stored.get("corpus_key") != metadata["corpus_key"]:
+        # The data changed (new files, or the same files re-prepared: the key includes sizes and
+        # modification times). The checkpoints' vocabulary still applies to any text: keep it,
+        # as a fixed tokenizer file would be kept.
+        logging.warning(
+            "The training data of %s changed since its tokenizer was trained (corpus key %r -> "
+            "%r); keeping %s, which its checkpoints were trained with.", workdir,
+            stored.get("corpus_key"), metadata["corpus_key"], model_path)
+    return tok
+
+
 def get_or_train_tokenizer(
     workdir: str | os.PathLike,
     corpus_key: str,
@@ -270,6 +342,9 @@ def get_or_train_tokenizer(
 ) -> Tokenizer:
     """Loads ``workdir/tokenizer.model`` if it was trained on the same corpus and settings.
 
+    Once the workdir has checkpoints (see :func:`_has_checkpoints`) its tokenizer is never
+    retrained: it is kept when the corpus changed (with a warning), and different settings are a
+    :class:`DataError` naming the old and new values.
     Otherwise process 0 trains one on ``texts_fn()`` and writes the model, then
     ``tokenizer.json`` (the corpus key, the settings and the model's sha256) last, each by atomic
     rename; ``tokenizer.json`` is the commit marker. Other processes wait until a matching
@@ -283,6 +358,12 @@ def get_or_train_tokenizer(
     if tok is not None:
         logging.info("Reusing tokenizer %s (corpus %s).", workdir, corpus_key)
         return tok
+    if _has_checkpoints(workdir):
+        if os.path.exists(os.path.join(workdir, MODEL_FILENAME)):
+            return _checkpointed_model(workdir, metadata)
+        logging.warning("%s has checkpoints but no %s: training a new tokenizer. If the "
+                        "checkpoints were trained with another one, put it back.", workdir,
+                        MODEL_FILENAME)
     if process_index is None:
         import jax
 
