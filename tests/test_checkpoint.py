@@ -191,3 +191,53 @@ def test_average_cli(reference, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert restore_for_inference(str(tmp_path / "avg3")).step == 20
+
+
+def _tiny_state(step: int):
+    import jax.numpy as jnp
+
+    from transformer_jax.training.state import TrainState
+
+    params = {"w": jnp.full(3, float(step))}
+    return TrainState(step=jnp.int32(step), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
+
+
+def test_keep_best_keeps_the_latest_too_and_drops_checkpoints_without_metrics(tmp_path):
+    """max_to_keep best by the metric + the latest (what a resume needs, e.g. the one saved at
+    preemption); a checkpoint without the metric is kept only while it is the latest."""
+    ck = Checkpointer(str(tmp_path), max_to_keep=2, keep_best_metric="eval_loss", async_save=False)
+    on_disk = []
+    for step, loss in [(100, 3.0), (200, 2.5), (300, 2.6), (400, 2.7), (450, None), (500, 2.4)]:
+        ck.save(_tiny_state(step), metrics=None if loss is None else {"eval_loss": loss}, force=True)
+        ck.wait()
+        assert ck.latest_step() == step  # the step just saved is never deleted
+        on_disk.append(ck.all_steps())
+    ck.close()
+    assert on_disk[3] == [200, 300, 400]  # best two (2.5, 2.6) + the latest (2.7, rising)
+    assert on_disk[4] == [200, 300, 450]  # saved at preemption, between evaluations: no metrics
+    assert on_disk[5] == [200, 500]  # the one without metrics is gone once it is not the latest
+
+
+def test_keep_best_ranks_by_the_evaluation_of_the_checkpoint_step(data_dir, tmp_path, monkeypatch):
+    """A checkpoint saved between evaluations (here at preemption) gets no metrics, not the last
+    evaluation's; it is kept while it is the latest, then dropped."""
+    import json
+
+    from transformer_jax.training import checkpoint as ckpt_lib
+
+    workdir = str(tmp_path / "w")
+    config = tiny_config(data_dir, num_train_steps=8, eval_every_steps=4, checkpoint_every_steps=4,
+                         keep_best_metric="eval_loss", max_checkpoints_to_keep=1)
+    monkeypatch.setattr(ckpt_lib.PreemptionFlag, "reached", lambda self, manager, step: step == 6)
+    train_and_evaluate(config, workdir)
+    monkeypatch.undo()
+    ck = Checkpointer(workdir, read_only=True)
+    assert ck.all_steps() == [4, 6]
+    assert ck.manager.metrics(6) is None  # not step 4's evaluation
+    train_and_evaluate(config, workdir)  # resumes from 6
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        evals = {r["step"]: r["eval_loss"] for r in map(json.loads, f) if "eval_loss" in r}
+    ck = Checkpointer(workdir, read_only=True)
+    assert 6 not in ck.all_steps() and ck.all_steps()[-1] == 8
+    for step in ck.all_steps():
+        assert ck.manager.metrics(step)["eval_loss"] == pytest.approx(evals[step])

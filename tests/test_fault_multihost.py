@@ -1,7 +1,7 @@
 """Multi-host faults: two ``train.py`` processes (jax.distributed on 127.0.0.1); one is SIGKILLed
 mid-training and the other must exit with an error within a bounded time (the heartbeat timeout,
-``TJ_HEARTBEAT_TIMEOUT_S``) instead of hanging; restarting both resumes from the last checkpoint
-and finishes.
+``TJ_HEARTBEAT_TIMEOUT_S``) instead of hanging; restarting both resumes from the last checkpoint,
+and a SIGTERM to one of them then stops both at the same step with a checkpoint of it.
 
 About 40 s on a 2-core machine (two processes started twice); part of the default run.
 ``TJ_FAULT_MULTIHOST=0`` skips it.
@@ -84,13 +84,13 @@ def _start_pair(workdir, data_dir, steps):
     ]
 
 
-def _wait_for_checkpoint(workdir, procs, timeout=240):
+def _wait_for_checkpoint(workdir, procs, timeout=240, after=0):
     directory = os.path.join(workdir, "checkpoints")
     start = time.time()
     while time.time() - start < timeout:
         if any(p.poll() is not None for p in procs):
             raise AssertionError("a process ended early:\n" + procs[0].stdout.read()[-3000:])
-        if os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory)):
+        if os.path.isdir(directory) and any(n.isdigit() and int(n) > after for n in os.listdir(directory)):
             return
         time.sleep(0.05)
     raise AssertionError("no checkpoint in time")
@@ -112,12 +112,29 @@ def test_one_process_dies_the_other_stops_and_both_resume(data_dir, tmp_path):
     assert procs[0].returncode != 0, out[-3000:]
     procs[1].wait()
 
-    steps = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
+    steps = _checkpoint_steps(workdir)
     assert 0 < max(steps) < STEPS
-    finish = max(steps) + 2
-    procs = _start_pair(workdir, data_dir, finish)  # both restarted: resume and finish
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    # Both restarted: they resume; then SIGTERM reaches one process only (one VM of a slice
+    # preempted). Both must stop at the same step, save it and exit cleanly: a stop decided by
+    # one process alone would leave it in the checkpoint's collectives and the other training.
+    procs = _start_pair(workdir, data_dir, STEPS)
+    _wait_for_checkpoint(workdir, procs, after=max(steps))
+    procs[1].send_signal(signal.SIGTERM)
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=BOUND_S)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"still running {BOUND_S}s after SIGTERM reached process 1") from None
     for p, o in zip(procs, outs, strict=True):
         assert p.returncode == 0, o[-3000:]
     assert f"Resumed from checkpoint {max(steps)}" in outs[0]
-    assert f"step {finish}" in outs[0] or os.path.isdir(os.path.join(workdir, "checkpoints", str(finish)))
+    assert "Stopped by SIGTERM after step " in outs[0], outs[0][-3000:]  # process 0 logs
+    stopped = int(outs[0].split("Stopped by SIGTERM after step ")[1].split(";")[0])
+    assert max(_checkpoint_steps(workdir)) == stopped < STEPS
+
+
+def _checkpoint_steps(workdir):
+    return [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]

@@ -55,6 +55,12 @@ WORKER = textwrap.dedent(
 
     assert parallel.initialize(initialization_timeout=60)
     assert jax.process_count() == 2 and jax.device_count() == 4
+    from transformer_jax.config import ConfigError
+    try:  # the tensor axis across the two processes: both would hold the whole batch
+        parallel.check_batch_divisible(8, parallel.create_mesh(data=1, tensor=-1))
+        raise AssertionError("a batch that the processes would hold twice was accepted")
+    except ConfigError as e:
+        assert "hold the same rows of the batch" in str(e), e
     mesh = parallel.create_mesh(data=-1)
     parallel.check_batch_divisible(8, mesh)
     rank = jax.process_index()

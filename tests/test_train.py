@@ -17,7 +17,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import build_datasets
 from transformer_jax.params import build_model
-from transformer_jax.training import loop, metrics, train_and_evaluate
+from transformer_jax.training import check_config, evaluate, loop, metrics, train_and_evaluate
 from transformer_jax.training.optimizer import create_optimizer
 from transformer_jax.training.schedules import create_schedule
 from transformer_jax.training.state import create_train_state
@@ -146,6 +146,7 @@ def test_non_finite_stops_or_skips(data_dir, tmp_path):
     config = tiny_config(
         data_dir, num_train_steps=8, log_every_steps=1, checkpoint_every_steps=2, inject_nan_at_step=5
     )
+    config.optimizer.warmup_steps = 10  # a rising rate: the rate of each step differs
     with pytest.raises(FloatingPointError, match=r"step 5 .*Last good checkpoint: step 4"):
         train_and_evaluate(config, str(tmp_path / "stop"))
     config.skip_nonfinite = True
@@ -153,6 +154,18 @@ def test_non_finite_stops_or_skips(data_dir, tmp_path):
     records = [r for r in read_jsonl(str(tmp_path / "skip")) if "loss" in r]
     assert np.isnan(records[5]["loss"]) and np.isfinite(final["loss"]) and final["step"] == 8
     assert final["skipped_steps"] == 1
+    assert [r["skipped"] for r in records] == [0, 0, 0, 0, 0, 1, 0, 0]
+    # The skipped step did not advance the optimizer: the next step applies the same rate.
+    rates = [r["learning_rate"] for r in records]
+    assert rates[6] == rates[5] and rates[4] < rates[5] < rates[7]
+
+
+def test_log_window_leaves_out_skipped_steps():
+    step = lambda loss, finite: {"loss": loss, "learning_rate": 0.1, "finite": float(finite)}
+    window = loop._summarise([step(2.0, 1), step(np.nan, 0), step(4.0, 1)], 30, 1.0, 0.0, None)
+    assert (window["loss"], window["skipped"]) == (3.0, 1)
+    only_skipped = loop._summarise([step(np.nan, 0)], 10, 1.0, 0.0, None)
+    assert np.isnan(only_skipped["loss"]) and only_skipped["skipped"] == 1
 
 
 @pytest.mark.parametrize(
@@ -166,13 +179,36 @@ def test_non_finite_stops_or_skips(data_dir, tmp_path):
         ("optimizer.grad_accum_steps", 3, "grad_accum_steps"),
         ("dataset.name", "stdlib_lm", r"dataset.name='stdlib_lm' is a language-modelling dataset"),
         ("model.num_encoder_layers", 0, r"dataset.name='enfr_builtin' is a translation dataset"),
+        ("keep_best_mode", "mean", r"config.keep_best_mode='mean' must be 'min' or 'max'"),
+        ("keep_best_metric", "loss", r"config.keep_best_metric='loss' .*\['eval_loss', 'eval_nll'"),
+        ("model.vocab_size", 100, r"config.model.vocab_size=100 is smaller than the tokenizer's 320"),
+        ("optimizer.weight_decay", 0.1, r"optimizer.weight_decay=0.1 needs optimizer.name='adamw'"),
     ],
 )
 def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, message):
+    """Each is one of USER_ERRORS, which train.py prints as one 'error: ...' line (exit status 2)."""
     config = tiny_config(data_dir, **{key: value})
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(loop.USER_ERRORS, match=message):
         train_and_evaluate(config, str(tmp_path))
     assert not os.path.exists(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("metric", ["eval_loss", "eval_perplexity", "eval_accuracy"])
+def test_keep_best_metric_is_checked(metric):
+    config = tiny.get_config()
+    config.keep_best_metric = metric
+    check_config(config)  # tiny checkpoints where it evaluates, every 10 steps
+    config.checkpoint_every_steps = 5
+    message = r"checkpoint_every_steps=5 is not a multiple of config.eval_every_steps=10"
+    with pytest.raises(ConfigError, match=message):
+        check_config(config)
+
+
+def test_keep_best_metric_names_are_what_evaluation_produces():
+    batch = {"targets": np.zeros((8, 4), np.int32)}
+    sums = {"loss_sum": 2.0, "weight_sum": 4.0, "nll": 2.0, "z_loss": 0.0, "correct": 1.0}
+    produced = evaluate.evaluate_loss(lambda p, b: sums, None, [batch], parallel.create_mesh(data=-1))
+    assert set(evaluate.EVAL_METRICS) <= set(produced)
 
 
 def test_config_error_is_a_value_error():

@@ -20,36 +20,40 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from transformer_jax.config import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
 def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
     """Fills in at most one ``-1`` and checks the product equals ``num_devices``.
 
-    Raises a ValueError naming the config keys (``mesh.data``, ``mesh.fsdp``, ``mesh.tensor``) and
-    the device count, so a bad config fails before anything is compiled.
+    Raises a ConfigError (a ValueError) naming the config keys (``mesh.data``, ``mesh.fsdp``,
+    ``mesh.tensor``) and the device count, so a bad config fails before anything is compiled.
     """
     sizes = {"data": int(data), "fsdp": int(fsdp), "tensor": int(tensor)}
     shown = ", ".join(f"mesh.{k}={v}" for k, v in sizes.items())
     bad = [k for k, v in sizes.items() if v == 0 or v < -1]
     if bad:
-        raise ValueError(f"Mesh sizes must be positive or -1 (fill with the remaining devices); got {shown}.")
+        raise ConfigError(
+            f"Mesh sizes must be positive or -1 (fill with the remaining devices); got {shown}."
+        )
     fill = [k for k, v in sizes.items() if v == -1]
     if len(fill) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"At most one mesh axis may be -1; got {shown} "
             f"({' and '.join('mesh.' + k for k in fill)} are both -1)."
         )
     known = math.prod(v for v in sizes.values() if v != -1)
     if fill:
         if num_devices % known:
-            raise ValueError(
+            raise ConfigError(
                 f"Cannot fill mesh.{fill[0]}=-1: the other axes ({shown}) multiply to {known}, "
                 f"which does not divide the {num_devices} available devices."
             )
         sizes[fill[0]] = num_devices // known
     elif known != num_devices:
-        raise ValueError(
+        raise ConfigError(
             f"mesh.data * mesh.fsdp * mesh.tensor must equal the number of devices: "
             f"{shown} multiply to {known}, but there are {num_devices} devices. "
             f"Set one of them to -1 to use all remaining devices."

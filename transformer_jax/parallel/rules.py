@@ -28,6 +28,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from transformer_jax.config import ConfigError
+
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -147,15 +149,48 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEF
     shards = batch_shard_count(mesh, rules)
     processes = jax.process_count()
     if batch_size % shards:
-        raise ValueError(
+        raise ConfigError(
             f"dataset.batch_size={batch_size} must be divisible by mesh.data * mesh.fsdp = "
             f"{mesh.shape['data']} * {mesh.shape['fsdp']} = {shards} (the ways the batch is split)."
         )
     if batch_size % processes:
-        raise ValueError(
+        raise ConfigError(
             f"dataset.batch_size={batch_size} must be divisible by the number of processes "
             f"({processes}); each process loads an equal share of the global batch."
         )
+    if processes > 1:
+        pieces: dict[int, set[int]] = {}
+        for device, index in batch_sharding(mesh, rules).devices_indices_map((batch_size,)).items():
+            pieces.setdefault(device.process_index, set()).add(index[0].start or 0)
+        check_process_pieces(pieces, mesh)
+
+
+def check_process_pieces(pieces: dict[int, set[int]], mesh: Mesh) -> None:
+    """Each process loads its own ``batch_size / process_count`` rows, which is right only if the
+    batch mesh axes give every process as many pieces of the batch as the others and no piece
+    held by another process. Where a non-batch axis (e.g. ``tensor``) spans processes, two
+    processes hold the same rows: the global batch would be built as if their different rows were
+    copies of one another (smaller than asked for, and different on each host).
+
+    ``pieces``: process index -> start rows of the batch pieces its devices hold.
+    """
+    owner: dict[int, int] = {}
+    for process, starts in sorted(pieces.items()):
+        for start in starts:
+            if start in owner:
+                raise ConfigError(
+                    f"With mesh {dict(mesh.shape)}, processes {owner[start]} and {process} hold the "
+                    f"same rows of the batch (row {start} on), but each process loads rows of its own. "
+                    f"The batch axes (mesh.data * mesh.fsdp) must split the batch across the "
+                    f"processes: make mesh.data * mesh.fsdp a multiple of the process count and keep "
+                    f"mesh.tensor within one host's devices.")
+            owner[start] = process
+    if len({len(starts) for starts in pieces.values()}) > 1:
+        counts = {process: len(starts) for process, starts in sorted(pieces.items())}
+        raise ConfigError(
+            f"With mesh {dict(mesh.shape)}, the processes hold unequal numbers of batch pieces "
+            f"({counts}), but each loads an equal share: make mesh.data * mesh.fsdp a multiple of "
+            f"the process count.")
 
 
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh, rules: LogicalRules = DEFAULT_RULES):

@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from transformer_jax import parallel
-from transformer_jax.config import ModelConfig
+from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import Tokenizer, checkpoint_args
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
@@ -77,7 +77,9 @@ class Checkpointer:
     """Saves and restores ``TrainState`` + data iterator under ``DIR/checkpoints``.
 
     ``keep_best_metric`` (e.g. ``'eval_loss'``) keeps the ``max_to_keep`` best checkpoints by that
-    eval metric (``keep_best_mode`` 'min' or 'max') instead of the most recent ones.
+    eval metric (``keep_best_mode`` 'min' or 'max') and the latest one (the step to resume from,
+    e.g. one saved at preemption), instead of the ``max_to_keep`` most recent ones. A checkpoint
+    saved without that metric is kept only while it is the latest.
 
     Every committed step gets an integrity manifest (see ``integrity.py``) for ``model_config``;
     :meth:`restore` verifies it and, with ``fallback``, skips corrupt steps with a warning.
@@ -95,12 +97,27 @@ class Checkpointer:
         fallback: bool = True,
     ):
         if keep_best_mode not in ("min", "max"):
-            raise ValueError(f"config.keep_best_mode must be 'min' or 'max', got {keep_best_mode!r}")
+            raise ConfigError(f"config.keep_best_mode={keep_best_mode!r} must be 'min' or 'max'")
         self.keep_best_metric = keep_best_metric
         best_fn = (lambda m: float(m[keep_best_metric])) if keep_best_metric else None
+        policy = None
+        if best_fn is not None:
+            # orbax's BestN alone may delete the step just saved (it ranks below the best N), so a
+            # resume would go back to an older step; the latest is always kept as well. BestN's
+            # `reverse` sorts worst first for 'min', as orbax's own default policy does.
+            best = ocp.checkpoint_managers.BestN(
+                get_metric_fn=best_fn,
+                reverse=keep_best_mode == "min",
+                n=max_to_keep,
+                keep_checkpoints_without_metrics=False,
+            )
+            policy = ocp.checkpoint_managers.AnyPreservationPolicy(
+                [ocp.checkpoint_managers.LatestN(1), best]
+            )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            best_fn=best_fn,
+            max_to_keep=None if policy is not None else max_to_keep,
+            preservation_policy=policy,
+            best_fn=best_fn,  # also what makes orbax store the metrics of each step
             best_mode=keep_best_mode,
             enable_async_checkpointing=async_save,
             create=not read_only,
@@ -210,14 +227,19 @@ class Checkpointer:
 class PreemptionFlag:
     """Set by SIGTERM (what schedulers and Cloud TPU maintenance send before killing a job).
 
-    The loop polls :meth:`reached`, saves a checkpoint and returns; with several processes JAX's
-    preemption sync point makes them all stop at the same step.
+    The loop polls :meth:`reached`, saves a checkpoint and returns. With one process a Python
+    SIGTERM handler sets the flag. With several, the stop must be agreed on: a process that
+    stopped alone would wait in the checkpoint's collectives while the others trained on. So the
+    signal is left to JAX's preemption notifier (installed by ``jax.distributed.initialize``),
+    which tells every process through the coordination service, and orbax's
+    ``reached_preemption`` (JAX's preemption sync point) then stops them all at the same step,
+    whichever process got the signal. A Python handler would replace the notifier's.
     """
 
     def __init__(self):
         self._event = threading.Event()
         self._previous = None
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):

@@ -13,6 +13,7 @@ from ml_collections import config_dict
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DATASET_NAMES
 from transformer_jax.data.inputs import LM_DATASETS, TRANSLATION_DATASETS
+from transformer_jax.training.evaluate import EVAL_METRICS
 from transformer_jax.training.optimizer import OPTIMIZERS
 from transformer_jax.training.schedules import SCHEDULES
 
@@ -33,7 +34,7 @@ def training_defaults() -> ml_collections.ConfigDict:
     """Loop settings every config gets unless it sets them (configs/ start from these)."""
     c = ml_collections.ConfigDict()
     c.max_checkpoints_to_keep = 3
-    c.keep_best_metric = ""  # e.g. 'eval_loss': keep the best checkpoints by it, not the newest
+    c.keep_best_metric = ""  # e.g. 'eval_loss': keep the best checkpoints by it (and the newest)
     c.keep_best_mode = "min"
     c.skip_nonfinite = False  # False: stop at a non-finite step; True: skip it
     c.checkpoint_fallback = True  # a corrupt newest checkpoint: True resume from an older one; False stop
@@ -95,6 +96,26 @@ def _positive_int(config, key: str, minimum: int = 1) -> None:
         raise ConfigError(f"config.{key}={value!r} must be an integer >= {minimum}")
 
 
+def _check_keep_best(config) -> None:
+    """Keep-best ranks checkpoints by the evaluation run at their step, so every periodic checkpoint
+    must fall on an evaluation step (t5x refuses checkpoint and eval periods that are not multiples
+    of each other too)."""
+    if config.keep_best_mode not in ("min", "max"):
+        raise ConfigError(f"config.keep_best_mode={config.keep_best_mode!r} must be 'min' or 'max'")
+    metric = config.keep_best_metric
+    if not metric:
+        return
+    if metric not in EVAL_METRICS:
+        raise ConfigError(
+            f"config.keep_best_metric={metric!r} is not a metric evaluation produces; use one of "
+            f"{list(EVAL_METRICS)} (or '' to keep the newest checkpoints)")
+    if config.checkpoint_every_steps % config.eval_every_steps:
+        raise ConfigError(
+            f"config.keep_best_metric={metric!r} ranks checkpoints by the evaluation at their step, but "
+            f"config.checkpoint_every_steps={config.checkpoint_every_steps} is not a multiple of "
+            f"config.eval_every_steps={config.eval_every_steps}")
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Raises ``ConfigError`` (a ValueError) naming the first bad key."""
     missing = [k for k in REQUIRED if k not in config]
@@ -128,6 +149,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"{list(TRANSLATION_DATASETS)}")
     for key in ("batch_size", "eval_batch_size"):
         _positive_int(ds, key)
+    _check_keep_best(config)
     if opt.name not in OPTIMIZERS:
         raise ConfigError(f"config.optimizer.name={opt.name!r} is not one of {OPTIMIZERS}")
     if opt.schedule not in SCHEDULES:

@@ -22,9 +22,13 @@ from transformer_jax.decoding import beam_search, generate
 from transformer_jax.decoding.model_steps import Seq2SeqStep, encode_source
 from transformer_jax.training import losses
 
+# The quality metrics `evaluate_loss` returns (it adds eval_num_tokens): what the loop logs every
+# eval_every_steps and what config.keep_best_metric may rank checkpoints by.
+EVAL_METRICS = ("eval_loss", "eval_nll", "eval_perplexity", "eval_accuracy")
+
 
 def evaluate_loss(eval_step: Callable, params, batches: Sequence[dict], mesh) -> dict[str, float]:
-    """Token-weighted means over every batch: eval_loss, eval_nll, eval_perplexity, eval_accuracy."""
+    """Token-weighted means over every batch: the ``EVAL_METRICS`` and eval_num_tokens."""
     totals = None
     for batch in batches:
         sums = eval_step(params, to_global_batch(batch, mesh))

@@ -59,9 +59,16 @@ def _non_pad_tokens(batch) -> int:
 
 
 def _summarise(history: list, tokens: int, seconds: float, flops: float, peak) -> dict:
-    """Means of the per-step metrics since the last log, plus throughput and MFU."""
+    """Means of the per-step metrics since the last log, plus throughput and MFU.
+
+    Non-finite (skipped) steps are left out of the means and counted in ``skipped``; a window of
+    only such steps reports their (non-finite) means.
+    """
     host = jax.device_get(history)
-    out = {k: float(np.mean([h[k] for h in host])) for k in host[0] if k != "finite"}
+    finite = [h for h in host if bool(h["finite"])]
+    kept = finite or host
+    out = {k: float(np.mean([h[k] for h in kept])) for k in host[0] if k != "finite"}
+    out["skipped"] = len(host) - len(finite)
     out["tokens_per_sec"] = tokens / seconds
     out["steps_per_sec"] = len(history) / seconds
     if peak:
@@ -101,6 +108,7 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
 
 # What `train_and_evaluate` raises for a problem in the config, the data or the workdir (each message
 # names the key, file or step); train.py prints these without a traceback and exits with status 2.
+# Config problems are ConfigError (a ValueError), the mesh and batch checks of `parallel` included.
 USER_ERRORS = (ConfigError, DataError, integrity.CheckpointConfigMismatchError,
                integrity.CheckpointCorruptError, integrity.CheckpointWriteError)
 
@@ -135,7 +143,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     # --- data --------------------------------------------------------------------------------
     data = build_datasets(config.dataset, workdir)
     if data.tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
             f"tokenizer's {data.tokenizer.vocab_size} tokens (dataset.vocab_size)."
         )
@@ -215,7 +223,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
                 log.write(done, summary)
                 log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
                 history, tokens, last_log = [], 0, time.time()
-            if done % config.eval_every_steps == 0 or done == config.num_train_steps:
+            evaluated = done % config.eval_every_steps == 0 or done == config.num_train_steps
+            if evaluated:
                 eval_metrics = evaluate.evaluate_loss(eval_step, state.params, data.eval_batches, mesh)
                 log.write(done, eval_metrics)
                 log.message(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
@@ -225,7 +234,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
                 if pending is not None and not bool(pending[1]["finite"]):
                     skipped += _non_finite(config, pending[0], checkpointer, log)
                 pending = None
-                checkpointer.save(state, data.train_iter, eval_metrics, force=stop)
+                # Keep-best ranks a checkpoint only by an evaluation of this very step; one saved
+                # between evaluations (at preemption) has no metrics and is kept while it is the latest.
+                checkpointer.save(state, data.train_iter, eval_metrics if evaluated else None, force=stop)
             if stop:
                 log.message(f"Stopped by SIGTERM after step {done}; checkpoint saved.")
                 break

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from transformer_jax.config import ConfigError
 from transformer_jax.training.schedules import config_value, create_schedule
 
 OPTIMIZERS = ("adam", "adamw")
@@ -86,9 +87,9 @@ def create_optimizer(
     get = lambda name: config_value(optimizer_config, name, cfg[name])
     name, weight_decay = get("name"), float(get("weight_decay"))
     if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer.name={name!r}; expected one of {OPTIMIZERS}.")
+        raise ConfigError(f"Unknown optimizer.name={name!r}; expected one of {OPTIMIZERS}.")
     if name == "adam" and weight_decay > 0:
-        raise ValueError(
+        raise ConfigError(
             f"optimizer.weight_decay={weight_decay} needs optimizer.name='adamw' "
             "(decoupled weight decay); plain 'adam' has none."
         )
@@ -103,6 +104,14 @@ def create_optimizer(
     schedule = create_schedule(optimizer_config, d_model, num_train_steps)
     chain.append(optax.scale_by_learning_rate(schedule))
     return optax.chain(*chain)
+
+
+def schedule_count(opt_state: Any) -> jax.Array | None:
+    """The step count of the learning-rate schedule in ``opt_state`` (optax's own count: it does
+    not advance on a skipped non-finite step, unlike ``TrainState.step``), or None if it has none."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
+    return found[0].count if found else None
 
 
 def _split_micro_batches(batch: Any, num_micro_batches: int) -> Any:

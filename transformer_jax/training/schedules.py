@@ -13,6 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
+from transformer_jax.config import ConfigError
+
 SCHEDULES = ("rsqrt_paper", "cosine", "constant")
 
 
@@ -95,9 +97,9 @@ def create_schedule(
     if name == "cosine":
         decay_steps = int(config_value(optimizer_config, "decay_steps", 0) or 0) or num_train_steps
         if not decay_steps:
-            raise ValueError(
+            raise ConfigError(
                 "optimizer.schedule='cosine' needs optimizer.decay_steps > 0 or num_train_steps."
             )
         end = lr * float(config_value(optimizer_config, "end_learning_rate_ratio", 0.0) or 0.0)
         return warmup_cosine(lr, warmup, decay_steps, end)
-    raise ValueError(f"Unknown optimizer.schedule={name!r}; expected one of {SCHEDULES}.")
+    raise ConfigError(f"Unknown optimizer.schedule={name!r}; expected one of {SCHEDULES}.")

@@ -107,9 +107,11 @@ def train_step(
         step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
     )
     metrics = losses.normalize_metrics(loss_sum, weight_sum, aux)
+    # The rate this update applies: the optimizer's count lags state.step after skipped steps.
+    count = optimizer.schedule_count(state.opt_state)
     metrics.update(
         grad_norm=optax.tree.norm(grads),
-        learning_rate=schedule(state.step),
+        learning_rate=schedule(state.step if count is None else count),
         finite=finite.astype(jnp.float32),
     )
     return new_state, metrics
