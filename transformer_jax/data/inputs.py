@@ -146,6 +146,16 @@ def _eval_split(cfg, builder, default: str) -> str:
     return default
 
 
+def check_eval_split(cfg: ml_collections.ConfigDict, split: str) -> str:
+    """The split that evaluating on ``split`` would read (see `_eval_split`); a :class:`DataError`
+    now, not after training, if the dataset does not have it (``test_split`` is read only once
+    training has finished)."""
+    builder, _, default, _ = _open(cfg)
+    named = ml_collections.ConfigDict(cfg.to_dict())
+    named.eval_split = split
+    return _eval_split(named, builder, default)
+
+
 def _tokenizer_texts(source, fields, max_chars: int):
     """Yields the text of ``fields`` from an evenly spaced sample of ``source``."""
     def texts():

@@ -16,6 +16,7 @@ import numpy as np
 from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DataError, build_datasets, to_global_batch
+from transformer_jax.data.inputs import check_eval_split
 from transformer_jax.params import build_model
 from transformer_jax.training import checkpoint as ckpt_lib
 from transformer_jax.training import evaluate, integrity, steps
@@ -142,6 +143,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
 
     # --- data --------------------------------------------------------------------------------
     data = build_datasets(config.dataset, workdir)
+    if data.is_translation and config.test_split:  # read after training: check it exists now
+        check_eval_split(config.dataset, config.test_split)
     if data.tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(
             f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
