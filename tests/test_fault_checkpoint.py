@@ -198,3 +198,30 @@ def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(integrity.CheckpointWriteError, match="is not writable.*choose another --workdir"):
         train_and_evaluate(tiny_config(data_dir), str(blocker / "run"))
+
+
+def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt(workdir, data_dir):
+    """The data iterator's saved position fits only a pipeline of the same shape. A run with
+    another dataset.num_workers (0 against > 0: grain stores the two differently) or another
+    process count gets a DataError naming the setting; before, the restore failed inside grain, every
+    step was taken for corrupt, and the message said to start from scratch."""
+    from absl import flags
+
+    from transformer_jax.data import DataError
+
+    if not flags.FLAGS.is_parsed():  # grain's worker pipeline reads its flags (train.py parses them)
+        flags.FLAGS.mark_as_parsed()
+    config = tiny_config(data_dir, num_train_steps=12)
+    config.dataset.num_workers = 1
+    with pytest.raises(DataError, match=r"step 10 .*saved with dataset.num_workers = 0"):
+        train_and_evaluate(config, workdir)
+    from transformer_jax.config import ModelConfig
+
+    for step in (5, 10):  # as two processes would have saved it (one file shown), sealed again
+        data = os.path.join(integrity.step_dir(ckpt(workdir), step), "data")
+        os.rename(os.path.join(data, "process_0-of-1.json"), os.path.join(data, "process_0-of-2.json"))
+        model = ModelConfig.from_dict(integrity.read_manifest(ckpt(workdir), step)["model_config"])
+        integrity.write_manifest(ckpt(workdir), step, model)
+    with pytest.raises(DataError, match=r"step 10 .*for 2 process\(es\) .*this run has 1"):
+        train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)
+    assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))

@@ -29,7 +29,7 @@ from absl import logging
 
 from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig
-from transformer_jax.data import Tokenizer, checkpoint_args
+from transformer_jax.data import DataError, Tokenizer, checkpoint_args
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
 from transformer_jax.training.state import TrainState
@@ -204,6 +204,7 @@ class Checkpointer:
             "train": ocp.args.StandardRestore(train),
         }
         if data_iter is not None:
+            _check_data_state(integrity.step_dir(self.directory, step), step, data_iter)
             items["data"] = checkpoint_args(data_iter, restore=True)
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         return TrainState(
@@ -219,6 +220,43 @@ class Checkpointer:
     def close(self) -> None:
         self.seal(block=True)
         self.manager.close()
+
+
+def _check_data_state(step_path: str, step: int, data_iter) -> None:
+    """Raises a :class:`DataError` naming the setting when the input pipeline's saved position
+    cannot be restored into ``data_iter``: it was saved by another number of processes, or by a
+    pipeline of another shape (``dataset.num_workers`` 0 against > 0, which grain stores
+    differently). Otherwise the restore would fail inside grain, and the step would be taken for a
+    corrupt one."""
+    index, count = jax.process_index(), jax.process_count()
+    directory = os.path.join(step_path, "data")
+    path = os.path.join(directory, f"process_{index}-of-{count}.json")
+    if not os.path.isdir(directory):
+        return  # not a local directory: orbax reports what it finds
+    if not os.path.exists(path):
+        saved = sorted(n for n in os.listdir(directory) if n.startswith("process_") and n.endswith(".json"))
+        counts = sorted({n.rsplit("-of-", 1)[-1][: -len(".json")] for n in saved})
+        raise DataError(
+            f"Checkpoint step {step} holds the input pipeline's position for {' or '.join(counts)} "
+            f"process(es) ({', '.join(saved)}), and this run has {count}: the data position of one "
+            f"process count cannot be restored into another. Resume with the process count that "
+            f"saved it.")
+    try:
+        with open(path) as f:
+            saved_keys = sorted(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return  # unreadable: the restore reports it as corrupt
+    try:
+        wanted = data_iter.get_state()
+    except Exception:  # noqa: BLE001 (no state to compare with: the restore itself will tell)
+        return
+    if isinstance(wanted, dict) and sorted(wanted) != saved_keys:
+        workers = any("worker" in k or "iterators_in_use" in k for k in saved_keys)
+        raise DataError(
+            f"Checkpoint step {step} holds an input pipeline position that this run's pipeline "
+            f"cannot take (saved state {saved_keys}, this pipeline's {sorted(wanted)}): it was "
+            f"saved with dataset.num_workers {'> 0' if workers else '= 0'}, and grain stores the "
+            f"two differently. Resume with that setting of dataset.num_workers.")
 
 
 # ------------------------------------------------------------------------------------ preemption

@@ -26,6 +26,7 @@ import os
 import time
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.data.errors import DataError
 
 MANIFEST_NAME = "integrity.json"
 FORMAT = 1
@@ -242,6 +243,8 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
         if verdict.usable:
             try:
                 state = restore_fn(*args, step)
+            except DataError:  # a setting that does not match the step (named): not corruption
+                raise
             except Exception as e:  # noqa: BLE001 (any unreadable step is a corrupt step)
                 verdict = Verdict(step, "corrupt", [f"orbax could not restore it ({_first_line(e)})"])
             else:
