@@ -222,6 +222,9 @@ def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt
         os.rename(os.path.join(data, "process_0-of-1.json"), os.path.join(data, "process_0-of-2.json"))
         model = ModelConfig.from_dict(integrity.read_manifest(ckpt(workdir), step)["model_config"])
         integrity.write_manifest(ckpt(workdir), step, model)
-    with pytest.raises(DataError, match=r"step 10 .*for 2 process\(es\) .*this run has 1"):
+    with pytest.raises(DataError, match=r"step 10 .*for 2 process\(es\) .*this run has 1.*"
+                                        r"resume_data_position=False"):
         train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)
     assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
+    final = train_and_evaluate(tiny_config(data_dir, num_train_steps=12, resume_data_position=False), workdir)
+    assert final["step"] == 12  # resumed from step 10, the pipeline started afresh

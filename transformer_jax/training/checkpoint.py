@@ -240,7 +240,7 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
             f"Checkpoint step {step} holds the input pipeline's position for {' or '.join(counts)} "
             f"process(es) ({', '.join(saved)}), and this run has {count}: the data position of one "
             f"process count cannot be restored into another. Resume with the process count that "
-            f"saved it.")
+            f"saved it, or set config.resume_data_position=False to start the input pipeline afresh.")
     try:
         with open(path) as f:
             saved_keys = sorted(json.load(f))
@@ -256,7 +256,8 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
             f"Checkpoint step {step} holds an input pipeline position that this run's pipeline "
             f"cannot take (saved state {saved_keys}, this pipeline's {sorted(wanted)}): it was "
             f"saved with dataset.num_workers {'> 0' if workers else '= 0'}, and grain stores the "
-            f"two differently. Resume with that setting of dataset.num_workers.")
+            f"two differently. Resume with that setting of dataset.num_workers, or set "
+            f"config.resume_data_position=False to start the input pipeline afresh.")
 
 
 # ------------------------------------------------------------------------------------ preemption

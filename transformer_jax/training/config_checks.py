@@ -38,6 +38,9 @@ def training_defaults() -> ml_collections.ConfigDict:
     c.keep_best_mode = "min"
     c.skip_nonfinite = False  # False: stop at a non-finite step; True: skip it
     c.checkpoint_fallback = True  # a corrupt newest checkpoint: True resume from an older one; False stop
+    # False: a resume starts the input pipeline afresh instead of at its saved position (for another
+    # process count or dataset.num_workers, which cannot take the saved position; not bit-exact).
+    c.resume_data_position = True
     c.inject_nan_at_step = -1  # testing the non-finite guard
     c.test_split = ""  # translation: BLEU / exact match on this split after training ('' = none)
     c.beam_size = 1  # 1 = greedy decoding for BLEU

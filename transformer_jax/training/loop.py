@@ -165,8 +165,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     )
     abstract, shardings = state_shardings(model, tx, mesh, config.seed)
     if checkpointer.latest_step() is not None:
-        state = checkpointer.restore(abstract, data.train_iter)
-        _say(f"Resumed from checkpoint {checkpointer.restored_step} in {checkpointer.directory}")
+        exact = config.get("resume_data_position", True)
+        state = checkpointer.restore(abstract, data.train_iter if exact else None)
+        _say(f"Resumed from checkpoint {checkpointer.restored_step} in {checkpointer.directory}"
+             + ("" if exact else " (the input pipeline starts afresh: resume_data_position=False)"))
     else:
         state, _ = create_train_state(model, tx, mesh, config.seed)
     start_step = int(jax.device_get(state.step))
