@@ -103,17 +103,39 @@ def test_sampling_is_seeded_and_beam_runs():
 def test_batched_outputs_do_not_depend_on_the_inputs_batched_with_them():
     """GPT-2 (48 learned positions): a prompt near the limit batched with a short one, which may
     generate more tokens, would run past the position table; it is decoded apart, and each
-    output equals its one-by-one output. Translation by beam search: each row's hypotheses end at
-    its own limit (source length + 50), not the batch's longest."""
+    output equals its one-by-one output."""
     directory = gpt2_checkpoint("gpt2_b")
     texts = [" ".join(["the cold coffee"] * 7), "hello"]
     batched = run_cli(f"--hf_checkpoint={directory}", *(f"--prompt={t}" for t in texts))
     assert batched == [run_cli(f"--hf_checkpoint={directory}", f"--prompt={t}")[0] for t in texts]
-    directory = marian_checkpoint("marian_swish")
+
+
+
+def test_beam_decoding_gets_each_inputs_own_limit(monkeypatch):
+    """Translation by beam search: each row's hypotheses end at its own limit (source length + 50,
+    within the model's positions), so its result does not depend on the rows batched with it
+    (beam_search's per-row limits are tested against separate searches in test_decoding.py)."""
+    import jax.numpy as jnp
+
+    from transformer_jax import decoding
+
+    seen = {}
+
+    def record(step_fn, params, cache, prompt, lengths, **kwargs):
+        seen.update(kwargs)
+        batch, steps = prompt.shape[0], kwargs["max_new_tokens"]
+        zeros = jnp.zeros((batch, kwargs["beam_size"]), jnp.int32)
+        return decoding.BeamOutput(jnp.zeros((batch, kwargs["beam_size"], steps), jnp.int32),
+                                   zeros * 0.0, zeros * 0.0, zeros + 1)
+
+    monkeypatch.setattr(decoding, "beam_search", record)
+    directory = marian_checkpoint("marian_swish")  # 64 positions
     texts = ["your cat is a great cat and the box is cold", "hello"]
-    beam = (f"--hf_checkpoint={directory}", "--decoding=beam", "--beam_size=3", "--min_new_tokens=2")
-    batched = run_cli(*beam, *(f"--prompt={t}" for t in texts))
-    assert batched == [run_cli(*beam, f"--prompt={t}")[0] for t in texts]
+    run_cli(f"--hf_checkpoint={directory}", "--decoding=beam", "--min_new_tokens=2",
+            *(f"--prompt={t}" for t in texts))
+    limits = seen["max_new_tokens_per_row"].tolist()
+    assert limits[0] == 64 and limits[1] < 64 and seen["max_new_tokens"] == 64, limits
+    assert seen["min_new_tokens"] == 2
 
 
 def test_truncate_cuts_long_prompts(capsys):
