@@ -1,6 +1,7 @@
 """Training: one step, a falling loss, equal losses on 1 device and on data / FSDP / tensor meshes,
 the non-finite guard, config errors, TensorBoard files, and two processes running train.py."""
 
+import copy
 import json
 import os
 import socket
@@ -209,6 +210,22 @@ def test_keep_best_metric_names_are_what_evaluation_produces():
     sums = {"loss_sum": 2.0, "weight_sum": 4.0, "nll": 2.0, "z_loss": 0.0, "correct": 1.0}
     produced = evaluate.evaluate_loss(lambda p, b: sums, None, [batch], parallel.create_mesh(data=-1))
     assert set(evaluate.EVAL_METRICS) <= set(produced)
+
+
+def test_lengths_past_a_learned_position_table_are_config_errors():
+    """Rows or decoded outputs longer than a learned table would read past its end (NaN)."""
+    config = tiny.get_config()
+    config.model.position = "learned"
+    config.model.max_len = 64
+    check_config(config)
+    for key, value in (("dataset.max_target_len", 80), ("decode_max_len", 65)):
+        bad = copy.deepcopy(config)
+        bad.update_from_flattened_dict({key: value})
+        with pytest.raises(ConfigError, match=rf"config.{key}={value} exceeds config.model.max_len=64"):
+            check_config(bad)
+    config.model.position = "sinusoidal"  # computed for any position
+    config.decode_max_len = 65
+    check_config(config)
 
 
 def test_config_error_is_a_value_error():

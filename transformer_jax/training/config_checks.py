@@ -171,3 +171,24 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.mesh.{key}={value!r} must be a positive integer or -1")
     if config.beam_size < 1:
         raise ConfigError(f"config.beam_size={config.beam_size} must be >= 1 (1 = greedy)")
+    _check_learned_positions(config, model)
+
+
+def _check_learned_positions(config, model: ModelConfig) -> None:
+    """A learned position table has ``model.max_len`` rows; a row or a decoded output longer than
+    that would look past its end (NaN embeddings in training, a ValueError at the BLEU evaluation
+    after training)."""
+    if model.position != "learned":
+        return
+    ds = config.dataset
+    if ds.name in TRANSLATION_DATASETS:
+        lengths = {"dataset.max_source_len": ds.max_source_len, "dataset.max_target_len": ds.max_target_len,
+                   "decode_max_len": config.decode_max_len or ds.max_target_len}
+    else:
+        lengths = {"dataset.max_len": ds.max_len}
+    for key, length in lengths.items():
+        if length > model.max_len:
+            raise ConfigError(
+                f"config.{key}={length} exceeds config.model.max_len={model.max_len}: with "
+                f"position='learned' the position table has max_len rows; raise model.max_len or "
+                f"shorten {key}")
