@@ -131,6 +131,29 @@ def test_short_run_loss_falls_and_writes_everything(data_dir, tmp_path):
     assert b"brain.Event:2" in payloads[0] and any(b"eval_loss" in p for p in payloads)
 
 
+def test_bleu_references_are_not_cut_at_max_target_len(data_dir, tmp_path, monkeypatch):
+    """BLEU and exact match compare with the whole reference, not the reference cut at the
+    training targets' max_target_len (sacreBLEU scores the real text)."""
+    from transformer_jax.training import evaluate
+
+    seen = []
+
+    def fake_translate(model, params, batches, tokenizer, mesh, **kwargs):
+        refs = [tokenizer.decode([int(t) for t in row if t > 1]) for b in batches for row in b["targets"]]
+        seen.append([r for r in refs if r])
+        return evaluate.Translations(seen[-1], seen[-1], seen[-1])
+
+    monkeypatch.setattr(evaluate, "translate", fake_translate)
+    log = type("Log", (), {"message": lambda self, text: None})()
+    for max_target_len in (64, 6):
+        config = tiny_config(data_dir, **{"dataset.max_target_len": max_target_len,
+                                          "dataset.max_eval_examples": 16})
+        data = build_datasets(config.dataset, str(tmp_path))
+        out = loop._translation_eval(config, str(tmp_path), None, None, data, None, "test", log, 1)
+        assert out["test_examples"] == 16
+    assert seen[1] == seen[0] and max(len(r.split()) for r in seen[0]) > 5
+
+
 def test_tfrecord_checksums():
     assert metrics.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
     assert metrics.encode_event(0.0, 5)[:9] == b"\x09" + b"\x00" * 8  # field 1, double 0.0

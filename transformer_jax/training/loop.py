@@ -77,9 +77,15 @@ def _summarise(history: list, tokens: int, seconds: float, flops: float, peak) -
     return out
 
 
+# BLEU's references are decoded from the evaluation batches' target ids: read them this long,
+# not cut at dataset.max_target_len like the targets of the loss.
+REFERENCE_MAX_TOKENS = 1024
+
+
 def _translation_eval(config, workdir, model, params, data, mesh, split: str, log, step) -> dict:
     dataset_cfg = ml_collections.ConfigDict(config.dataset.to_dict())
     dataset_cfg.eval_split = split
+    dataset_cfg.max_target_len = max(dataset_cfg.max_target_len, REFERENCE_MAX_TOKENS)
     batches = build_datasets(dataset_cfg, workdir).eval_batches
     start = time.time()
     result = evaluate.translate(
