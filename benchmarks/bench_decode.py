@@ -82,7 +82,7 @@ def random_params(model, *args, dtype):
 def timed_generate(step_fn, params, make_cache, prompt, lengths, steps, repeats):
     """(compile seconds, best run seconds) of generate with a fresh cache per run."""
     args = (step_fn, params, make_cache(), prompt, lengths, jax.random.key(0))
-    scalars = (jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
+    scalars = (jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0), None)  # None: no per-row limits
     static = dict(max_new_tokens=steps, greedy=True, top_k=0, use_top_p=False, eos_id=None, pad_id=0)
     start = time.perf_counter()
     _generate_jit.lower(*args, *scalars, **static).compile()

@@ -337,10 +337,13 @@ def test_missing_eval_split_is_an_error_not_replaced(data_dir, tmp_path):
             inputs.build_datasets(cfg, str(tmp_path / "w"), shard=shard())
     cfg.eval_split = "validation"  # the default, by name
     assert inputs.build_datasets(cfg, str(tmp_path / "w"), shard=shard()).eval_size == 1
-    # test_split is read after training; the loop checks it with this before training starts.
-    with pytest.raises(DataError, match=r"no split 'test'"):
-        inputs.check_eval_split(cfg, "test")
-    assert inputs.check_eval_split(cfg, "validation") == "validation"
+    # test_split, read after training, is resolved before it starts: on your own files a missing
+    # 'test' (configs/default.py's) means validation, or the training examples without eval files.
+    assert inputs.resolve_test_split(cfg, "test") == "validation"
+    assert inputs.resolve_test_split(cfg, "validation") == "validation"
+    cfg.eval_files = ()
+    assert inputs.resolve_test_split(cfg, "test") == "train"
+    cfg.eval_files = [str(valid)]
     cfg.eval_files, cfg.eval_split = (), ""  # no eval files: the training examples, as before
     assert inputs.build_datasets(cfg, str(tmp_path / "w2"), shard=shard()).eval_size == 20
 

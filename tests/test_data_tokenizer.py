@@ -115,16 +115,21 @@ def test_workdir_with_checkpoints_never_retrains(tmp_path, monkeypatch):
     first = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
     model = (tmp_path / tk.MODEL_FILENAME).read_bytes()
     (tmp_path / "checkpoints" / "20").mkdir()
-    # New or re-prepared data: the tokenizer the checkpoints were trained with is kept.
+    # New or re-prepared data: the tokenizer the checkpoints were trained with is kept, with a
+    # warning naming both corpus keys (and none when nothing changed).
+    warnings = []
+    monkeypatch.setattr(tk.logging, "warning", lambda msg, *args: warnings.append(msg % args))
     kept = tk.get_or_train_tokenizer(tmp_path, "c2", texts, 350, "bpe", process_index=0)
     assert kept.model_proto == first.model_proto
+    assert len(warnings) == 1 and "corpus key 'c1' -> 'c2'" in warnings[0], warnings
     with pytest.raises(DataError, match=r"vocab_size 350 \(tokenizer\) -> 360.*fresh workdir"):
         tk.get_or_train_tokenizer(tmp_path, "c1", texts, 360, "bpe", process_index=1)
     assert len(calls) == 3 and (tmp_path / tk.MODEL_FILENAME).read_bytes() == model
     # A library upgrade (settings version) alone keeps the tokenizer the checkpoints used.
     monkeypatch.setattr(tk, "_SETTINGS_VERSION", tk._SETTINGS_VERSION + 1)
+    warnings.clear()
     again = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
-    assert len(calls) == 3 and again.model_proto == first.model_proto
+    assert len(calls) == 3 and again.model_proto == first.model_proto and not warnings, warnings
     (tmp_path / tk.MODEL_FILENAME).write_bytes(b"junk")
     with pytest.raises(DataError, match=r"Cannot use tokenizer .*tokenizer\.model"):
         tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)

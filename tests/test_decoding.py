@@ -249,6 +249,27 @@ def test_ragged_batch_equals_one_by_one_and_logprobs_match_rescoring():
         assert total == pytest.approx(rescore(params, prompt, generated), abs=1e-4)
 
 
+def test_per_row_limits_stop_each_row_as_its_own_call_would():
+    """max_new_tokens_per_row: row b stops after its limit (padding after it, length at most it),
+    with the tokens and log-probabilities a call with that max_new_tokens alone gives."""
+    params = history_params()
+    tokens, lengths = _ragged_batch(RAGGED)
+    limits = [3, 8, 1]
+    for eos_id in (None, EOS):
+        batched = generate(history_step, params, history_cache(3), tokens, lengths, max_new_tokens=8,
+                           max_new_tokens_per_row=np.array(limits), eos_id=eos_id)
+        for row, limit in enumerate(limits):
+            alone = generate(history_step, params, history_cache(1), tokens[row : row + 1],
+                             lengths[row : row + 1], max_new_tokens=limit, eos_id=eos_id)
+            np.testing.assert_array_equal(batched.tokens[row, :limit], alone.tokens[0])
+            np.testing.assert_allclose(batched.logprobs[row, :limit], alone.logprobs[0], atol=1e-6)
+            assert np.all(np.asarray(batched.tokens[row, limit:]) == PAD)
+            assert int(batched.lengths[row]) == int(alone.lengths[0]) <= limit
+    with pytest.raises(ValueError, match=r"max_new_tokens_per_row must lie in \[1, max_new_tokens=8\]"):
+        generate(history_step, params, history_cache(3), tokens, lengths, max_new_tokens=8,
+                 max_new_tokens_per_row=[3, 9, 1])
+
+
 def test_prompt_bucketing_shares_compilations():
     assert [decoding.bucket_length(n) for n in (1, 8, 9, 17, 64)] == [8, 8, 16, 32, 64]
     assert decoding.bucket_length(5, buckets=[4, 16, 6]) == 6
@@ -321,7 +342,7 @@ def test_only_tokens_cross_decoding_steps(eos_id):
     from the logits it just computed (so XLA reads them in the layout the model wrote them)."""
     batch, width = 3, 2
     args = (bigram_step, shift_table(), bigram_cache(batch), jnp.full((batch, width), 3),
-            jnp.full((batch,), width), jax.random.key(0), 1.0, 1.0, 0)
+            jnp.full((batch,), width), jax.random.key(0), 1.0, 1.0, 0, None)
     jaxpr = _generate_jit.trace(*args, max_new_tokens=5, greedy=True, top_k=0, use_top_p=False,
                                 eos_id=eos_id, pad_id=PAD).jaxpr
     scans = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]

@@ -302,3 +302,10 @@ def test_learned_positions_past_max_len_are_refused_not_nan():
     with pytest.raises(ValueError, match=r"reach position 12, .* \(ModelConfig.max_len\)"):
         generate(LMStep(model), params, tj.init_cache(config, 1, 16), tokens, lengths,
                  max_new_tokens=6, eos_id=None)
+    # Next to a short prompt that may generate more, the long one stops at its own limit: only
+    # the positions it reaches before that must exist (the later steps of its row are padding).
+    both = jnp.asarray([[9, 13, 60, 9, 9, 2, 7, 5], [9, 13, 0, 0, 0, 0, 0, 0]])
+    out = generate(LMStep(model), params, tj.init_cache(config, 2, 16), both, jnp.asarray([8, 2]),
+                   max_new_tokens=8, max_new_tokens_per_row=[4, 8], eos_id=None)
+    np.testing.assert_array_equal(out.tokens[0, :4], ok.tokens[0, :4])
+    assert np.isfinite(np.asarray(out.logprobs)).all() and out.lengths.tolist() == [4, 8]

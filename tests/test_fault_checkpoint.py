@@ -209,12 +209,16 @@ def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt
 
     from transformer_jax.data import DataError
 
-    if not flags.FLAGS.is_parsed():  # grain's worker pipeline reads its flags (train.py parses them)
-        flags.FLAGS.mark_as_parsed()
-    config = tiny_config(data_dir, num_train_steps=12)
-    config.dataset.num_workers = 1
-    with pytest.raises(DataError, match=r"step 10 .*saved with dataset.num_workers = 0"):
-        train_and_evaluate(config, workdir)
+    parsed = flags.FLAGS.is_parsed()
+    flags.FLAGS.mark_as_parsed()  # grain's worker pipeline reads its flags (train.py parses them)
+    try:
+        config = tiny_config(data_dir, num_train_steps=12)
+        config.dataset.num_workers = 1
+        with pytest.raises(DataError, match=r"step 10 .*saved with dataset.num_workers = 0"):
+            train_and_evaluate(config, workdir)
+    finally:
+        if not parsed:  # as it was, for the tests after this one
+            flags.FLAGS.unparse_flags()
     from transformer_jax.config import ModelConfig
 
     for step in (5, 10):  # as two processes would have saved it (one file shown), sealed again

@@ -154,6 +154,15 @@ def test_bleu_references_are_not_cut_at_max_target_len(data_dir, tmp_path, monke
     assert seen[1] == seen[0] and max(len(r.split()) for r in seen[0]) > 5
 
 
+def test_a_test_split_the_dataset_lacks_is_an_error_before_training(data_dir, tmp_path):
+    from transformer_jax.data import DataError
+
+    config = tiny_config(data_dir, test_split="newstest2099")
+    with pytest.raises(DataError, match=r"no split 'newstest2099' \(config.test_split\); it has"):
+        train_and_evaluate(config, str(tmp_path))
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
 def test_tfrecord_checksums():
     assert metrics.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
     assert metrics.encode_event(0.0, 5)[:9] == b"\x09" + b"\x00" * 8  # field 1, double 0.0

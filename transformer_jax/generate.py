@@ -288,28 +288,10 @@ def _pad_rows(rows: list[list[int]], width: int, pad: int, batch: int):
 def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, rng):
     """Generated token lists (EOS and padding removed) for up to ``batch`` encoded inputs.
 
-    A language model with a learned position table decodes every row for as many steps as the
-    row allowed the most; a longer row whose own limit is smaller would run past the table
-    (`decoding.generate` refuses that), so such rows are decoded in a call of their own.
+    Every row stops at its own limit (`_new_tokens_limit`), so an output does not depend on the
+    inputs batched with it, and a long prompt next to a short one never runs past a learned
+    position table while the short one goes on.
     """
-    import jax
-
-    cfg = gen.config
-    if not gen.is_seq2seq and cfg.position == "learned":
-        steps = max(_new_tokens_limit(gen, opts, len(r)) for r in rows)
-        over = [i for i, r in enumerate(rows) if len(r) + steps - 1 > cfg.max_len]
-        if over:  # the row allowed the most steps always fits, so `fits` is never empty
-            fits = [i for i in range(len(rows)) if i not in over]
-            results: list[list[int]] = [[] for _ in rows]
-            for n, group in enumerate((fits, over)):
-                ids = _decode_batch(gen, [rows[i] for i in group], opts, batch, jax.random.fold_in(rng, n))
-                for i, out in zip(group, ids, strict=True):
-                    results[i] = out
-            return results
-    return _decode_rows(gen, rows, opts, batch, rng)
-
-
-def _decode_rows(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, rng):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -339,12 +321,10 @@ def _decode_rows(gen: Generator, rows: list[list[int]], opts: DecodeOptions, bat
         prompt, prompt_lengths = tokens, lengths
     if gen.banned_ids:
         step_fn = BanTokensStep(step_fn, gen.banned_ids)
+    row_limits = [limits[r] if r < len(rows) else limits[0] for r in range(batch)]  # fillers: row 0
     common = dict(max_new_tokens=steps, min_new_tokens=min(opts.min_new_tokens, steps),
-                  eos_id=cfg.eos_id, pad_id=pad)
+                  max_new_tokens_per_row=np.asarray(row_limits, np.int32), eos_id=cfg.eos_id, pad_id=pad)
     if opts.decoding == "beam":
-        # Each row's hypotheses end at its own limit, so its best one does not depend on the
-        # rows batched with it (filler rows repeat row 0).
-        row_limits = [limits[r] if r < len(rows) else limits[0] for r in range(batch)]
         out = decoding.beam_search(
             step_fn,
             gen.params,
@@ -353,7 +333,6 @@ def _decode_rows(gen: Generator, rows: list[list[int]], opts: DecodeOptions, bat
             prompt_lengths,
             beam_size=opts.beam_size,
             alpha=opts.alpha,
-            max_new_tokens_per_row=np.asarray(row_limits, np.int32),
             **common,
         )
         new_tokens, new_lengths = out.tokens[:, 0], out.lengths[:, 0]

@@ -146,14 +146,23 @@ def _eval_split(cfg, builder, default: str) -> str:
     return default
 
 
-def check_eval_split(cfg: ml_collections.ConfigDict, split: str) -> str:
-    """The split that evaluating on ``split`` would read (see `_eval_split`); a :class:`DataError`
-    now, not after training, if the dataset does not have it (``test_split`` is read only once
-    training has finished)."""
-    builder, _, default, _ = _open(cfg)
-    named = ml_collections.ConfigDict(cfg.to_dict())
-    named.eval_split = split
-    return _eval_split(named, builder, default)
+def resolve_test_split(cfg: ml_collections.ConfigDict, split: str) -> str:
+    """The split the after-training evaluation (``config.test_split``) reads, checked before
+    training starts: ``split`` itself when the dataset has it. Your own files ('tsv', 'text')
+    have only 'train' and, with ``dataset.eval_files``, 'validation': the latter is used, else the
+    training examples, with a warning (the metrics are named after the split read). For any other
+    dataset a missing split is a :class:`DataError` listing those it has."""
+    builder, _, _, _ = _open(cfg)
+    splits = builder.info.splits
+    if split in splits:
+        return split
+    if cfg.name in ("tsv", "text"):
+        used = "validation" if "validation" in splits else "train"
+        logging.warning("dataset %s has no %r split (config.test_split): evaluating on %r after "
+                        "training instead", cfg.name, split, used)
+        return used
+    raise DataError(f"Dataset {builder.info.full_name} has no split {split!r} (config.test_split); "
+                    f"it has {sorted(splits)}")
 
 
 def _tokenizer_texts(source, fields, max_chars: int):

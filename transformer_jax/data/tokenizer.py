@@ -318,14 +318,14 @@ def _checkpointed_model(workdir: str, metadata: dict) -> Tokenizer:
             f"would change the vocabulary under the checkpoints, so it is kept and training "
             f"stops here. To resume, set the tokenizer settings the run was started with; to "
             f"train with the new ones, {fresh}.")
-    if stored.get("corpus_key") != metadata["corpus_key"]:
+    if old.get("corpus_key") != metadata["corpus_key"]:
         # The data changed (new files, or the same files re-prepared: the key includes sizes and
         # modification times). The checkpoints' vocabulary still applies to any text: keep it,
         # as a fixed tokenizer file would be kept.
         logging.warning(
             "The training data of %s changed since its tokenizer was trained (corpus key %r -> "
             "%r); keeping %s, which its checkpoints were trained with.", workdir,
-            stored.get("corpus_key"), metadata["corpus_key"], model_path)
+            old.get("corpus_key"), metadata["corpus_key"], model_path)
     return tok
 
 

@@ -23,9 +23,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from transformer_jax.decoding.sampling import NEG_INF, StepFn, _check_cache, _check_prompt, _last_valid
+from transformer_jax.decoding.sampling import (
+    NEG_INF,
+    StepFn,
+    _check_cache,
+    _check_prompt,
+    _last_valid,
+    _row_limits,
+)
 
 
 class BeamOutput(NamedTuple):
@@ -252,23 +258,13 @@ def beam_search(
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)
     _check_prompt(prompt_tokens, prompt_lengths)
-    _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, int(max_new_tokens))
     if int(min_new_tokens) != min_new_tokens or min_new_tokens < 0:
         raise ValueError(f"min_new_tokens must be a non-negative integer, got {min_new_tokens}")
     batch = prompt_tokens.shape[0]
-    if max_new_tokens_per_row is None:
+    limits = _row_limits(max_new_tokens_per_row, batch, int(max_new_tokens))
+    _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, int(max_new_tokens), limits)
+    if limits is None:
         limits = jnp.full((batch,), max_new_tokens, jnp.int32)
-    else:
-        limits = jnp.asarray(max_new_tokens_per_row)
-        if limits.shape != (batch,) or not jnp.issubdtype(limits.dtype, jnp.integer):
-            raise ValueError(f"max_new_tokens_per_row must be integers of shape ({batch},), got "
-                             f"{limits.dtype} {limits.shape}")
-        if not isinstance(limits, jax.core.Tracer):
-            values = np.asarray(limits)
-            if (values < 1).any() or (values > max_new_tokens).any():
-                raise ValueError(f"max_new_tokens_per_row must lie in [1, max_new_tokens="
-                                 f"{max_new_tokens}], got {values.tolist()}")
-        limits = limits.astype(jnp.int32)
     return _beam_search_jit(
         step_fn,
         params,

@@ -233,6 +233,7 @@ def _generate_jit(
     temperature,
     top_p,
     min_new_tokens,
+    limits,
     *,
     max_new_tokens,
     greedy,
@@ -272,6 +273,8 @@ def _generate_jit(
         token = jnp.where(done, pad_id, token)
         logprob = jnp.where(done, 0.0, logprob)
         done = done if eos_id is None else done | (token == eos_id)
+        if limits is not None:  # a row's last allowed token
+            done = done | (step + 1 >= limits)
         return token, logprob, rng, done
 
     token, logprob, rng, done = emit(logits, rng, jnp.zeros((batch,), bool), jnp.int32(0))
@@ -296,7 +299,10 @@ def _generate_jit(
     _, (tokens, logprobs) = jax.lax.scan(body, carry, None, length=max_new_tokens - 1)
     tokens = jnp.concatenate([token[None], tokens], axis=0).T
     logprobs = jnp.concatenate([logprob[None], logprobs], axis=0).T
-    return GenerateOutput(tokens, _lengths(tokens, eos_id), logprobs)
+    lengths = _lengths(tokens, eos_id)
+    if limits is not None:
+        lengths = jnp.minimum(lengths, limits)
+    return GenerateOutput(tokens, lengths, logprobs)
 
 
 def _lengths(tokens: jax.Array, eos_id: int | None) -> jax.Array:
@@ -338,7 +344,7 @@ def _check_prompt(prompt_tokens, prompt_lengths) -> None:
         )
 
 
-def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: int) -> None:
+def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: int, limits=None) -> None:
     """Checks, before tracing, that ``cache`` is built for this batch and has room for the prompt
     and ``max_new_tokens``, and that the positions decoding reaches are ones the model has.
 
@@ -366,11 +372,34 @@ def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: 
             f"(padded to {width}) and max_new_tokens={max_new_tokens} need {needed}: build the "
             f"cache with max_length >= {needed}, or generate fewer tokens")
     positions = getattr(step_fn, "max_positions", None)
-    if positions is not None and needed > positions:
+    if positions is None:
+        return
+    reached = needed
+    if limits is not None and not isinstance(limits, jax.core.Tracer) and not isinstance(
+            prompt_lengths, jax.core.Tracer):
+        # A row stops at its own limit; the steps after it compute padding that is thrown away.
+        reached = max(width, int(np.max(np.asarray(prompt_lengths) + np.asarray(limits))) - 1)
+    if reached > positions:
         raise ValueError(
-            f"decoding would reach position {needed - 1}, but the model's learned position table "
+            f"decoding would reach position {reached - 1}, but the model's learned position table "
             f"has {positions} rows (ModelConfig.max_len): shorten the prompt or max_new_tokens so "
             f"that they fit in {positions} positions")
+
+
+def _row_limits(max_new_tokens_per_row, batch: int, max_new_tokens: int):
+    """``max_new_tokens_per_row`` checked and as int32 [B]; None stays None."""
+    if max_new_tokens_per_row is None:
+        return None
+    limits = jnp.asarray(max_new_tokens_per_row)
+    if limits.shape != (batch,) or not jnp.issubdtype(limits.dtype, jnp.integer):
+        raise ValueError(f"max_new_tokens_per_row must be integers of shape ({batch},), got "
+                         f"{limits.dtype} {limits.shape}")
+    if not isinstance(limits, jax.core.Tracer):
+        values = np.asarray(limits)
+        if (values < 1).any() or (values > max_new_tokens).any():
+            raise ValueError(f"max_new_tokens_per_row must lie in [1, max_new_tokens="
+                             f"{max_new_tokens}], got {values.tolist()}")
+    return limits.astype(jnp.int32)
 
 
 def generate(
@@ -386,6 +415,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     min_new_tokens: int = 0,
+    max_new_tokens_per_row=None,
     eos_id: int | None = 1,
     pad_id: int = 0,
 ) -> GenerateOutput:
@@ -406,6 +436,10 @@ def generate(
       top_k: sample only among the k most likely tokens (0 = off).
       top_p: sample only from the smallest set of tokens with total probability >= top_p.
       min_new_tokens: EOS is masked out for the first ``min_new_tokens`` steps.
+      max_new_tokens_per_row: optional int [B], each in [1, T]: row b stops after that many
+        tokens (``pad_id`` after them, ``lengths`` at most it), as if it had reached T. Traced:
+        no recompilation. With learned positions, only the positions a row reaches before its
+        limit must exist: the steps after it compute padding that is thrown away.
       eos_id: a row stops after emitting it (later tokens are ``pad_id``); None never stops.
       pad_id: the token written after EOS.
 
@@ -418,7 +452,8 @@ def generate(
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)
     _check_prompt(prompt_tokens, prompt_lengths)
-    _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, int(max_new_tokens))
+    limits = _row_limits(max_new_tokens_per_row, prompt_tokens.shape[0], int(max_new_tokens))
+    _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, int(max_new_tokens), limits)
     if rng is None:
         if not sampling.greedy:
             raise ValueError("rng (a PRNG key) is required when temperature > 0")
@@ -433,6 +468,7 @@ def generate(
         jnp.float32(sampling.temperature if not sampling.greedy else 1.0),
         jnp.float32(top_p),
         jnp.int32(min_new_tokens),
+        limits,
         max_new_tokens=int(max_new_tokens),
         greedy=sampling.greedy,
         top_k=int(top_k),

@@ -16,7 +16,7 @@ import numpy as np
 from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DataError, build_datasets, to_global_batch
-from transformer_jax.data.inputs import check_eval_split
+from transformer_jax.data.inputs import resolve_test_split
 from transformer_jax.params import build_model
 from transformer_jax.training import checkpoint as ckpt_lib
 from transformer_jax.training import evaluate, integrity, steps
@@ -149,8 +149,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
 
     # --- data --------------------------------------------------------------------------------
     data = build_datasets(config.dataset, workdir)
-    if data.is_translation and config.test_split:  # read after training: check it exists now
-        check_eval_split(config.dataset, config.test_split)
+    test_split = config.test_split
+    if data.is_translation and test_split:  # read after training: resolved and checked now
+        test_split = resolve_test_split(config.dataset, test_split)
     if data.tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(
             f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
@@ -255,13 +256,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     # --- final evaluation -------------------------------------------------------------------
     checkpointer.wait()
     final = {**summary, **eval_metrics, "step": int(jax.device_get(state.step))}
-    if data.is_translation and final["step"] == config.num_train_steps and config.test_split:
-        final.update(
-            _translation_eval(
-                config, workdir, model, state.params, data, mesh, config.test_split, log, final["step"]
-            )
-        )
-        log.write(final["step"], {k: v for k, v in final.items() if k.startswith(config.test_split)})
+    if data.is_translation and final["step"] == config.num_train_steps and test_split:
+        step, params = final["step"], state.params
+        final.update(_translation_eval(config, workdir, model, params, data, mesh, test_split, log, step))
+        log.write(final["step"], {k: v for k, v in final.items() if k.startswith(test_split)})
     checkpointer.close()
     log.close()
     return final
