@@ -80,6 +80,12 @@ def test_marian_config_maps_every_option():
     assert (config.pad_id, config.decoder_start_id, config.eos_id) == (pad, pad, 0)
     relu, _ = load_hf_checkpoint(marian_checkpoint("marian_relu"))
     assert relu.activation == "relu" and not relu.share_embeddings and not relu.scale_embeddings
+    # config.json says shared, but the saved per-stack tables differ from `shared`: each stack
+    # gets its own (before, both took `shared`, silently; logits parity below).
+    untied = marian_checkpoint("marian_untied_output")
+    assert load_hf_config(untied).share_embeddings
+    config, params = load_hf_checkpoint(untied)
+    assert not config.share_embeddings and {"source_embed", "target_embed"} <= set(params)
 
 
 # ----------------------------------------------------------------------------- logits parity
@@ -100,6 +106,11 @@ def test_gpt2_logits_match_transformers(name):
     config, params = load_hf_checkpoint(directory, kernel_layout="out_in")
     assert params["decoder"]["layer_0"]["self_attention"]["out"]["kernel"].shape == (
         config.d_model, config.num_heads, config.qk_dim)
+    ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    # Scanned layers (stacked after conversion): the same logits.
+    config, params = load_hf_checkpoint(directory, scan_layers=True)
+    assert "layers" in params["decoder"] and "layer_0" not in params["decoder"]
     ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
     # With the table padded for an even tensor split: zero rows added, the same logits, as wide.
@@ -278,6 +289,19 @@ def _copy_checkpoint(src, edit_config=None):
         with open(path, "w") as f:
             json.dump(config, f)
     return directory
+
+
+def test_overrides_that_change_the_function_are_refused():
+    """The weights would still fit a checkpoint loaded with another norm placement, activation,
+    epsilon or embedding scale, but compute another function: refused, naming the field."""
+    directory = gpt2_checkpoint("gpt2_b")
+    for field, value in (("norm", "post"), ("activation", "relu"), ("norm_eps", 0.5),
+                         ("scale_embeddings", True), ("max_len", 4096)):
+        with pytest.raises(ConversionError, match=rf"cannot override \['{field}'\].*Overridable"):
+            load_hf_config(directory, **{field: value})
+    assert load_hf_config(directory, dtype="bfloat16", eos_id=3, scan_layers=True).scan_layers
+    # Marian's positions are computed: a longer max_len is fine there.
+    assert load_hf_config(marian_checkpoint("marian_relu"), max_len=4096).max_len == 4096
 
 
 def test_unsupported_model_type_names_the_supported_ones():

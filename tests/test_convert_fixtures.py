@@ -55,6 +55,20 @@ MARIAN_CONFIGS = {
         scale_embedding=False,
         share_encoder_decoder_embeddings=False,
     ),
+    # Shared encoder/decoder embeddings in config.json, but with untied output embeddings
+    # transformers saves separate per-stack tables that differ from `shared`.
+    "marian_untied_output": dict(
+        d_model=16,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        activation_function="gelu",
+        scale_embedding=True,
+        tie_word_embeddings=False,
+    ),
 }
 
 

@@ -7,7 +7,15 @@ import os
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.convert import gpt2, marian
 from transformer_jax.convert.hf_files import ConversionError, read_config, read_weights
-from transformer_jax.params import convert_params
+from transformer_jax.modeling.transformer import scan_params
+from transformer_jax.params import CONVERTIBLE_FIELDS, PARAMETER_FREE_FIELDS, convert_params
+
+# Fields a loaded checkpoint may take other values of: how it computes and is stored, its layer
+# layout, and which token ids generation uses. Any other field would change the function the
+# weights compute (a norm placement, an activation, an epsilon, an embedding scale) while the
+# weights still fit, so it is refused.
+OVERRIDABLE_FIELDS = CONVERTIBLE_FIELDS + PARAMETER_FREE_FIELDS + (
+    "scan_layers", "eos_id", "bos_id", "pad_id", "decoder_start_id")
 
 _CONVERTERS = {"gpt2": gpt2, "marian": marian}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_CONVERTERS))
@@ -33,6 +41,14 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
         config = _converter(hf_config, directory).config_from_hf(hf_config)
     except ConfigError as e:
         raise ConversionError(f"{directory}: config.json does not give a valid ModelConfig: {e}") from e
+    fixed = sorted(set(overrides) - set(OVERRIDABLE_FIELDS))
+    if config.position != "learned" and "max_len" in overrides:
+        fixed.remove("max_len")  # computed positions extend to any length
+    if fixed:
+        raise ConversionError(
+            f"{directory}: cannot override {fixed}: the checkpoint's weights were trained for its own "
+            f"values ({', '.join(f'{k}={getattr(config, k, None)!r}' for k in fixed)}), and other values "
+            f"would compute another function. Overridable: {sorted(OVERRIDABLE_FIELDS)}.")
     try:
         return config.replace(**overrides) if overrides else config
     except (TypeError, ConfigError) as e:
@@ -45,9 +61,10 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
     Args:
       path: a directory with config.json and model.safetensors (or a sharded safetensors index,
         or pytorch_model.bin, read only with ``torch.load(weights_only=True)``).
-      **overrides: `ModelConfig` fields to change (dtype, param_dtype, dropout_rate,
-        kernel_layout, ...); the architecture fields must keep their checkpoint values for the
-        weights to fit.
+      **overrides: `ModelConfig` fields to change, among `OVERRIDABLE_FIELDS` (dtype, param_dtype,
+        dropout rates, attention_impl, remat, kernel_layout, pad_vocab_multiple, scan_layers,
+        token ids; ``max_len`` for computed positions); any other is a ConversionError, since
+        the weights would still fit but compute another function.
 
     Returns:
       (config, params): build the model with ``transformer_jax.params.build_model(config)``
@@ -62,8 +79,14 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
     converter = _converter(hf_config, directory)
     config = load_hf_config(directory, **overrides)
     tensors = read_weights(directory)
-    # The converters write Flax's [in, out] kernels and the checkpoint's own vocabulary; another
-    # kernel_layout is a permutation after, and a padded vocabulary gets zero rows.
-    base = config.replace(kernel_layout="in_out", pad_vocab_multiple=1)
+    if hasattr(converter, "config_for_tensors"):  # what config.json alone does not tell
+        config = converter.config_for_tensors(config, tensors)
+    # The converters write Flax's unscanned [in, out] kernels and the checkpoint's own
+    # vocabulary; scanned layers are stacked after, another kernel_layout is a permutation, and a
+    # padded vocabulary gets zero rows.
+    base = config.replace(kernel_layout="in_out", pad_vocab_multiple=1, scan_layers=False)
     params = converter.params_from_hf(tensors, base)
+    if config.scan_layers:
+        params = scan_params(params, base)
+        base = base.replace(scan_layers=True)
     return config, (params if base == config else convert_params(params, base, config))

@@ -10,6 +10,8 @@ Post-LN with LayerNorm eps 1e-5, no final norm, ``nn.Linear`` weights stored [ou
 
 from __future__ import annotations
 
+import numpy as np
+
 from transformer_jax.config import ModelConfig
 from transformer_jax.convert.mapping import (
     ParamBuilder,
@@ -87,6 +89,20 @@ def config_from_hf(hf: dict) -> ModelConfig:
         bos_id=start,
         decoder_start_id=start,
     )
+
+
+def config_for_tensors(cfg: ModelConfig, tensors: dict) -> ModelConfig:
+    """``share_embeddings=False`` when the checkpoint's per-stack token embeddings differ from
+    ``shared`` (transformers unties them from it when ``tie_word_embeddings`` is false, though
+    ``share_encoder_decoder_embeddings`` stays true): each stack then has its own table."""
+    t = strip_prefix(tensors, "model.")
+    if cfg.share_embeddings and "shared.weight" in t:
+        shared = np.asarray(t["shared.weight"])
+        for stack in ("encoder", "decoder"):
+            own = t.get(f"{stack}.embed_tokens.weight")
+            if own is not None and not np.array_equal(np.asarray(own), shared):
+                return cfg.replace(share_embeddings=False)
+    return cfg
 
 
 def _is_buffer(name: str) -> bool:
