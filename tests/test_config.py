@@ -32,10 +32,16 @@ def test_presets_accept_overrides():
         ("attention_impl", "magic"), ("dtype", "int8"), ("num_encoder_layers", -1),
         ("eos_id", 40000), ("pad_id", -1), ("norm_eps", 0.0), ("pad_vocab_multiple", 0),
         ("pad_vocab_multiple", True),
+        # wrong types: accepted before (truthy strings, True as 1) or a bare TypeError
+        ("share_embeddings", "no"), ("scan_layers", 1), ("final_norm", 1), ("num_kv_heads", True),
+        ("pad_id", 1.5), ("eos_id", True), ("norm_eps", "1e-6"), ("rope_theta", "1e4"),
+        ("dtype", "bf16"), ("param_dtype", object()),
     ],
 )
 def test_bad_values_name_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}="):
+    from transformer_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"ModelConfig\.{field}="):
         tj.ModelConfig(**{field: value})
 
 

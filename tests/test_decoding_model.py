@@ -309,3 +309,30 @@ def test_learned_positions_past_max_len_are_refused_not_nan():
                    max_new_tokens=8, max_new_tokens_per_row=[4, 8], eos_id=None)
     np.testing.assert_array_equal(out.tokens[0, :4], ok.tokens[0, :4])
     assert np.isfinite(np.asarray(out.logprobs)).all() and out.lengths.tolist() == [4, 8]
+
+
+def test_model_level_misuse_is_refused_or_nan_not_silently_wrong(lm, seq2seq):
+    """Called directly with a cache (no decoder checking sizes): a row whose tokens overflow the
+    cache gets NaN logits (its write was clamped onto earlier slots); a cached call refuses
+    positions or segment ids it would ignore; a learned table refuses rows longer than itself."""
+    model, params = lm
+    cache = tj.init_cache(CONFIG, 1, 4)
+    logits, cache = model.apply({"params": params}, jnp.asarray([[3, 4, 5]]), cache=cache)
+    assert np.isfinite(np.asarray(logits)).all()
+    logits, _ = model.apply({"params": params}, jnp.asarray([[6, 7]]), cache=cache)  # 5 > 4 slots
+    assert np.isnan(np.asarray(logits)).all()
+    with pytest.raises(ValueError, match="positions follow cache.lengths"):
+        model.apply({"params": params}, jnp.asarray([[6]]), cache=cache, positions=jnp.asarray([[3]]))
+    learned = tj.TransformerLM(CONFIG.replace(position="learned", max_len=8))
+    with pytest.raises(ValueError, match=r"9 tokens exceed the learned position table's 8 rows"):
+        learned.init(jax.random.key(0), jnp.ones((1, 9), jnp.int32))
+    # init_cache with segment ids marking the source (0 = padding): as with pad ids.
+    s2s, s2s_params = seq2seq
+    src = jnp.asarray(SOURCES)
+    by_pad = s2s.apply({"params": s2s_params}, src, 8, method="init_cache")
+    by_segment = s2s.apply({"params": s2s_params}, src, 8, src_segment_ids=(src != 0).astype(jnp.int32),
+                           method="init_cache")
+    np.testing.assert_array_equal(by_pad.source_mask, by_segment.source_mask)
+    real = np.asarray(by_pad.source_mask)[:, None, :, None]
+    for a, b in zip(jax.tree.leaves(by_pad.cross), jax.tree.leaves(by_segment.cross), strict=True):
+        np.testing.assert_allclose(np.where(real, a, 0), np.where(real, b, 0), atol=1e-5)

@@ -81,13 +81,35 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if not isinstance(value, str):
-                object.__setattr__(self, name, jnp.dtype(value).name)
+                try:
+                    object.__setattr__(self, name, jnp.dtype(value).name)
+                except TypeError as e:
+                    raise ConfigError(f"ModelConfig.{name}={value!r}: must be one of {DTYPES}") from e
         self._validate()
 
     # ----------------------------------------------------------------- validation
     def _validate(self):
         def fail(field, message):
             raise ConfigError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
+
+        # Types first, so that the checks below compare numbers (a string "1e-6" or a True where
+        # an int belongs would otherwise pass or fail with a bare TypeError).
+        for name in ("share_embeddings", "tie_output", "logits_bias", "scale_embeddings",
+                     "use_bias", "scan_layers"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be True or False")
+        if self.final_norm is not None and not isinstance(self.final_norm, bool):
+            fail("final_norm", "must be True, False or None")
+        for name in ("norm_eps", "rope_theta", "dropout_rate", "attention_dropout_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                fail(name, "must be a number")
+        for name in ("eos_id", "bos_id", "decoder_start_id", "pad_id", "head_dim", "num_kv_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) or (value is None and name in (
+                    "pad_id", "head_dim", "num_kv_heads"))):
+                fail(name, "must be an integer" + (" or None" if name not in (
+                    "eos_id", "bos_id", "decoder_start_id") else ""))
 
         positive = ("vocab_size", "pad_vocab_multiple", "d_model", "num_heads", "d_ff", "max_len")
         for name in positive:

@@ -138,6 +138,20 @@ class _Stack(nn.Module):
         return self.final_norm(x) if self.config.use_final_norm else x
 
 
+def _check_learned_length(config: ModelConfig, length: int) -> None:
+    if config.position == "learned" and length > config.max_len:
+        raise ValueError(f"{length} tokens exceed the learned position table's {config.max_len} rows "
+                         "(ModelConfig.max_len): positions past it would be NaN")
+
+
+def segment_positions(segment_ids):
+    """[B, S] positions counted from the start of each run of equal segment ids."""
+    index = jnp.arange(segment_ids.shape[1])
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
 def default_positions(tokens, segment_ids=None):
     if segment_ids is not None:
         raise ValueError("packed inputs (segment_ids given) need their positions too")
@@ -163,6 +177,7 @@ class Encoder(_Stack):
     def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic=True):
         """tokens: int [B, S] -> encoder output [B, S, D]."""
         if positions is None:
+            _check_learned_length(self.config, tokens.shape[1])
             positions = default_positions(tokens, segment_ids)
         S = tokens.shape[1]
         if segment_ids is not None:
@@ -233,10 +248,14 @@ class Decoder(_Stack):
         a prompt prefill needs no more, and skips a [B, L, V] product and array).
         """
         if cache is not None:
+            if segment_ids is not None or positions is not None or memory is not None:
+                raise ValueError("with a cache, positions follow cache.lengths and the source is the "
+                                 "cache's: segment_ids, positions and memory cannot be given")
             return self._decode_cached(tokens, cache, num_valid, deterministic, last_only)
         if last_only:
             raise ValueError("last_only=True needs a cache (it picks each row's last of num_valid tokens)")
         if positions is None:
+            _check_learned_length(self.config, tokens.shape[1])
             positions = default_positions(tokens, segment_ids)
         L = tokens.shape[1]
         self_mask = masks.causal_spec(L, segment_ids)
@@ -278,6 +297,11 @@ class Decoder(_Stack):
         new_cache = cache.replace(layers=new_layers, lengths=lengths + num_valid)
         if last_only and L > 1:
             x = jnp.take_along_axis(x, (num_valid - 1)[:, None, None], axis=1)
+        # A row whose L tokens do not fit after its cache.lengths had its write clamped onto earlier
+        # slots: its logits are NaN rather than silently wrong (the decoders check sizes first).
+        # Marked on the [B, L, D] activations: the [B, L, V] logits are wider.
+        overflow = lengths + L > cache.max_length
+        x = jnp.where(overflow[:, None, None], jnp.asarray(jnp.nan, x.dtype), x)
         return self.logits(self.finish(x)), new_cache
 
 
@@ -328,8 +352,13 @@ class Transformer(nn.Module):
 
     def init_cache(self, src, max_length: int, *, src_segment_ids=None, dtype=None) -> KVCache:
         """Encode `src` once and return a decoding cache for up to `max_length` target tokens,
-        holding every decoder layer's cross-attention K/V of the source."""
-        memory = self.encode(src, src_segment_ids=src_segment_ids)
+        holding every decoder layer's cross-attention K/V of the source.
+
+        One source per row: `src_segment_ids` (optional, [B, S]) marks its tokens with a non-zero
+        id and padding with 0, where the pad id cannot (positions count from each segment's
+        start; the target attends to every non-zero token of its row)."""
+        positions = None if src_segment_ids is None else segment_positions(src_segment_ids)
+        memory = self.encode(src, src_segment_ids=src_segment_ids, src_positions=positions)
         dtype = cache_dtype(self.config) if dtype is None else dtype
         cross = jax.tree.map(lambda a: a.astype(dtype), self.decoder.cross_kv(memory))
         return KVCache(
