@@ -92,8 +92,9 @@ def _fused_attention(q, k, v, mask, implementation):
     return out
 
 
-# Above this many query x key pairs 'auto' on CPU switches to the chunked kernel: the dense
-# backends hold B*H*L*S float32 logits (at 8k x 8k, 256 MiB per head and batch row).
+# Above this many query x key pairs 'auto' switches to the chunked kernel where no fused one applies
+# (always on CPU): the dense backends hold B*H*L*S float32 logits (at 8k x 8k, 256 MiB per head and
+# batch row).
 CHUNKED_THRESHOLD = 8192 * 8192
 
 
