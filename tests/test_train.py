@@ -210,6 +210,7 @@ def test_log_window_leaves_out_skipped_steps():
         ("optimizer.name", "sgd", "config.optimizer.name"),
         ("num_train_steps", 0, "config.num_train_steps"),
         ("optimizer.grad_accum_steps", 3, "grad_accum_steps"),
+        ("optimizer.grad_accum_steps", 4, r"grad_accum_steps=4 = 4 rows per micro-batch"),
         ("dataset.name", "stdlib_lm", r"dataset.name='stdlib_lm' is a language-modelling dataset"),
         ("model.num_encoder_layers", 0, r"dataset.name='enfr_builtin' is a translation dataset"),
         ("keep_best_mode", "mean", r"config.keep_best_mode='mean' must be 'min' or 'max'"),
