@@ -56,9 +56,10 @@ def bench_one(impl: str, length: int, *, heads=8, head_dim=64, batch=1, dtype="f
         row["note"] = f"not run: temporaries {temp / 2**30:.1f} GiB > budget"
         return row
     q, k, v = (jax.random.normal(jax.random.key(i), shape.shape, shape.dtype) for i in range(3))
-    row["forward_ms"] = round(1e3 * median_time(lambda: fwd(q, k, v), repeats), 1)
+    seconds = median_time(lambda: fwd(q, k, v), repeats)
+    row["forward_ms"] = round(1e3 * seconds, 3)
     flops = 4 * batch * heads * length * length * head_dim  # QK^T and PV over the full square
-    row["forward_tflops"] = round(flops / (row["forward_ms"] / 1e3) / 1e12, 3)
+    row["forward_tflops"] = round(flops / seconds / 1e12, 3)  # from the unrounded time
     return row
 
 

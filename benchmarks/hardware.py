@@ -2,9 +2,12 @@
 
     python benchmarks/hardware.py        # prints JSON: peak matmul FLOP/s (f32, bf16), bandwidth, load
 
-Peak matmul: a jitted [n, n] x [n, n] product (bf16 inputs accumulate in float32, as the model's
-matmuls do); memory bandwidth: a jitted sum over a 512 MiB float32 array (bytes read / time). Each is
-the median of `repeats` timed runs; on a shared machine compare only ratios measured together.
+Peak matmul: the fastest of a few jitted products ([n, n] x [n, n], [n, n/2] x [n/2, n] and the
+GPT-2-small feed-forward shape [n, 768] x [768, 3072]; bf16 inputs accumulate in float32, as the
+model's matmuls do): XLA:CPU's bf16 kernel runs some shapes markedly faster than the square.
+Memory bandwidth: the faster of a jitted sum and a matrix-vector product over a 512 MiB float32 array
+(bytes read / time; the product reads ~12% faster on this CPU). Each timing is the median of
+`repeats` runs; on a shared machine compare only ratios measured together.
 """
 
 from __future__ import annotations
@@ -31,18 +34,28 @@ def median_time(fn, repeats: int = 5) -> float:
 
 
 def peak_matmul_flops(dtype="float32", n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a big jitted matmul in `dtype` (float32 accumulation)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    """FLOP/s of the fastest of a few big jitted matmuls in `dtype` (float32 accumulation): the
+    [n, n] square, [n, n/2] x [n/2, n], and (n >= 768) the [n, 768] x [768, 3072] feed-forward
+    product of GPT-2 small."""
+    shapes = [(n, n, n), (n, n // 2, n)] + ([(n, 768, 3072)] if n >= 768 else [])
     matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
-    return 2 * n**3 / median_time(lambda: matmul(a, b), repeats)
+    best = 0.0
+    for m, k, cols in shapes:
+        a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)
+        b = jax.random.normal(jax.random.key(1), (k, cols), jnp.float32).astype(dtype)
+        best = max(best, 2 * m * k * cols / median_time(lambda a=a, b=b: matmul(a, b), repeats))
+    return best
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Bytes per second read by a jitted reduction over a `mib` MiB float32 array."""
+    """Bytes per second read from a `mib` MiB float32 array: the faster of a jitted sum and a
+    jitted matrix-vector product over it (the read a decoding step's weight products make)."""
     x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    return x.nbytes / median_time(lambda: total(x), repeats)
+    matrix, vector = x.reshape(-1, 8192), jnp.ones((8192,), jnp.float32)
+    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+    fastest = min(median_time(lambda: total(x), repeats),
+                  median_time(lambda: matvec(matrix, vector), repeats))
+    return x.nbytes / fastest
 
 
 def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int = 40,
