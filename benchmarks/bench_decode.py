@@ -17,9 +17,9 @@ For each (model, batch, new tokens) it reports
 The no-cache baseline runs the whole model over the full (prompt + new tokens) buffer each step
 (static shapes, as a jit-compiled decoder without a cache must); its per-step cost does not depend on
 the step, so a few steps measure it. `speedup_at_512` = cached / no-cache decode tokens per second.
-Bandwidth is measured in the same run, at its start and end (a jitted sum and a matrix-vector product
-over a 512 MiB float32 array; the best is used), because timings on a shared machine vary 1.5-2x:
-compare ratios from one run. Prints one JSON object.
+Bandwidth is measured in the same run, at its start and end (`hardware.memory_bandwidth`: the faster
+of a jitted sum and a matrix-vector product over a 512 MiB float32 array), because timings on a
+shared machine vary 1.5-2x: compare ratios from one run. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ from transformer_jax.decoding.model_steps import (
 )
 from transformer_jax.decoding.sampling import _generate_jit
 
+try:
+    from benchmarks.hardware import memory_bandwidth
+except ImportError:  # run as a script from benchmarks/
+    from hardware import memory_bandwidth
+
 PROMPT = 32
 
 
@@ -59,16 +64,6 @@ def best_time(fn, repeats: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def memory_bandwidth(mib: int = 512) -> float:
-    """Bytes per second read from a large float32 array: the faster of a jitted sum and a
-    matrix-vector product (the operation that dominates decoding)."""
-    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-    matrix, vector = x.reshape(-1, 8192), jnp.ones((8192,), jnp.float32)
-    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
-    jax.block_until_ready((total(x), matvec(matrix, vector)))
-    return x.nbytes / min(best_time(lambda: total(x), 5), best_time(lambda: matvec(matrix, vector), 5))
 
 
 def random_params(model, *args, dtype):

@@ -102,8 +102,9 @@ def test_sampling_is_seeded_and_beam_runs():
 
 def test_batched_outputs_do_not_depend_on_the_inputs_batched_with_them():
     """GPT-2 (48 learned positions): a prompt near the limit batched with a short one, which may
-    generate more tokens, would run past the position table; it is decoded apart, and each
-    output equals its one-by-one output."""
+    generate more tokens. Each row stops at its own limit, so decoding passes the position-table
+    check (without per-row limits the long row's steps would reach past the table, which
+    `generate` refuses), and each output equals its one-by-one output."""
     directory = gpt2_checkpoint("gpt2_b")
     texts = [" ".join(["the cold coffee"] * 7), "hello"]
     batched = run_cli(f"--hf_checkpoint={directory}", *(f"--prompt={t}" for t in texts))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from transformer_jax.decoding.sampling import (
     NEG_INF,
+    SamplingConfig,
     StepFn,
     _check_cache,
     _check_prompt,
@@ -258,8 +259,7 @@ def beam_search(
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)
     _check_prompt(prompt_tokens, prompt_lengths)
-    if int(min_new_tokens) != min_new_tokens or min_new_tokens < 0:
-        raise ValueError(f"min_new_tokens must be a non-negative integer, got {min_new_tokens}")
+    SamplingConfig(min_new_tokens=min_new_tokens)  # checks it, as for `generate`
     batch = prompt_tokens.shape[0]
     limits = _row_limits(max_new_tokens_per_row, batch, int(max_new_tokens))
     _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, int(max_new_tokens), limits)

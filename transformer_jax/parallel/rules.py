@@ -140,11 +140,14 @@ def batch_shard_count(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:
     return _axis_size(mesh, logical_to_mesh_spec(("batch",), rules)[0])
 
 
-def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES):
+def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES,
+                          grad_accum_steps: int = 1):
     """Fails early, naming ``dataset.batch_size``, if the global batch cannot be split evenly.
 
     The batch must divide over the batch mesh axes and over the processes (each process loads
-    ``batch_size // jax.process_count()`` rows).
+    ``batch_size // jax.process_count()`` rows), and so must each of ``grad_accum_steps``
+    micro-batches (XLA would otherwise copy a micro-batch to every device: correct, but no data
+    parallelism).
     """
     shards = batch_shard_count(mesh, rules)
     processes = jax.process_count()
@@ -153,6 +156,11 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEF
             f"dataset.batch_size={batch_size} must be divisible by mesh.data * mesh.fsdp = "
             f"{mesh.shape['data']} * {mesh.shape['fsdp']} = {shards} (the ways the batch is split)."
         )
+    if (batch_size // grad_accum_steps) % shards:
+        raise ConfigError(
+            f"dataset.batch_size={batch_size} / optimizer.grad_accum_steps={grad_accum_steps} = "
+            f"{batch_size // grad_accum_steps} rows per micro-batch, which must be divisible by the "
+            f"{shards} ways the batch is split (mesh.data * mesh.fsdp)")
     if batch_size % processes:
         raise ConfigError(
             f"dataset.batch_size={batch_size} must be divisible by the number of processes "

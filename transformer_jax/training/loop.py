@@ -138,15 +138,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     if config.compilation_cache:
         enable_compilation_cache(config.get("compilation_cache_dir", ""))
     mesh = parallel.mesh_from_config(config.mesh) if mesh is None else mesh
-    parallel.check_batch_divisible(config.dataset.batch_size, mesh)
+    parallel.check_batch_divisible(config.dataset.batch_size, mesh,
+                                   grad_accum_steps=config.optimizer.grad_accum_steps)
     parallel.check_batch_divisible(config.dataset.eval_batch_size, mesh)
-    accum, shards = config.optimizer.grad_accum_steps, parallel.batch_shard_count(mesh)
-    if (config.dataset.batch_size // accum) % shards:
-        # XLA would replicate each micro-batch on every device: correct, but no data parallelism.
-        raise ConfigError(
-            f"config.dataset.batch_size={config.dataset.batch_size} / config.optimizer.grad_accum_steps="
-            f"{accum} = {config.dataset.batch_size // accum} rows per micro-batch, which must be divisible "
-            f"by the {shards} ways the batch is split (mesh.data * mesh.fsdp)")
     model_cfg = ModelConfig.from_dict(config.model.to_dict())
     model = build_model(model_cfg)
 
