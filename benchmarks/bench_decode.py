@@ -12,8 +12,10 @@ For each (model, batch, new tokens) it reports
   prefill_tok_s     prompt tokens processed per second by the single prefill call
                     (for the encoder-decoder: encoding the source),
   decode_tok_s      generated tokens per second over the scan (batch * steps / time),
-  roofline_frac     time a step must take at least, reading every parameter and the whole allocated
-                    KV cache once at the measured memory bandwidth, divided by the measured step time.
+  roofline_frac     time a step must take at least, reading every decoder parameter (one row per batch
+                    row of a table read only by lookup: learned positions, an untied input
+                    embedding) and the whole allocated KV cache once at the measured memory
+                    bandwidth, divided by the measured step time.
 The no-cache baseline runs the whole model over the full (prompt + new tokens) buffer each step
 (static shapes, as a jit-compiled decoder without a cache must); its per-step cost does not depend on
 the step, so a few steps measure it. `speedup_at_512` = cached / no-cache decode tokens per second.
@@ -54,6 +56,26 @@ PROMPT = 32
 
 def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def step_param_bytes(config, params, batch: int) -> int:
+    """Bytes of the decoder's parameters that one decoding step of `batch` rows reads: all of them,
+    except tables read only by lookup (learned positions; the input embedding when the output
+    projection is a kernel of its own), of which a step reads one row per batch row. The encoder's
+    parameters are not read after the source is encoded."""
+    from flax.traverse_util import flatten_dict
+
+    total = 0
+    for path, leaf in flatten_dict(params).items():
+        leaf = getattr(leaf, "value", leaf)  # LogicallyPartitioned boxes
+        name = "/".join(str(p) for p in path)
+        if name.startswith("encoder/") or name.startswith("source_embed/"):
+            continue
+        lookup_only = name.endswith("position_embed/embedding") or (
+            not config.tie_output and name in ("embed/embedding", "target_embed/embedding"))
+        size = leaf.size * leaf.dtype.itemsize
+        total += min(size, batch * leaf.shape[-1] * leaf.dtype.itemsize) if lookup_only else size
+    return total
 
 
 def best_time(fn, repeats: int) -> float:
@@ -110,7 +132,7 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
     prefill_s = best_time(lambda: prefill(params, prompt, make_cache(), lengths), repeats + 1)
     compile_s, total_s = timed_generate(LMStep(model), params, make_cache, prompt, lengths, steps, repeats)
     decode_s = max(total_s - prefill_s, 1e-9) / (steps - 1)
-    step_bytes = tree_bytes(params) + tree_bytes(make_cache().layers)
+    step_bytes = step_param_bytes(config, params, batch) + tree_bytes(make_cache().layers)
     return dict(
         model="gpt2_small",
         batch=batch,
@@ -199,8 +221,7 @@ def seq2seq_row(config, model, params, src, steps, bandwidth, repeats):
     compile_s, total_s = timed_generate(Seq2SeqStep(model), params, encode, start, ones, steps, repeats)
     decode_s = max(total_s - encode_s, 1e-9) / steps  # the timed run includes encoding the source
     cache = encode()
-    decoder_bytes = tree_bytes(params) - tree_bytes(params["encoder"])
-    step_bytes = decoder_bytes + tree_bytes((cache.layers, cache.cross))
+    step_bytes = step_param_bytes(config, params, batch) + tree_bytes((cache.layers, cache.cross))
     return dict(
         model="transformer_base",
         batch=batch,

@@ -159,14 +159,22 @@ def against_run_limits(results, peaks: dict, bandwidth_gb_s: float) -> tuple[dic
     decode = [r for r in results.get("decode", {}).get("rows", []) if "error" not in r]
     peaks = {dtype: max([peak] + [r["peak_tflops"] for r in train if r["dtype"] == dtype])
              for dtype, peak in peaks.items()}
+    # Ratios are recomputed from the measured quantities where a row has them (rescaling the
+    # rounded ratio would carry its rounding), else rescaled.
     for r in train:
         r["mfu_adjacent"] = r["mfu"]
-        r["mfu"] = round(r["mfu"] * r["peak_tflops"] / peaks[r["dtype"]], 3)
+        if "achieved_tflops" in r:
+            r["mfu"] = round(r["achieved_tflops"] / peaks[r["dtype"]], 3)
+        else:
+            r["mfu"] = round(r["mfu"] * r["peak_tflops"] / peaks[r["dtype"]], 3)
         r["run_peak_tflops"] = round(peaks[r["dtype"]], 4)
     bandwidth_gb_s = max([bandwidth_gb_s] + [r["bandwidth_gb_s"] for r in decode])
     for r in decode:
         r["roofline_frac_adjacent"] = r["roofline_frac"]
-        r["roofline_frac"] = round(r["roofline_frac"] * r["bandwidth_gb_s"] / bandwidth_gb_s, 3)
+        if "bytes_per_step" in r and "decode_step_s" in r:
+            r["roofline_frac"] = round(r["bytes_per_step"] / (bandwidth_gb_s * 1e9) / r["decode_step_s"], 3)
+        else:
+            r["roofline_frac"] = round(r["roofline_frac"] * r["bandwidth_gb_s"] / bandwidth_gb_s, 3)
         r["run_bandwidth_gb_s"] = round(bandwidth_gb_s, 2)
     return peaks, bandwidth_gb_s
 

@@ -56,6 +56,46 @@ def test_rows_are_set_against_the_highest_reading_of_the_run():
     assert table[0]["target_met"] is False  # 0.64 against its own low reading would have met 0.6
 
 
+def test_run_limits_recompute_ratios_from_the_measured_quantities():
+    from benchmarks import run
+
+    # 305 MB per 21.7 ms step: 0.468 against the 30 GB/s read next to it, 0.4448 against 31.6 GB/s.
+    # Rescaling the rounded 0.468 would give 0.444; the ratio comes from the bytes and seconds.
+    decode = dict(batch=8, new_tokens=64, bytes_per_step=305e6, decode_step_s=0.0217,
+                  bandwidth_gb_s=30.0, roofline_frac=0.468)
+    train = dict(dtype="float32", achieved_tflops=0.1802, peak_tflops=0.3, mfu=0.601)
+    results = {"train": {"rows": [train]}, "decode": {"rows": [decode]}}
+    run.against_run_limits(results, dict(float32=0.31, bfloat16=1.6), 31.6)
+    assert decode["roofline_frac"] == 0.445 and decode["roofline_frac_adjacent"] == 0.468
+    assert train["mfu"] == 0.581  # 0.1802 / 0.31 = 0.5813; rescaling 0.601 gives 0.5816
+
+
+def test_decoding_roofline_counts_one_row_of_lookup_only_tables():
+    import transformer_jax as tj
+    from benchmarks import bench_decode
+
+    ones = jax.numpy.ones((1, 8), jax.numpy.int32)
+    # tied output: the token table is read whole by the output projection; the learned position
+    # table [max_len, D] only at one row per batch row
+    config = tj.presets.tiny(num_encoder_layers=0, position="learned", max_len=128)
+    params = bench_decode.random_params(tj.TransformerLM(config), ones, dtype="float32")
+    table = 128 * config.d_model * 4
+    assert bench_decode.step_param_bytes(config, params, 3) == (
+        bench_decode.tree_bytes(params) - table + 3 * config.d_model * 4)
+    # untied: the input embedding is a lookup too; the output kernel is read whole
+    config = config.replace(tie_output=False)
+    params = bench_decode.random_params(tj.TransformerLM(config), ones, dtype="float32")
+    vocab = config.padded_vocab_size * config.d_model * 4
+    assert bench_decode.step_param_bytes(config, params, 3) == (
+        bench_decode.tree_bytes(params) - table - vocab + 2 * 3 * config.d_model * 4)
+    # encoder-decoder: nothing of the encoder (its layers, positions, source table) is read
+    config = tj.presets.tiny(position="learned", max_len=128, share_embeddings=False)
+    params = bench_decode.random_params(tj.Transformer(config), ones, ones, dtype="float32")
+    decoder_side = bench_decode.tree_bytes(params) - bench_decode.tree_bytes(
+        (params["encoder"], params["source_embed"]))
+    assert bench_decode.step_param_bytes(config, params, 2) == decoder_side - table + 2 * config.d_model * 4
+
+
 def test_tensor_parallel_decoding_row_counts_the_padded_model_and_is_labelled():
     import transformer_jax as tj
     from benchmarks import bench_decode, run
