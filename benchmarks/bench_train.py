@@ -83,11 +83,9 @@ def main():
         jax.block_until_ready(m)
         step_s = (time.perf_counter() - start) / args.steps
     flops = metrics.train_flops_per_step(cfg, args.batch, args.length, args.length)
-    # The looked-up peaks are data-sheet 16-bit ones: a float32 run gets an MFU only against a
-    # --peak_tflops given for it.
-    peak = metrics.peak_tflops_per_device(args.peak_tflops)
-    if args.dtype == "float32" and not args.peak_tflops > 0:
-        peak = None
+    # The looked-up peaks are data-sheet 16-bit ones: off TPU, a float32 run gets an MFU only
+    # against a --peak_tflops given for it.
+    peak = metrics.peak_tflops_per_device(args.peak_tflops, args.dtype)
     result = {
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),

@@ -175,6 +175,20 @@ def test_mfu_counts_the_output_product_over_a_padded_table():
     assert flops(ModelConfig(pad_vocab_multiple=16)) - flops(ModelConfig()) == 6 * 10 * 512 * 8
 
 
+def test_mfu_peak_is_a_16_bit_figure_except_on_tpu(monkeypatch):
+    device = lambda kind: [type("Device", (), {"device_kind": kind})()]
+    monkeypatch.setattr(metrics.jax, "devices", lambda: device("NVIDIA H100 80GB HBM3"))
+    assert metrics.peak_tflops_per_device(0.0, "bfloat16") == 989.0
+    # the table's figure is the bf16 one: a float32 model on a GPU gets no MFU unless told its peak
+    assert metrics.peak_tflops_per_device(0.0, "float32") is None
+    assert metrics.peak_tflops_per_device(60.0, "float32") == 60.0
+    # a TPU runs float32 matmuls at the default precision as bf16 passes
+    monkeypatch.setattr(metrics.jax, "devices", lambda: device("TPU v4"))
+    assert metrics.peak_tflops_per_device(0.0, "float32") == 275.0
+    monkeypatch.setattr(metrics.jax, "devices", lambda: device("cpu"))
+    assert metrics.peak_tflops_per_device(0.0, "bfloat16") is None
+
+
 def test_non_finite_stops_or_skips(data_dir, tmp_path):
     config = tiny_config(
         data_dir, num_train_steps=8, log_every_steps=1, checkpoint_every_steps=2, inject_nan_at_step=5

@@ -197,7 +197,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
         ds.max_target_len if data.is_translation else ds.max_len,
         ds.max_source_len if data.is_translation else 0,
     )
-    peak = metrics_lib.peak_tflops_per_device(config.peak_tflops)
+    peak = metrics_lib.peak_tflops_per_device(config.peak_tflops, model_cfg.dtype)
     log = metrics_lib.MetricsLogger(
         workdir,
         config.num_train_steps,

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from transformer_jax.config import ModelConfig
 
@@ -143,11 +144,17 @@ PEAK_TFLOPS = {  # dense bf16 per device, from the vendors' data sheets
 }
 
 
-def peak_tflops_per_device(override: float = 0.0) -> float | None:
-    """``override`` if > 0, else looked up by ``jax.devices()[0].device_kind``; None if unknown."""
+def peak_tflops_per_device(override: float = 0.0, dtype="bfloat16") -> float | None:
+    """``override`` if > 0, else looked up by ``jax.devices()[0].device_kind``; None if unknown.
+
+    The table holds 16-bit peaks. A TPU runs float32 matmuls at the default precision as bf16
+    passes, so they apply there to any compute ``dtype``; a GPU's float32 rate is another figure,
+    so a float32 model on a GPU gets None (no MFU) unless ``override`` gives its peak."""
     if override > 0:
         return override
     kind = jax.devices()[0].device_kind
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) and not kind.startswith("TPU"):
+        return None
     for name, value in PEAK_TFLOPS.items():
         if kind.startswith(name):
             return value
