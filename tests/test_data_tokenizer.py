@@ -100,6 +100,25 @@ def test_bad_settings():
         tk.TokenizerSettings(vocab_size=100)
 
 
+def test_vocabulary_too_small_for_the_characters_names_the_setting():
+    # 103 distinct characters: with the 256 byte pieces and 4 specials, 300 pieces cannot give the
+    # characters of 98% of the text a piece each (SentencePiece's lowest coverage)
+    import random
+    import string
+
+    rng = random.Random(0)
+    chars = string.ascii_letters + string.digits + string.punctuation + "äöüßÄÖÜé "
+    texts = ["".join(rng.choice(chars) for _ in range(60)) for _ in range(500)]
+    with pytest.raises(DataError, match=r"vocab_size=300 is too small .* need \d+ pieces .*"
+                                           r"raise dataset.vocab_size"):
+        tk.Tokenizer.train(texts, tk.TokenizerSettings(vocab_size=300))
+    assert tk.Tokenizer.train(texts, tk.TokenizerSettings(vocab_size=400)).vocab_size == 400
+
+
+def test_decode_batch_of_nothing_is_an_empty_list(tok):
+    assert tok.decode_batch([]) == [] and tok.decode_batch([[]]) == [""]
+
+
 def test_workdir_with_checkpoints_never_retrains(tmp_path, monkeypatch):
     calls = []
 

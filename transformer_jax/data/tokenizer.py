@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -119,14 +120,23 @@ class Tokenizer:
             raise DataError("no text to train the tokenizer on")
         # Every character seen gets its own piece (coverage 1.0) unless there are too many for
         # the vocabulary; then the rarest are left to byte fallback, which still spells them.
-        for coverage in (1.0, 0.9999, 0.9995, 0.999, 0.995, 0.99, 0.98, 0.95):
+        # SentencePiece takes no coverage below 0.98.
+        coverages = (1.0, 0.9999, 0.9995, 0.999, 0.995, 0.99, 0.98)
+        for coverage in coverages:
             buf = io.BytesIO()
             try:
                 _train(sentences, buf, settings, coverage)
                 break
             except RuntimeError as e:
-                if "required_chars" not in str(e) or coverage == 0.95:
+                if "required_chars" not in str(e):
                     raise
+                if coverage == coverages[-1]:
+                    found = re.search(r"required_chars\. \d+ vs (\d+)", str(e))
+                    need = f"{found.group(1)} pieces" if found else f"more pieces ({str(e).strip()})"
+                    raise DataError(
+                        f"vocab_size={settings.vocab_size} is too small for this text: the characters "
+                        f"that make up {coverage:.0%} of it need {need} with the special tokens; raise "
+                        f"dataset.vocab_size") from e
         return cls(buf.getvalue())
 
     # -- properties ---------------------------------------------------------------------------
@@ -159,7 +169,8 @@ class Tokenizer:
         return self._sp.decode(self._clean(ids))
 
     def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
-        return self._sp.decode([self._clean(ids) for ids in batch])
+        batch = [self._clean(ids) for ids in batch]
+        return self._sp.decode(batch) if batch else []  # (SentencePiece decodes [] to '')
 
     def _clean(self, ids: Iterable[int]) -> list[int]:
         n = self.vocab_size
