@@ -82,6 +82,21 @@ def test_adamw_decays_weights_but_not_norms_or_biases():
         np.testing.assert_array_equal(leaf, 0.0)
 
 
+def test_weight_decay_mask_of_a_real_model_exempts_every_bias_and_norm():
+    import flax.linen as nn
+
+    import transformer_jax as tj
+    from transformer_jax.params import build_model, dummy_inputs
+
+    config = tj.presets.tiny(logits_bias=True)  # Marian's output bias, 'final_logits_bias'
+    params = nn.unbox(build_model(config).init(jax.random.key(0), *dummy_inputs(config))["params"])
+    flat = jax.tree_util.tree_flatten_with_path(weight_decay_mask(params))[0]
+    decayed = {"/".join(str(getattr(k, "key", k)) for k in path) for path, on in flat if on}
+    assert "decoder/final_logits_bias" not in decayed
+    assert not [p for p in decayed if p.endswith("bias") or p.endswith("scale")]
+    assert all(p.endswith(("kernel", "embedding")) for p in decayed) and decayed
+
+
 def test_adam_rejects_weight_decay_and_unknown_names():
     with pytest.raises(ValueError, match="name='adamw'"):
         create_optimizer(_config(weight_decay=0.01), d_model=8)

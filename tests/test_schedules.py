@@ -72,6 +72,17 @@ def test_create_schedule_errors():
     config = ml_collections.ConfigDict({"schedule": "cosine", "learning_rate": 1e-3, "warmup_steps": 1})
     with pytest.raises(ValueError, match="decay_steps"):
         schedules.create_schedule(config, 512)
+    # the paper's 4000 warm-up steps with cosine over a 1000-step run would never reach the peak
+    config.warmup_steps = 4000
+    with pytest.raises(ValueError, match=r"warmup_steps=4000 must be below num_train_steps=1000"):
+        schedules.create_schedule(config, 512, num_train_steps=1000)
+    config.decay_steps = 4000
+    with pytest.raises(ValueError, match=r"warmup_steps=4000 must be below optimizer.decay_steps=4000"):
+        schedules.create_schedule(config, 512, num_train_steps=10_000)
+    config.warmup_steps, config.schedule = -1, "constant"
+    with pytest.raises(ValueError, match=r"optimizer.warmup_steps=-1 must be >= 0"):
+        schedules.create_schedule(config, 512)
+    config.warmup_steps, config.schedule = 1, "cosine"
     config.schedule = "linear"
     with pytest.raises(ValueError, match="optimizer.schedule='linear'"):
         schedules.create_schedule(config, 512)

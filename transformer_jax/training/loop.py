@@ -143,6 +143,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     parallel.check_batch_divisible(config.dataset.eval_batch_size, mesh)
     model_cfg = ModelConfig.from_dict(config.model.to_dict())
     model = build_model(model_cfg)
+    schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
+    tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
 
     if parallel.is_primary():
         integrity.check_writable(workdir)
@@ -161,8 +163,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     ckpt_lib.save_config(config, workdir)
 
     # --- state: fresh, or resumed from the latest checkpoint ----------------------------------
-    schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
-    tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
     checkpointer = ckpt_lib.Checkpointer(
         workdir,
         config.max_checkpoints_to_keep,

@@ -59,7 +59,9 @@ def _decays(path: tuple[Any, ...], decay_embeddings: bool) -> bool:
         names = names[:-1]
     if not names:
         return True
-    if names[-1] in NO_DECAY_LEAF_NAMES or any("norm" in n.lower() for n in names):
+    last = names[-1]
+    if (last in NO_DECAY_LEAF_NAMES or last.endswith(tuple("_" + n for n in NO_DECAY_LEAF_NAMES))
+            or any("norm" in n.lower() for n in names)):
         return False
     return decay_embeddings or not any("embed" in n.lower() for n in names)
 
@@ -67,7 +69,8 @@ def _decays(path: tuple[Any, ...], decay_embeddings: bool) -> bool:
 def weight_decay_mask(params: Any, decay_embeddings: bool = True) -> Any:
     """Tree of bools, True where weight decay applies.
 
-    Decided by each parameter's path: leaves named ``'scale'`` or ``'bias'`` and anything under a
+    Decided by each parameter's path: leaves named ``'scale'`` or ``'bias'`` or ending in
+    ``'_scale'`` / ``'_bias'`` (the output layer's ``'final_logits_bias'``) and anything under a
     module whose name contains ``'norm'`` are exempt; with ``decay_embeddings=False`` so is any
     path containing ``'embed'`` (e.g. ``'embedding'`` tables). Works on ``nn.Partitioned``-boxed
     trees too (the mask keeps the boxes).

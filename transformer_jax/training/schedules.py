@@ -90,6 +90,8 @@ def create_schedule(
     name = config_value(optimizer_config, "schedule", "rsqrt_paper")
     lr = float(config_value(optimizer_config, "learning_rate"))
     warmup = int(config_value(optimizer_config, "warmup_steps", 0))
+    if warmup < 0:
+        raise ConfigError(f"optimizer.warmup_steps={warmup} must be >= 0.")
     if name == "rsqrt_paper":
         return rsqrt_paper(d_model, warmup, scale=lr)
     if name == "constant":
@@ -100,6 +102,13 @@ def create_schedule(
             raise ConfigError(
                 "optimizer.schedule='cosine' needs optimizer.decay_steps > 0 or num_train_steps."
             )
+        if warmup >= decay_steps:
+            source = ("optimizer.decay_steps" if config_value(optimizer_config, "decay_steps", 0)
+                      else "num_train_steps")
+            raise ConfigError(
+                f"optimizer.schedule='cosine': optimizer.warmup_steps={warmup} must be below "
+                f"{source}={decay_steps}, the length of warm-up and decay together (the run would "
+                f"never finish warming up, let alone decay).")
         end = lr * float(config_value(optimizer_config, "end_learning_rate_ratio", 0.0) or 0.0)
         return warmup_cosine(lr, warmup, decay_steps, end)
     raise ConfigError(f"Unknown optimizer.schedule={name!r}; expected one of {SCHEDULES}.")
