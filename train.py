@@ -9,7 +9,9 @@ environment variables). Restarting with the same workdir resumes from the latest
 """
 
 import os
+import re
 import sys
+import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -35,6 +37,39 @@ def _default_workdir() -> str:
     """runs/<config file name>, from the parsed flag (so `--config=X.py` and `--config X.py` agree)."""
     path = flags.FLAGS["config"].config_filename.split(":")[0]  # "file.py:param" takes a parameter
     return os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
+
+
+def _config_problem(error: BaseException) -> str:
+    """One line for an exception raised while reading --config and its --config.* overrides."""
+    raw = str(error).replace("\\'", "'").replace("\\n", "\n")
+    text = " ".join(line.strip() for line in raw.splitlines() if line.strip())
+    if isinstance(error, AttributeError) and "has no attribute 'get_config'" in raw:
+        return "the --config file defines no get_config() function"
+    if isinstance(error, AttributeError | KeyError):  # an override naming a field the config lacks
+        field = re.search(r"'([^']+)'", raw)
+        hint = re.search(r'Did you mean "([^"]+)"', raw)
+        return (f"a --config.* override names a field the config does not have: "
+                f"{field.group(1) if field else text!r}"
+                + (f" (did you mean {hint.group(1)!r}?)" if hint else ""))
+    if isinstance(error, OSError):  # the file is missing or unreadable: the innermost reason
+        return f"cannot load the --config file: {str(error).strip().splitlines()[-1].strip()}"
+    if isinstance(error, SyntaxError):
+        return f"the --config file does not parse: {error}"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "site-packages" not in f.filename]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"reading --config failed{where}: {type(error).__name__}: {text}"
+
+
+def _parse_flags(argv):
+    """absl's flag parsing (which reports bad flags on one line), with the same for the errors
+    ml_collections raises from the config file and its overrides."""
+    try:
+        argv = app.parse_flags_with_usage(argv)
+        flags.FLAGS.config.keys()  # a file that failed to load raises only when read
+        return argv
+    except Exception as e:  # noqa: BLE001 - anything from the user's config file: no traceback
+        print(f"error: {_config_problem(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def main(argv):
@@ -77,4 +112,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

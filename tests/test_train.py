@@ -307,6 +307,29 @@ def test_train_py_reports_user_errors_in_one_line_and_names_runs_after_the_confi
     assert (code, lines[-1]) == (2, "error: config.optimizer.label_smoothing=1.0 must be in [0, 1)")
 
 
+def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
+    """Errors ml_collections raises while reading --config (before main runs) get the same
+    treatment: status 2, one 'error: ...' line naming the problem."""
+    tiny_py = "--config=" + os.path.join(REPO, "configs", "tiny.py")
+    (tmp_path / "no_get.py").write_text("x = 1\n")
+    (tmp_path / "broken.py").write_text("def get_config():\n    return undefined_name\n")
+    cases = {
+        (tiny_py, "--config.optimizer.learning_rte=1e-3"):
+            "error: a --config.* override names a field the config does not have: 'learning_rte' "
+            "(did you mean 'learning_rate'?)",
+        ("--config=" + str(tmp_path / "missing.py"),): "error: cannot load the --config file: [Errno 2] "
+            f"No such file or directory: '{tmp_path / 'missing.py'}'",
+        ("--config=" + str(tmp_path / "no_get.py"),):
+            "error: the --config file defines no get_config() function",
+        ("--config=" + str(tmp_path / "broken.py"),):
+            f"error: reading --config failed (at {tmp_path / 'broken.py'}:2): "
+            "NameError: name 'undefined_name' is not defined",
+    }
+    for flags, expected in cases.items():
+        code, lines = _train_py_error(tmp_path, *flags)
+        assert (code, lines) == (2, [expected]), (flags, lines)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

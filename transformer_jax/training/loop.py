@@ -115,9 +115,10 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
 
 # What `train_and_evaluate` raises for a problem in the config, the data or the workdir (each message
 # names the key, file or step); train.py prints these without a traceback and exits with status 2.
-# Config problems are ConfigError (a ValueError), the mesh and batch checks of `parallel` included.
+# Config problems are ConfigError (a ValueError), the mesh and batch checks of `parallel` included;
+# a non-finite loss is a FloatingPointError naming the step and the last good checkpoint.
 USER_ERRORS = (ConfigError, DataError, integrity.CheckpointConfigMismatchError,
-               integrity.CheckpointCorruptError, integrity.CheckpointWriteError)
+               integrity.CheckpointCorruptError, integrity.CheckpointWriteError, FloatingPointError)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
