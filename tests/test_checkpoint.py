@@ -172,6 +172,36 @@ def test_average_checkpoints(reference, tmp_path):
     )
 
 
+def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
+    import shutil
+
+    from transformer_jax.training import integrity
+
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(reference[1], workdir)
+    with pytest.raises(ValueError, match=r"last_k=0 \(--last\): average at least one checkpoint"):
+        average_checkpoints(workdir, last_k=0)
+    # more than there are: all of them, and the output is named after the number averaged
+    steps = Checkpointer(workdir).all_steps()
+    out = average_checkpoints(workdir, last_k=50)
+    assert out.endswith(f"average_last{len(steps)}")
+    # a flipped byte in the newest step's parameters: refused, like any restore of it
+    step_dir = integrity.step_dir(os.path.join(workdir, "checkpoints"), 20)
+    params = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params")) for f in fs]
+    biggest = max(params, key=os.path.getsize)
+    with open(biggest, "rb+") as f:
+        f.seek(os.path.getsize(biggest) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(integrity.CheckpointCorruptError, match=r"step 20 .* is corrupt: .*has changed.*"
+                                                               r"Not averaging it"):
+        average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / "bad"))
+    assert not os.path.exists(tmp_path / "bad")
+    with pytest.raises(ValueError, match=r"No checkpoint at step 99 in .*; it has steps \[.*20\]"):
+        restore_for_inference(workdir, step=99)
+
+
 def test_average_cli(reference, tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(

@@ -3,21 +3,31 @@
     python -m transformer_jax.training.average --workdir=runs/wmt14_ende_base --last=5
 
 writes ``runs/wmt14_ende_base/average_last5``, a workdir that ``transformer_jax.generate`` and
-``restore_for_inference`` load like any other.
+``restore_for_inference`` load like any other. Each step is verified against its integrity
+manifest before it is averaged; a damaged step, a workdir without checkpoints or a ``--last``
+below 1 is one ``error:`` line and exit status 2.
 """
+
+import sys
 
 from absl import app, flags
 
 from transformer_jax.training.checkpoint import average_checkpoints
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir with checkpoints.", required=True)
-_LAST = flags.DEFINE_integer("last", 5, "How many of the newest checkpoints to average.")
+_LAST = flags.DEFINE_integer("last", 5, "How many of the newest checkpoints to average (>= 1).")
 _OUTPUT = flags.DEFINE_string("output", None, "Output workdir (default WORKDIR/average_lastK).")
 
 
 def main(argv):
-    del argv
-    print(average_checkpoints(_WORKDIR.value, _LAST.value, _OUTPUT.value))
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {list(argv[1:])} (flags are --name=value)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        print(average_checkpoints(_WORKDIR.value, _LAST.value, _OUTPUT.value))
+    except (ValueError, FileNotFoundError) as e:  # a workdir or step problem, named in the message
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

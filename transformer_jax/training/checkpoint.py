@@ -335,7 +335,10 @@ def _restore_params(directory: str, step: int | None, abstract, model_config: Mo
     """-> (params, step): ``step``, or the newest step that verifies (see ``integrity.py``)."""
     manager = ocp.CheckpointManager(directory, options=_read_only_options())
     try:
-        steps = [step] if step is not None else sorted(manager.all_steps())[::-1]
+        available = sorted(manager.all_steps())
+        if step is not None and step not in available:
+            raise ValueError(f"No checkpoint at step {step} in {directory}; it has steps {available}.")
+        steps = [step] if step is not None else available[::-1]
         if not steps:
             return None, None
         reader = types.SimpleNamespace(
@@ -377,39 +380,57 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
 def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None) -> str:
     """Averages the params of the last ``last_k`` checkpoints (section 6.1: 5 for base, 20 for big).
 
-    Writes a new workdir (default ``DIR/average_last{K}``) with the config, tokenizer and one
+    Writes a new workdir (default ``DIR/average_last{K}``, K the number of steps averaged, which
+    is fewer than ``last_k`` when the workdir holds fewer) with the config, tokenizer and one
     params-only checkpoint at the newest step, loadable by ``restore_for_inference`` and
-    ``transformer_jax.generate``. Returns its path.
+    ``transformer_jax.generate``. Every step is verified against its manifest first; a damaged one
+    is a :class:`~transformer_jax.training.integrity.CheckpointCorruptError`. Returns its path.
     """
     import shutil
 
     import jax.numpy as jnp
 
+    if isinstance(last_k, bool) or not isinstance(last_k, int) or last_k < 1:
+        raise ValueError(f"last_k={last_k!r} (--last): average at least one checkpoint (an integer >= 1).")
     config = load_config(workdir)
     model_config = ModelConfig.from_dict(dict(config.model))
     mesh = parallel.create_mesh(data=-1)
     abstract = abstract_params(model_config, mesh)
-    manager = ocp.CheckpointManager(
-        checkpoint_dir(workdir), options=_read_only_options()
-    )
-    steps = sorted(manager.all_steps())[-last_k:]
-    if not steps:
-        raise ValueError(f"Workdir {workdir!r} has no checkpoints to average.")
-    if len(steps) < last_k:
-        logging.warning(
-            "Only %d checkpoints in %s (asked for %d); averaging them all.", len(steps), workdir, last_k
-        )
-    total = None
-    for step in steps:
-        params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))[
-            "params"
-        ]
-        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-        total = params if total is None else jax.tree.map(jnp.add, total, params)
-    manager.close()
+    directory = checkpoint_dir(workdir)
+    manager = ocp.CheckpointManager(directory, options=_read_only_options())
+    try:
+        steps = sorted(manager.all_steps())[-last_k:]
+        if not steps:
+            raise ValueError(f"Workdir {workdir!r} has no checkpoints to average in {directory}.")
+        if len(steps) < last_k:
+            logging.warning(
+                "Only %d checkpoints in %s (asked for %d); averaging them all.", len(steps), workdir, last_k
+            )
+        total = None
+        for step in steps:
+            # Each step is checked against its manifest first, as every restore is: a damaged one
+            # would otherwise be averaged in without a word.
+            verdict = (integrity.verify(directory, step, model_config) if integrity.is_local(directory)
+                       else integrity.Verdict(step, "unsealed"))
+            problem = None if verdict.usable else verdict.describe()
+            if problem is None:
+                try:
+                    args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
+                    params = manager.restore(step, args=args)["params"]
+                except Exception as e:  # noqa: BLE001 (an unreadable step is a corrupt one)
+                    problem = f"orbax could not restore it ({integrity.first_line(e)})"
+            if problem is not None:
+                raise integrity.CheckpointCorruptError(
+                    f"Checkpoint step {step} in {directory} is corrupt: {problem}. Not averaging it: "
+                    f"average fewer of the newest steps (--last), or move "
+                    f"{integrity.step_dir(directory, step)} away and rerun.")
+            params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+            total = params if total is None else jax.tree.map(jnp.add, total, params)
+    finally:
+        manager.close()
     average = jax.tree.map(lambda t, a: (t / len(steps)).astype(a.dtype), total, abstract)
 
-    output_workdir = output_workdir or os.path.join(workdir, f"average_last{last_k}")
+    output_workdir = output_workdir or os.path.join(workdir, f"average_last{len(steps)}")
     if parallel.is_primary():
         os.makedirs(output_workdir, exist_ok=True)
         for name in (CONFIG_FILENAME, "tokenizer.model", "tokenizer.json"):

@@ -218,7 +218,7 @@ def write_error(error: OSError, step: int, directory: str, kept: list[int]) -> C
     )
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
@@ -246,7 +246,7 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
             except DataError:  # a setting that does not match the step (named): not corruption
                 raise
             except Exception as e:  # noqa: BLE001 (any unreadable step is a corrupt step)
-                verdict = Verdict(step, "corrupt", [f"orbax could not restore it ({_first_line(e)})"])
+                verdict = Verdict(step, "corrupt", [f"orbax could not restore it ({first_line(e)})"])
             else:
                 _after_restore(checkpointer, step, verdict, bad)
                 return state
