@@ -1,12 +1,13 @@
 """Decoder-only language model on the Python standard library's source code (``stdlib_lm``).
 
 What it trains: a 4-layer Pre-LN TransformerLM (d_model 256, 4 heads, d_ff 1024, learned
-positions, ~5M parameters) on the .py files of the running interpreter's standard library
+positions, ~4.2M parameters) on the .py files of the running interpreter's standard library
 (built offline on first use), 4k-token BPE, rows of 256 packed tokens, warm-up + cosine Adam.
 
 Hardware and time: a 2-core CPU, roughly 20-30 minutes for 2,000 steps (not tuned); a single
 GPU in about a minute. Expected result: validation perplexity well under 10 on held-out files
-(not measured yet). Sample from it with ``python -m transformer_jax.generate --workdir=runs/lm_stdlib``.
+(not measured yet). Sample from it with
+``python -m transformer_jax.generate --workdir=runs/lm_stdlib --prompt="def "``.
 
     python train.py --config=configs/lm_stdlib.py
 """

@@ -33,7 +33,7 @@ def gpt2_small(**overrides) -> ModelConfig:
 
 
 def tiny(**overrides) -> ModelConfig:
-    """A few-thousand-parameter model for tests and CPU demos (both encoder and decoder stacks)."""
+    """A ~45k-parameter model for tests and CPU demos (both encoder and decoder stacks)."""
     values = dict(
         vocab_size=64, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
         num_decoder_layers=2, dropout_rate=0.0, max_len=128,
