@@ -133,6 +133,24 @@ def test_dense_bool_mask_and_bfloat16():
     np.testing.assert_allclose(lo.astype(jnp.float32), want, atol=5e-2)
 
 
+def test_float16_runs_on_every_backend_under_jit_and_in_a_model():
+    """XLA:CPU has no float16 x float16 -> float32 product, which jax.nn.dot_product_attention's
+    'xla' path asks for under jit; a float16 model ('auto' -> 'xla') failed inside XLA."""
+    q, k, v = (x.astype(jnp.float16) for x in qkv())
+    mask = masks.causal_mask(L, S)
+    want = dot_product_attention(q, k, v, mask, impl="reference")[0].astype(jnp.float32)
+    for impl in ("xla", "chunked", "auto"):
+        got = jax.jit(lambda q, k, v, impl=impl: dot_product_attention(q, k, v, mask, impl=impl)[0])(q, k, v)
+        assert got.dtype == jnp.float16
+        np.testing.assert_allclose(got.astype(jnp.float32), want, atol=2e-3)
+    config = tj.presets.tiny(dtype="float16")
+    model = tj.Transformer(config)
+    ids = jnp.array([[5, 6, 7, 1]])
+    params = model.init(jax.random.key(0), ids, ids)
+    logits = jax.jit(model.apply)(params, ids, ids)
+    assert np.all(np.isfinite(logits))
+
+
 def test_specs_materialize_to_the_literal_masks():
     seg = jnp.array([[1, 1, 2, 2, 0]])
     np.testing.assert_array_equal(

@@ -86,7 +86,13 @@ def _fused_attention(q, k, v, mask, implementation):
             f"head dimension that is a multiple of 8, at most {CUDNN_MAX_HEAD_DIM}; got {q.dtype} "
             f"and {q.shape[-1]}: set ModelConfig.dtype='bfloat16', or attention_impl='auto' or 'xla'")
     kwargs, visible = _fused_mask_args(mask, q.shape[0])
-    out = jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+    if implementation == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA:CPU has no float16 x float16 -> float32 product, which the 'xla' path asks for: the
+        # attention runs in float32 there and rounds once (what its float32 accumulation gives).
+        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                           implementation=implementation, **kwargs).astype(q.dtype)
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
     if visible is not None:  # the fused kernels average V over a fully masked row; we want zeros
         out = jnp.where(visible, out, jnp.zeros((), out.dtype))
     return out
