@@ -241,6 +241,34 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
     assert not os.path.exists(tmp_path / "checkpoints")
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("optimizer.learning_rate", -1.0, r"optimizer.learning_rate=-1.0 must be a number in \(0, inf\)"),
+        ("optimizer.learning_rate", float("nan"), r"config.optimizer.learning_rate=nan must be a number"),
+        ("optimizer.b2", 2.0, r"config.optimizer.b2=2.0 must be a number in \[0, 1\)"),
+        ("optimizer.eps", 0.0, r"config.optimizer.eps=0.0 must be a number in \(0, inf\)"),
+        ("optimizer.weight_decay", -1.0, r"optimizer.weight_decay=-1.0 must be a number in \[0, inf\)"),
+        ("optimizer.grad_clip_norm", -1.0, r"config.optimizer.grad_clip_norm=-1.0"),
+        ("optimizer.warmup_steps", -5, r"config.optimizer.warmup_steps=-5 must be an integer >= 0"),
+        ("max_checkpoints_to_keep", 0, r"config.max_checkpoints_to_keep=0 must be an integer >= 1"),
+        ("dataset.max_eval_examples", -5, r"config.dataset.max_eval_examples=-5 must be an integer >= 0"),
+        ("dataset.max_source_len", 0, r"config.dataset.max_source_len=0 must be an integer >= 1"),
+        ("decode_max_len", -1, r"config.decode_max_len=-1 must be an integer >= 0"),
+        ("dataset.batch_size", 0, r"config.dataset.batch_size=0 must be an integer >= 1"),
+        ("optimizer.grad_accum_steps", 0, r"config.optimizer.grad_accum_steps=0 must be an integer >= 1"),
+    ],
+)
+def test_numeric_settings_out_of_range_are_named(key, value, message):
+    """Values that would otherwise run wrongly (a negative rate ascends the loss; keeping 0
+    checkpoints leaves nothing to resume from) or fail deep inside a later step."""
+    config = tiny.get_config()
+    section, _, field = key.rpartition(".")
+    (config[section] if section else config)[field] = value
+    with pytest.raises(ConfigError, match=message):
+        check_config(config)
+
+
 @pytest.mark.parametrize("metric", ["eval_loss", "eval_perplexity", "eval_accuracy"])
 def test_keep_best_metric_is_checked(metric):
     config = tiny.get_config()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 
@@ -93,10 +94,44 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     return out
 
 
-def _positive_int(config, key: str, minimum: int = 1) -> None:
+def _positive_int(config, key: str, minimum: int = 1, prefix: str = "config") -> None:
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"config.{key}={value!r} must be an integer >= {minimum}")
+        raise ConfigError(f"{prefix}.{key}={value!r} must be an integer >= {minimum}")
+
+
+def _number_in(config, key: str, prefix: str, low: float, high: float = math.inf, *,
+               low_open: bool = False, high_open: bool = True) -> None:
+    """``config[key]`` is a real number in the interval from ``low`` to ``high`` (ends as given)."""
+    value = config[key]
+    ok = (not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and (value < high if high_open else value <= high))
+    if not ok:
+        interval = (("(" if low_open else "[") + f"{low:g}, " + (f"{high:g}" if high != math.inf else "inf")
+                    + (")" if high_open else "]"))
+        raise ConfigError(f"{prefix}.{key}={value!r} must be a number in {interval}")
+
+
+def _check_numbers(config) -> None:
+    """Ranges of the numeric settings whose bad values would otherwise run (a negative learning rate
+    ascends the loss; max_checkpoints_to_keep=0 keeps no checkpoint) or fail late."""
+    ds, opt = config.dataset, config.optimizer
+    _number_in(opt, "learning_rate", "config.optimizer", 0.0, low_open=True)
+    for key in ("b1", "b2"):
+        _number_in(opt, key, "config.optimizer", 0.0, 1.0)
+    _number_in(opt, "eps", "config.optimizer", 0.0, low_open=True)
+    for key in ("weight_decay", "grad_clip_norm", "z_loss", "end_learning_rate_ratio"):
+        if key in opt:
+            _number_in(opt, key, "config.optimizer", 0.0)
+    for key in ("warmup_steps", "decay_steps"):
+        if key in opt:
+            _positive_int(opt, key, 0, "config.optimizer")
+    _positive_int(config, "max_checkpoints_to_keep")
+    _positive_int(config, "decode_max_len", 0)
+    _positive_int(ds, "max_eval_examples", 0, "config.dataset")  # 0 = all
+    lengths = ("max_source_len", "max_target_len") if ds.name in TRANSLATION_DATASETS else ("max_len",)
+    for key in lengths:
+        _positive_int(ds, key, 1, "config.dataset")
 
 
 def _check_keep_best(config) -> None:
@@ -151,13 +186,14 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "set it to 0 (e.g. start from configs/lm_stdlib.py) or use a translation dataset: "
             f"{list(TRANSLATION_DATASETS)}")
     for key in ("batch_size", "eval_batch_size"):
-        _positive_int(ds, key)
+        _positive_int(ds, key, prefix="config.dataset")
     _check_keep_best(config)
     if opt.name not in OPTIMIZERS:
         raise ConfigError(f"config.optimizer.name={opt.name!r} is not one of {OPTIMIZERS}")
     if opt.schedule not in SCHEDULES:
         raise ConfigError(f"config.optimizer.schedule={opt.schedule!r} is not one of {SCHEDULES}")
-    _positive_int(opt, "grad_accum_steps")
+    _positive_int(opt, "grad_accum_steps", prefix="config.optimizer")
+    _check_numbers(config)
     if ds.batch_size % opt.grad_accum_steps:
         raise ConfigError(
             f"config.dataset.batch_size={ds.batch_size} is not divisible by "
