@@ -175,6 +175,15 @@ def test_bad_model_sources_are_clear_errors(capsys, tmp_path):
     assert "has no config.json" in cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
     (tmp_path / "config.json").write_text(json.dumps({"model": {"vocab_size": 300}}))
     assert "has no checkpoint" in cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
+    # a damaged config.json, of a workdir or of a Hugging Face checkpoint, is named
+    (tmp_path / "config.json").write_text("{not json")
+    config_json = tmp_path / "config.json"
+    for source in ("--workdir", "--hf_checkpoint"):
+        err = cli_error(capsys, f"{source}={tmp_path}", "--prompt=a")
+        assert f"{config_json}: not valid JSON" in err and "Traceback" not in err, err
+    config_json.write_text("[1, 2]")
+    err = cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a")
+    assert "expected a JSON object, got list" in err
 
 
 def test_real_process_exits_2_without_traceback():

@@ -41,8 +41,15 @@ def require(module: str, package: str | None = None):
 
 
 def read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """A JSON object from ``path``; a ConversionError naming the file if it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def read_config(directory: str) -> dict:

@@ -66,8 +66,15 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     path = os.path.join(workdir, CONFIG_FILENAME)
     if not os.path.exists(path):
         raise ValueError(f"Workdir {workdir!r} has no {CONFIG_FILENAME}; is it a training workdir?")
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); it is the config the workdir was trained "
+                         f"with") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return ml_collections.ConfigDict(value)
 
 
 # ------------------------------------------------------------------------------------ the manager
