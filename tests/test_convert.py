@@ -65,6 +65,11 @@ def test_gpt2_config_maps_every_option():
     )
     assert config.num_encoder_layers == 0 and config.max_len == 48 and not config.tie_output
     assert not config.scale_embeddings and config.norm_eps == 1e-5 and not config.logits_bias
+    # the three dropout rates of the checkpoint's config, each where GPT-2 applies it
+    with open(os.path.join(gpt2_checkpoint("gpt2_b"), "config.json")) as f:
+        hf = json.load(f)
+    assert (config.dropout_rate, config.attention_dropout_rate, config.embedding_dropout_rate) == (
+        hf["resid_pdrop"], hf["attn_pdrop"], hf["embd_pdrop"])
 
 
 def test_marian_config_maps_every_option():

@@ -29,6 +29,9 @@ GPT2_CONFIGS = {
         n_inner=40,
         tie_word_embeddings=False,
         activation_function="gelu",
+        resid_pdrop=0.1,
+        attn_pdrop=0.05,
+        embd_pdrop=0.2,
     ),
 }
 MARIAN_CONFIGS = {

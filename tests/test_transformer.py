@@ -275,6 +275,23 @@ def test_dropout_needs_rng_only_in_training():
     assert not np.allclose(d1, a) and not np.allclose(d1, d2)
 
 
+def test_embedding_dropout_rate_applies_to_the_embedding_sums_only():
+    t = tokens(2, (B, L))
+    run = lambda cfg, key: japply(init_lm(cfg, t)[0])(
+        {"params": init_lm(cfg, t)[1]}, t, deterministic=False, rngs={"dropout": jax.random.key(key)})
+    plain = japply(init_lm(config(dropout_rate=0.0), t)[0])({"params": init_lm(config(), t)[1]}, t)
+    # only the embedding dropout is on: training outputs differ from the deterministic ones
+    assert not np.allclose(run(config(dropout_rate=0.0, embedding_dropout_rate=0.5), 1), plain)
+    # with it off, residual dropout alone is what moves them; None means dropout_rate, as in the paper
+    np.testing.assert_allclose(run(config(dropout_rate=0.0, embedding_dropout_rate=0.0), 1), plain, atol=1e-6)
+    np.testing.assert_array_equal(run(config(dropout_rate=0.3), 3),
+                                  run(config(dropout_rate=0.3, embedding_dropout_rate=0.3), 3))
+    assert not np.allclose(run(config(dropout_rate=0.3), 3),
+                           run(config(dropout_rate=0.3, embedding_dropout_rate=0.0), 3))
+    with pytest.raises(ValueError, match=r"embedding_dropout_rate=1.0: must be in \[0, 1\) or None"):
+        config(embedding_dropout_rate=1.0)
+
+
 def test_remat_gives_the_same_gradients():
     t = tokens(2, (B, L))
     grads = []

@@ -46,6 +46,8 @@ class ModelConfig:
     num_decoder_layers: int = 6
     dropout_rate: float = 0.1  # P_drop: sub-layer outputs and embedding+position sums (section 5.4)
     attention_dropout_rate: float = 0.0  # on attention probabilities (not in the paper)
+    # On the embedding+position sums only; None = dropout_rate, as in the paper (GPT-2's embd_pdrop).
+    embedding_dropout_rate: float | None = None
     max_len: int = 512  # longest sequence; sizes the learned position table
     norm: str = "post"  # 'post' (paper: LayerNorm(x + Sublayer(x))) or 'pre'
     norm_type: str = "layernorm"
@@ -132,10 +134,12 @@ class ModelConfig:
             fail("head_dim", "rotary positions need an even head_dim")
         if self.position == "sinusoidal" and self.d_model % 2:
             fail("d_model", "sinusoidal positions need an even d_model")
-        for name in ("dropout_rate", "attention_dropout_rate"):
+        for name in ("dropout_rate", "attention_dropout_rate", "embedding_dropout_rate"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-                fail(name, "must be in [0, 1)")
+            if name == "embedding_dropout_rate" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+                fail(name, "must be in [0, 1)" + (" or None" if name == "embedding_dropout_rate" else ""))
         if not self.norm_eps > 0:
             fail("norm_eps", "must be > 0")
         if not self.rope_theta > 0:

@@ -53,7 +53,8 @@ def _logical_names(boxed) -> dict:
 # Fields `convert_params` converts, and fields that do not touch the parameters at all; every
 # other field fixes what the parameters mean.
 CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype", "pad_vocab_multiple")
-PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "attention_impl", "remat")
+PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "embedding_dropout_rate",
+                         "attention_impl", "remat")
 
 
 def _check_matches(params, expected, config: ModelConfig) -> None:

@@ -57,6 +57,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         num_decoder_layers=hf.get("n_layer", 12),
         max_len=hf.get("n_positions", 1024),
         dropout_rate=float(hf.get("resid_pdrop", 0.1)),
+        embedding_dropout_rate=float(hf.get("embd_pdrop", hf.get("resid_pdrop", 0.1))),
         attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)),
         norm="pre",
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),

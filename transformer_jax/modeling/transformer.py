@@ -117,7 +117,8 @@ class _Stack(nn.Module):
                 cfg.max_len, cfg.d_model, names=("length", "embed"), dtype=cfg.compute_dtype,
                 param_dtype=cfg.weights_dtype, name="position_embed",
             )
-        self.embed_dropout = nn.Dropout(cfg.dropout_rate)
+        rate = cfg.dropout_rate if cfg.embedding_dropout_rate is None else cfg.embedding_dropout_rate
+        self.embed_dropout = nn.Dropout(rate)
         if cfg.use_final_norm:
             self.final_norm = make_norm(cfg.norm_type, cfg.norm_eps, cfg.compute_dtype,
                                         cfg.weights_dtype, "final_norm")
