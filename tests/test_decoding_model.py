@@ -267,6 +267,64 @@ def test_beam_reordering_leaves_the_source_cross_attention_alone(seq2seq, monkey
     np.testing.assert_allclose(ours.scores, every_leaf.scores, atol=1e-6)
 
 
+def test_decoding_stops_at_the_models_own_eos_by_default(lm, seq2seq):
+    """eos_id / pad_id default to the model config's (a GPT-2 import's eos is 50256, Marian's 0);
+    they were fixed at 1 / 0, cutting GPT-2 rows at token 1 and never stopping Marian."""
+    from transformer_jax.decoding.sampling import resolve_special_ids
+    from transformer_jax.generate import BanTokensStep
+
+    model, params = lm
+    prompt, lengths = pad_prompts(PROMPTS)
+    cache = lambda cfg: tj.init_cache(cfg, len(PROMPTS), prompt.shape[1] + STEPS)
+    free = generate(LMStep(model), params, cache(CONFIG), prompt, lengths, max_new_tokens=STEPS,
+                    eos_id=None)
+    first = int(free.tokens[0, 0])
+    pad = (first + 1) % CONFIG.vocab_size
+    own = CONFIG.replace(eos_id=first, pad_id=pad)  # ids only: the same weights apply
+    out = generate(LMStep(tj.TransformerLM(own)), params, cache(own), prompt, lengths, max_new_tokens=STEPS)
+    assert int(out.lengths[0]) == 1 and out.tokens[0, 1:].tolist() == [pad] * (STEPS - 1)
+    beams = beam_search(LMStep(tj.TransformerLM(own)), params, cache(own), prompt, lengths,
+                        max_new_tokens=STEPS, beam_size=2)
+    explicit = beam_search(LMStep(tj.TransformerLM(own)), params, cache(own), prompt, lengths,
+                           max_new_tokens=STEPS, beam_size=2, eos_id=first, pad_id=pad)
+    np.testing.assert_array_equal(beams.tokens, explicit.tokens)
+    # through wrappers too; a step function with no model keeps 1 / 0; a model without pad_id gets 0
+    gpt2_like = tj.TransformerLM(CONFIG.replace(eos_id=50, pad_id=None))
+    assert resolve_special_ids(BanTokensStep(LMStep(gpt2_like), (3,)), "model", "model") == (50, 0)
+    assert resolve_special_ids(Seq2SeqStep(seq2seq[0]), "model", "model") == (CONFIG.eos_id, CONFIG.pad_id)
+    assert resolve_special_ids(lambda *a: a, "model", "model") == (1, 0)
+    with pytest.raises(ValueError, match="eos_id must be an integer, None or 'model'"):
+        resolve_special_ids(lambda *a: a, "eos", 0)
+
+
+def test_settings_may_be_traced_inside_a_jit_of_your_own(lm):
+    """temperature, top_p, min_new_tokens and beam search's alpha as arguments of a user's jit give
+    what the same Python numbers give (a traced temperature of 0 is still argmax)."""
+    model, params = lm
+    prompt, lengths = pad_prompts(PROMPTS)
+    cache = lambda: tj.init_cache(CONFIG, len(PROMPTS), prompt.shape[1] + STEPS)
+    common = dict(max_new_tokens=STEPS)
+
+    @jax.jit
+    def sample(params, rng, temperature, top_p, least):
+        return generate(LMStep(model), params, cache(), prompt, lengths, rng=rng, temperature=temperature,
+                        top_p=top_p, min_new_tokens=least, **common).tokens
+
+    @jax.jit
+    def search(params, alpha, least):
+        return beam_search(LMStep(model), params, cache(), prompt, lengths, beam_size=2, alpha=alpha,
+                           min_new_tokens=least, **common).tokens
+
+    key = jax.random.key(3)
+    for temperature, top_p, least in ((0.0, 1.0, 0), (0.8, 0.9, 2), (1.3, 1.0, 0)):
+        want = generate(LMStep(model), params, cache(), prompt, lengths, rng=key, temperature=temperature,
+                        top_p=top_p, min_new_tokens=least, **common).tokens
+        np.testing.assert_array_equal(sample(params, key, temperature, top_p, least), want)
+    want = beam_search(LMStep(model), params, cache(), prompt, lengths, beam_size=2, alpha=0.6,
+                       min_new_tokens=3, **common).tokens
+    np.testing.assert_array_equal(search(params, 0.6, 3), want)
+
+
 def test_a_cache_too_small_or_for_another_batch_is_refused_before_it_corrupts_tokens(lm):
     """The cache write clamps its start index: a cache one slot short would overwrite its last
     slot and decode wrong tokens with no error. The decoders check the size (a prompt of 6 and

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.decoding.sampling import (
+    FROM_MODEL,
     NEG_INF,
     SamplingConfig,
     StepFn,
@@ -32,6 +33,7 @@ from transformer_jax.decoding.sampling import (
     _check_prompt,
     _last_valid,
     _row_limits,
+    resolve_special_ids,
 )
 
 
@@ -220,8 +222,8 @@ def beam_search(
     alpha: float = 0.6,
     min_new_tokens: int = 0,
     max_new_tokens_per_row=None,
-    eos_id: int | None = 1,
-    pad_id: int = 0,
+    eos_id: int | None | str = FROM_MODEL,
+    pad_id: int | str = FROM_MODEL,
 ) -> BeamOutput:
     """Beam search for the highest-scoring continuations of each prompt.
 
@@ -244,8 +246,9 @@ def beam_search(
       max_new_tokens_per_row: optional int [B], each in [1, T]: row b's hypotheses end at
         ``max_new_tokens_per_row[b]`` tokens, exactly as at T (so the result for a row does not
         depend on the longer limits of the rows batched with it). Traced: no recompilation.
-      eos_id: ends a hypothesis; None: every hypothesis runs to its row's limit.
-      pad_id: written after EOS.
+      eos_id: ends a hypothesis; None: every hypothesis runs to its row's limit. Default: the
+        model's ``eos_id`` (from ``step_fn.model.config``, as in `generate`), else 1.
+      pad_id: written after EOS. Default: the model's ``pad_id`` (0 if it has none).
 
     Returns:
       BeamOutput(tokens [B, K, T], scores [B, K], logprobs [B, K], lengths [B, K]), best first.
@@ -254,8 +257,9 @@ def beam_search(
         raise ValueError(f"beam_size must be a positive integer, got {beam_size}")
     if int(max_new_tokens) != max_new_tokens or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-    if not alpha >= 0.0:
+    if not isinstance(alpha, jax.core.Tracer) and not alpha >= 0.0:  # traced: checked by the caller
         raise ValueError(f"alpha must be >= 0, got {alpha}")
+    eos_id, pad_id = resolve_special_ids(step_fn, eos_id, pad_id)
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)
     _check_prompt(prompt_tokens, prompt_lengths)
@@ -276,6 +280,6 @@ def beam_search(
         limits,
         beam_size=int(beam_size),
         max_new_tokens=int(max_new_tokens),
-        eos_id=None if eos_id is None else int(eos_id),
-        pad_id=int(pad_id),
+        eos_id=eos_id,
+        pad_id=pad_id,
     )

@@ -67,18 +67,33 @@ class SamplingConfig:
     min_new_tokens: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
+        # temperature, top_p and min_new_tokens may be traced (generate called inside a jit of
+        # your own): their values are checked when they are concrete.
+        if not _traced(self.temperature) and not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _traced(self.top_p) and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if int(self.min_new_tokens) != self.min_new_tokens or self.min_new_tokens < 0:
+        if not _traced(self.min_new_tokens) and (
+                int(self.min_new_tokens) != self.min_new_tokens or self.min_new_tokens < 0):
             raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens}")
 
     @property
-    def greedy(self) -> bool:
+    def greedy(self) -> bool | None:
+        """Greedy decoding; None for a traced temperature (decided per call, in the program)."""
+        if _traced(self.temperature):
+            return None
         return self.temperature == 0.0
+
+    @property
+    def filters_top_p(self) -> bool:
+        """Whether the top-p filter is compiled in: a traced top_p always is (1.0 keeps every token)."""
+        return _traced(self.top_p) or self.top_p < 1.0
+
+
+def _traced(value) -> bool:
+    return isinstance(value, jax.core.Tracer)
 
 
 # --------------------------------------------------------------------------- prompt bucketing
@@ -189,12 +204,15 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
     log_total = jnp.log(jnp.sum(jnp.exp(logits_t - col_max), axis=0))  # logsumexp - max
     if greedy:
         return _first_argmax(logits_t, col_max), -log_total  # the chosen logit is the maximum
-    scaled = logits / temperature
+    # greedy=None: a traced temperature, which may be 0 (argmax) or not (sampling).
+    scaled = logits / (temperature if greedy is not None else jnp.where(temperature > 0, temperature, 1.0))
     if top_k:
         scaled = _top_k_mask(scaled, top_k)
     if use_top_p:
         scaled = _top_p_mask(scaled, top_p)
     tokens = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+    if greedy is None:
+        tokens = jnp.where(temperature > 0, tokens, _first_argmax(logits_t, col_max))
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen - col_max[0] - log_total
 
@@ -402,6 +420,39 @@ def _row_limits(max_new_tokens_per_row, batch: int, max_new_tokens: int):
     return limits.astype(jnp.int32)
 
 
+# The default of `eos_id` / `pad_id`: the model's own (``ModelConfig.eos_id`` / ``pad_id``) when the
+# step function carries one (`LMStep`, `Seq2SeqStep` and wrappers with a ``step`` attribute), else 1 / 0.
+FROM_MODEL = "model"
+DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 0
+
+
+def step_model_config(step_fn) -> Any | None:
+    """The `ModelConfig` behind ``step_fn`` (``step_fn.model.config``, looking through wrappers that
+    keep the wrapped step function as ``.step``), or None."""
+    for _ in range(16):
+        model = getattr(step_fn, "model", None)
+        if model is not None and hasattr(model, "config"):
+            return model.config
+        step_fn = getattr(step_fn, "step", None)
+        if step_fn is None:
+            return None
+    return None
+
+
+def resolve_special_ids(step_fn, eos_id, pad_id) -> tuple[int | None, int]:
+    """(eos_id, pad_id) with `FROM_MODEL` replaced by the model's ids (see `FROM_MODEL`)."""
+    config = step_model_config(step_fn)
+    if isinstance(eos_id, str):
+        if eos_id != FROM_MODEL:
+            raise ValueError(f"eos_id must be an integer, None or {FROM_MODEL!r}, got {eos_id!r}")
+        eos_id = config.eos_id if config is not None else DEFAULT_EOS_ID
+    if isinstance(pad_id, str):
+        if pad_id != FROM_MODEL:
+            raise ValueError(f"pad_id must be an integer or {FROM_MODEL!r}, got {pad_id!r}")
+        pad_id = config.pad_id if config is not None and config.pad_id is not None else DEFAULT_PAD_ID
+    return (None if eos_id is None else int(eos_id)), int(pad_id)
+
+
 def generate(
     step_fn: StepFn,
     params: Any,
@@ -416,8 +467,8 @@ def generate(
     top_p: float = 1.0,
     min_new_tokens: int = 0,
     max_new_tokens_per_row=None,
-    eos_id: int | None = 1,
-    pad_id: int = 0,
+    eos_id: int | None | str = FROM_MODEL,
+    pad_id: int | str = FROM_MODEL,
 ) -> GenerateOutput:
     """Samples up to ``max_new_tokens`` tokens after each prompt.
 
@@ -431,8 +482,11 @@ def generate(
       prompt_tokens: int32 [B, P], right-padded. Prefilled in one ``step_fn`` call.
       prompt_lengths: int32 [B], each in [1, P].
       max_new_tokens: T, the number of decoding steps (static).
-      rng: PRNG key; required when temperature > 0. The same key gives the same tokens.
+      rng: PRNG key; required when temperature > 0 (or traced). The same key gives the same tokens.
       temperature: 0 = greedy argmax; otherwise logits are divided by it before sampling.
+        temperature, top_p, min_new_tokens and max_new_tokens_per_row may be traced (generate
+        inside a jit of your own); a traced temperature picks argmax or samples at run time, and a
+        traced top_p compiles the top-p filter in (1.0 keeps every token).
       top_k: sample only among the k most likely tokens (0 = off).
       top_p: sample only from the smallest set of tokens with total probability >= top_p.
       min_new_tokens: EOS is masked out for the first ``min_new_tokens`` steps.
@@ -441,12 +495,15 @@ def generate(
         no recompilation. With learned positions, only the positions a row reaches before its
         limit must exist: the steps after it compute padding that is thrown away.
       eos_id: a row stops after emitting it (later tokens are ``pad_id``); None never stops.
-      pad_id: the token written after EOS.
+        Default: the model's ``eos_id`` (`FROM_MODEL`: from ``step_fn.model.config``, so a
+        checkpoint imported with its own ids stops at its own EOS), else 1.
+      pad_id: the token written after EOS. Default: the model's ``pad_id`` (0 if it has none).
 
     Returns:
       GenerateOutput(tokens [B, T], lengths [B], logprobs [B, T]).
     """
     sampling = SamplingConfig(temperature, top_k, top_p, min_new_tokens)
+    eos_id, pad_id = resolve_special_ids(step_fn, eos_id, pad_id)
     if int(max_new_tokens) != max_new_tokens or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
     prompt_tokens = jnp.asarray(prompt_tokens)
@@ -472,7 +529,7 @@ def generate(
         max_new_tokens=int(max_new_tokens),
         greedy=sampling.greedy,
         top_k=int(top_k),
-        use_top_p=top_p < 1.0,
-        eos_id=None if eos_id is None else int(eos_id),
-        pad_id=int(pad_id),
+        use_top_p=sampling.filters_top_p,
+        eos_id=eos_id,
+        pad_id=pad_id,
     )
