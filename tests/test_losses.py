@@ -96,6 +96,21 @@ def test_weights_mask_padding():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), aux, aux2)
 
 
+def test_padding_may_hold_any_id():
+    """-100 (PyTorch's ignore_index) or vocab_size at weight 0 changes nothing; it gave NaN (an
+    out-of-range gather fills NaN, and NaN x 0 is NaN), gradients included."""
+    logits = _logits(2, 4, 9)
+    weights = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+    clean = jnp.array([[5, 6, 1, 0], [3, 1, 0, 0]])
+    want = cross_entropy(logits, clean, weights, EPS, 1e-3)
+    grad = lambda t: jax.grad(lambda x: cross_entropy(x, t, weights, EPS, 1e-3)[0])(logits)
+    for fill in (-100, 9, 12345):
+        targets = jnp.where(weights > 0, clean, fill)
+        got = cross_entropy(logits, targets, weights, EPS, 1e-3)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+        np.testing.assert_allclose(grad(targets), grad(clean), rtol=1e-6)
+
+
 def test_z_loss_adds_coefficient_times_log_z_squared():
     logits = _logits(2, 3, 8, scale=3)
     targets = _targets(2, 3, vocab=8)

@@ -48,7 +48,7 @@ def cross_entropy(
 
     Args:
       logits: ``[B, L, V]``, any float dtype (upcast to float32).
-      targets: ``[B, L]`` int token ids.
+      targets: ``[B, L]`` int token ids; where the weight is 0 any value (e.g. -100) is ignored.
       weights: ``[B, L]``, 1 for real tokens and 0 for padding (``targets_segment_ids > 0``);
         None means every token counts.
       label_smoothing: ε_ls; see the module docstring for the convention.
@@ -67,6 +67,9 @@ def cross_entropy(
     weights = weights.astype(jnp.float32)
 
     log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, L]
+    # Padding may hold any id (-100, PyTorch's ignore_index, or vocab_size): it is read as id 0,
+    # since an out-of-range gather gives NaN, and NaN x weight 0 is NaN.
+    targets = jnp.where(weights > 0, targets, 0)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     nll = log_z - target_logit  # -log p_target
     if label_smoothing > 0.0:
