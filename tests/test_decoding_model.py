@@ -367,6 +367,16 @@ def test_learned_positions_past_max_len_are_refused_not_nan():
                    max_new_tokens=8, max_new_tokens_per_row=[4, 8], eos_id=None)
     np.testing.assert_array_equal(out.tokens[0, :4], ok.tokens[0, :4])
     assert np.isfinite(np.asarray(out.logprobs)).all() and out.lengths.tolist() == [4, 8]
+    # a source longer than the encoder's table, with or without segment ids (which skipped the check
+    # and gave NaN cross-attention keys); and the helpers that initialise a model fit a short table
+    seq2seq = tj.Transformer(config.replace(num_encoder_layers=1, max_len=8))
+    src = jnp.ones((1, 12), jnp.int32)
+    p = _random_params(seq2seq, src[:, :8], src[:, :8])
+    for segments in (None, jnp.ones_like(src)):
+        with pytest.raises(ValueError, match=r"12 tokens exceed the learned position table's 8 rows"):
+            encode_source(seq2seq, p, src, max_length=8, src_segment_ids=segments)
+    short = config.replace(max_len=4)
+    assert tj.count_params(short) == tj.count_params(config) - 2 * 8 * config.d_model  # two tables
 
 
 def test_model_level_misuse_is_refused_or_nan_not_silently_wrong(lm, seq2seq):

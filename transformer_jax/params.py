@@ -18,7 +18,8 @@ def build_model(config: ModelConfig):
 
 
 def dummy_inputs(config: ModelConfig, batch_size: int = 1, length: int = 8):
-    tokens = jnp.zeros((batch_size, length), jnp.int32)
+    """Token arrays to initialise `build_model(config)` with (no longer than a learned position table)."""
+    tokens = jnp.zeros((batch_size, min(length, config.max_len)), jnp.int32)
     return (tokens, tokens) if config.num_encoder_layers > 0 else (tokens,)
 
 

@@ -358,6 +358,7 @@ class Transformer(nn.Module):
         One source per row: `src_segment_ids` (optional, [B, S]) marks its tokens with a non-zero
         id and padding with 0, where the pad id cannot (positions count from each segment's
         start; the target attends to every non-zero token of its row)."""
+        _check_learned_length(self.config, src.shape[1])  # (positions given below skip the encoder's)
         positions = None if src_segment_ids is None else segment_positions(src_segment_ids)
         memory = self.encode(src, src_segment_ids=src_segment_ids, src_positions=positions)
         dtype = cache_dtype(self.config) if dtype is None else dtype
