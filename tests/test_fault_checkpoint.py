@@ -156,6 +156,23 @@ def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir):
         train_and_evaluate(config, workdir)
     assert "fresh --workdir" in str(e.value)
     assert integrity.verify(ckpt(workdir), 10).status == "ok"  # nothing was touched
+    with open(os.path.join(workdir, "config.json")) as f:  # what generate and averaging read
+        assert json.load(f)["model"]["d_ff"] == 64
+
+
+def test_intact_checkpoint_of_another_optimizer_is_a_config_error_not_corruption(workdir, data_dir):
+    """Clipping adds state to the optimizer's: orbax cannot restore the saved tree into it. The files
+    match their manifests, so this is a setting to put back, not a damaged step (which every step
+    was declared before, with the advice to move the checkpoints away)."""
+    config = tiny_config(data_dir, num_train_steps=12)
+    config.optimizer.grad_clip_norm = 1.0
+    with pytest.raises(integrity.CheckpointConfigMismatchError,
+                       match=r"step 10 .* is intact .*config.optimizer .*fresh --workdir"):
+        train_and_evaluate(config, workdir)
+    assert Checkpointer(workdir).all_steps() == [5, 10]
+    assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["optimizer"]["grad_clip_norm"] == 0.0
 
 
 def test_disk_full_mid_save_keeps_earlier_checkpoints(workdir, data_dir, monkeypatch):

@@ -245,7 +245,14 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
                 state = restore_fn(*args, step)
             except DataError:  # a setting that does not match the step (named): not corruption
                 raise
-            except Exception as e:  # noqa: BLE001 (any unreadable step is a corrupt step)
+            except Exception as e:  # noqa: BLE001 (any unreadable step is a corrupt step...)
+                if verdict.status == "ok":  # ...unless every file matches its manifest
+                    raise CheckpointConfigMismatchError(
+                        f"Checkpoint step {step} in {directory} is intact (every file matches its "
+                        f"manifest), but it does not fit the train state this run builds "
+                        f"({first_line(e)}). The optimizer state's structure follows config.optimizer "
+                        f"(name, weight_decay, grad_clip_norm, ...): set those back to the values in "
+                        f"the workdir's config.json, or train in a fresh --workdir.") from e
                 verdict = Verdict(step, "corrupt", [f"orbax could not restore it ({first_line(e)})"])
             else:
                 _after_restore(checkpointer, step, verdict, bad)

@@ -161,7 +161,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
             f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
             f"tokenizer's {data.tokenizer.vocab_size} tokens (dataset.vocab_size)."
         )
-    ckpt_lib.save_config(config, workdir)
 
     # --- state: fresh, or resumed from the latest checkpoint ----------------------------------
     checkpointer = ckpt_lib.Checkpointer(
@@ -180,6 +179,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
              + ("" if exact else " (the input pipeline starts afresh: resume_data_position=False)"))
     else:
         state, _ = create_train_state(model, tx, mesh, config.seed)
+    # Written once the state is restored (or created): a resume refused above leaves the config the
+    # checkpoints were trained with, which generate and averaging read, untouched.
+    ckpt_lib.save_config(config, workdir)
     start_step = int(jax.device_get(state.step))
     _say(
         f"config:\n{config}\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
