@@ -93,6 +93,10 @@ def main(argv):
     workdir = _WORKDIR.value or _default_workdir()
     try:
         final = train_and_evaluate(config, workdir)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first saves a checkpoint and stops)
+        print("interrupted: stopped without saving; the run resumes from its latest checkpoint",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
     except USER_ERRORS as e:  # a problem with the config, the data or the workdir: no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         if jax.process_count() > 1:

@@ -100,9 +100,11 @@ def _wait_for_step(workdir, step, proc, timeout=240):
     raise AssertionError("timed out")
 
 
-def test_sigterm_saves_where_it_stops_and_resumes_exactly(data_dir, tmp_path, reference):
-    """Preemption: SIGTERM mid-training saves the current step and exits cleanly. (SIGKILL at
-    random moments, with the same exact-resume check, is tests/test_fault_chaos.py.)"""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_saves_where_it_stops_and_resumes_exactly(data_dir, tmp_path, reference, signum):
+    """Preemption: SIGTERM mid-training saves the current step and exits cleanly; so does a first
+    Ctrl-C (SIGINT), which used to end in a KeyboardInterrupt traceback. (SIGKILL at random
+    moments, with the same exact-resume check, is tests/test_fault_chaos.py.)"""
     workdir = str(tmp_path / "w")
     # A long run, so that the signal surely arrives mid-training; the schedule is constant, so
     # the losses of the first 20 steps do not depend on num_train_steps.
@@ -117,11 +119,11 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(data_dir, tmp_path, re
     _wait_for_step(workdir, 7, proc)
     while not os.path.isdir(os.path.join(workdir, "checkpoints", "5")):
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out = proc.communicate(timeout=120)[0]
     saved = Checkpointer(workdir).latest_step()
     assert proc.returncode == 0, out[-3000:]
-    assert "Stopped by SIGTERM" in out
+    assert f"Stopped by {signal.Signals(signum).name}" in out
     assert saved >= 7 and saved == max(train_losses(workdir))  # saved where it stopped
     assert saved < STEPS, f"the signal came too late (step {saved}); the machine is very slow"
     train_and_evaluate(tiny_config(data_dir), workdir)

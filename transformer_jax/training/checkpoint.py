@@ -271,7 +271,9 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
 
 
 class PreemptionFlag:
-    """Set by SIGTERM (what schedulers and Cloud TPU maintenance send before killing a job).
+    """Set by SIGTERM (what schedulers and Cloud TPU maintenance send before killing a job), and in a
+    single-process run by the first Ctrl-C (SIGINT) too: both save a checkpoint at the current step
+    and stop. A second Ctrl-C interrupts at once, without saving (KeyboardInterrupt).
 
     The loop polls :meth:`reached`, saves a checkpoint and returns. With one process a Python
     SIGTERM handler sets the flag. With several, the stop must be agreed on: a process that
@@ -284,12 +286,22 @@ class PreemptionFlag:
 
     def __init__(self):
         self._event = threading.Event()
-        self._previous = None
+        self._previous = {}
+        self.signal_name = None
         if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
-        logging.warning("SIGTERM received: saving a checkpoint and stopping.")
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self._event.is_set():  # a second Ctrl-C: stop now
+            self.restore_handler()
+            raise KeyboardInterrupt
+        self.signal_name = name
+        logging.warning("%s received: saving a checkpoint and stopping.", name)
+        if signum == signal.SIGINT:
+            print(f"\n{name}: saving a checkpoint at the end of this step and stopping "
+                  "(Ctrl-C again to stop without saving).", flush=True)
         self._event.set()
 
     def reached(self, manager: Checkpointer, step: int) -> bool:
@@ -302,9 +314,9 @@ class PreemptionFlag:
         return self._event.is_set()
 
     def restore_handler(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def __enter__(self):
         return self

@@ -254,7 +254,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
                 # between evaluations (at preemption) has no metrics and is kept while it is the latest.
                 checkpointer.save(state, data.train_iter, eval_metrics if evaluated else None, force=stop)
             if stop:
-                log.message(f"Stopped by SIGTERM after step {done}; checkpoint saved.")
+                log.message(f"Stopped by {preemption.signal_name or 'SIGTERM'} after step {done}; "
+                            "checkpoint saved.")
                 break
 
     # --- final evaluation -------------------------------------------------------------------
