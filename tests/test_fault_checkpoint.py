@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny
+from transformer_jax.config import ConfigError
 from transformer_jax.training import integrity, restore_for_inference, train_and_evaluate
 from transformer_jax.training.checkpoint import Checkpointer
 
@@ -158,6 +159,24 @@ def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir):
     assert integrity.verify(ckpt(workdir), 10).status == "ok"  # nothing was touched
     with open(os.path.join(workdir, "config.json")) as f:  # what generate and averaging read
         assert json.load(f)["model"]["d_ff"] == 64
+
+
+def test_a_second_run_in_a_busy_workdir_is_refused(workdir, data_dir):
+    """Two train.py on one workdir: the second's start-up deleted the first's checkpoint in progress
+    and their metrics interleaved. The first holds an OS lock on DIR/.train.lock for its whole run."""
+    import fcntl
+
+    path = os.path.join(workdir, integrity.LOCK_NAME)
+    with open(path, "w") as held:  # (the copied workdir has the lock file of the run that made it)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242 on elsewhere\n")
+        held.flush()
+        with pytest.raises(ConfigError, match=r"in use by another training run \(pid 4242 on elsewhere"):
+            train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)
+    # released (as when a run ends or is killed): the next run takes the lock and trains
+    assert train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)["step"] == 12
+    with open(path) as f:
+        assert f.read().startswith(f"pid {os.getpid()} on ")
 
 
 def test_intact_checkpoint_of_another_optimizer_is_a_config_error_not_corruption(workdir, data_dir):

@@ -18,14 +18,17 @@ directory plus the ``ModelConfig`` the step was written for. Before a restore we
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
+import socket
 import time
 
-from transformer_jax.config import ModelConfig
+from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data.errors import DataError
 
 MANIFEST_NAME = "integrity.json"
@@ -199,6 +202,45 @@ def check_writable(workdir: str) -> None:
         raise CheckpointWriteError(
             e.errno, f"Workdir {workdir!r} is not writable ({e.strerror or e}); choose another --workdir"
         ) from e
+
+
+LOCK_NAME = ".train.lock"
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str, primary: bool = True):
+    """Holds an exclusive lock on ``DIR/.train.lock`` while a run trains in ``workdir`` (process 0
+    of a run takes it; the others share its workdir). A second run started on the same workdir
+    would delete the first one's checkpoint in progress and interleave its metrics: it is refused,
+    naming the process that holds the lock. The lock goes with the process (an OS file lock), so a
+    killed run leaves nothing to clean up. Checks that the workdir is writable first."""
+    if not primary:
+        yield
+        return
+    check_writable(workdir)
+    path = os.path.join(workdir, LOCK_NAME)
+    handle = open(path, "a+")  # noqa: SIM115 (held open for the whole run)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise ConfigError(
+                f"workdir {workdir!r} is in use by another training run ({holder}, holding {path}): "
+                f"two runs in one workdir would overwrite each other's checkpoints. Stop it, or "
+                f"give this run another --workdir.") from None
+        except OSError as e:  # a filesystem without locks (some network mounts): run unguarded
+            from absl import logging
+
+            logging.warning("Cannot lock %s (%s): nothing stops a second run in this workdir.", path, e)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock
 
 
 def write_error(error: OSError, step: int, directory: str, kept: list[int]) -> CheckpointWriteError:

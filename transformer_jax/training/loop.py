@@ -147,8 +147,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
     tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
 
+    with integrity.workdir_lock(workdir, parallel.is_primary()):
+        return _train_in(config, workdir, mesh, model_cfg, model, schedule, tx)
+
+
+def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedule, tx) -> dict:
+    """`train_and_evaluate` once the config is checked and the workdir is this run's alone."""
     if parallel.is_primary():
-        integrity.check_writable(workdir)
         integrity.repair_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
     # --- data --------------------------------------------------------------------------------
