@@ -161,6 +161,17 @@ def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir):
         assert json.load(f)["model"]["d_ff"] == 64
 
 
+def test_resume_may_change_how_the_parameters_are_computed_with(workdir, data_dir):
+    """Compute dtype, dropout, the attention backend and rematerialisation leave the parameters as
+    they are: a run out of memory may switch on remat and resume (they were refused as another model)."""
+    config = tiny_config(data_dir, num_train_steps=12)
+    config.model.remat = "full"
+    config.model.dtype = "bfloat16"
+    config.model.attention_impl = "reference"
+    config.model.dropout_rate = 0.2
+    assert train_and_evaluate(config, workdir)["step"] == 12
+
+
 def test_a_second_run_in_a_busy_workdir_is_refused(workdir, data_dir):
     """Two train.py on one workdir: the second's start-up deleted the first's checkpoint in progress
     and their metrics interleaved. The first holds an OS lock on DIR/.train.lock for its whole run."""

@@ -138,7 +138,11 @@ def check_model_config(directory: str, step: int, manifest: dict | None, model_c
         raise CheckpointConfigMismatchError(
             f"Checkpoint step {step} in {directory} records a model config this version cannot read ({e})."
         ) from e
-    diff = saved.diff(model_config)
+    from transformer_jax.params import PARAMETER_FREE_FIELDS
+
+    # Fields that change how the same parameters are computed with, not what they are (compute dtype,
+    # dropout, attention backend, rematerialisation) may change on resume.
+    diff = {k: v for k, v in saved.diff(model_config).items() if k not in PARAMETER_FREE_FIELDS}
     if diff:
         fields = ", ".join(
             f"{k}={a!r} in the checkpoint but {b!r} in config.model" for k, (a, b) in diff.items()
