@@ -105,6 +105,19 @@ def test_train_iterator_deterministic_and_resumable(tok, pack):
     assert _equal(after, _take(resumed, 40))
 
 
+def test_resuming_with_shorter_rows_names_the_setting(tok):
+    """The saved packing bins hold rows being filled to the old lengths; with shorter rows they
+    failed deep inside row building ('examples do not fit in 16 tokens')."""
+    make = lambda lengths: pipeline.make_train_iterator(SOURCE, tok, TRANSLATION, lengths, 4, shard=shard())
+    it = make(LENGTHS)
+    _take(it, 3)
+    state = it.get_state()
+    shorter = make({key: 4 for key in LENGTHS})
+    with pytest.raises(DataError, match=r"tokens of '.*', more than this run's rows of 4 .*"
+                                        r"resume_data_position=False"):
+        shorter.set_state(state)
+
+
 def test_resume_through_orbax(tok, tmp_path):
     import orbax.checkpoint as ocp
 

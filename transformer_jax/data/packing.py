@@ -137,6 +137,18 @@ class _FirstFitPackIterator(grain.DatasetIterator):
         }
 
     def set_state(self, state):
+        for examples in state["bins"]:  # rows being filled when the state was saved
+            for key, length in self._lengths.items():
+                used = sum(len(ex[key]) for ex in examples)
+                if used > length:
+                    from transformer_jax.data.errors import DataError
+
+                    raise DataError(
+                        f"the saved input pipeline position holds a row being packed with {used} "
+                        f"tokens of {key!r}, more than this run's rows of {length} (the dataset's "
+                        f"max length settings changed since): resume with the lengths the run was "
+                        f"trained with, or set config.resume_data_position=False to start the input "
+                        f"pipeline afresh")
         self._parent.set_state(state["parent"])
         self._bins = []
         for examples in state["bins"]:
