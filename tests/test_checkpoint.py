@@ -65,6 +65,29 @@ def test_restart_resumes_bit_for_bit(data_dir, tmp_path, reference):
     assert train_losses(workdir) == reference[0]  # exact equality, steps 1..20
 
 
+def test_resume_logs_each_step_once(data_dir, tmp_path, reference):
+    """Steps logged after the checkpoint a run resumes from are trained and logged again: their old
+    records are dropped from metrics.jsonl, and TensorBoard gets a restart marker (SessionLog START)
+    at that step, so that neither shows a step twice."""
+    import glob
+    import json
+    import shutil
+
+    from transformer_jax.training import metrics
+
+    workdir = str(tmp_path / "w")
+    train_and_evaluate(tiny_config(data_dir, num_train_steps=10), workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "10"))  # as if killed before saving step 10
+    train_and_evaluate(tiny_config(data_dir), workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        steps = [r["step"] for r in map(json.loads, f) if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))
+    assert train_losses(workdir) == reference[0]
+    newest = sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")))[-1]
+    marker = metrics.encode_event(0.0, 5, session_start=True)[9:]  # step 5, SessionLog START
+    assert any(payload.endswith(marker) for payload in metrics.read_events(newest))
+
+
 def _train_py(workdir, data_dir, steps=STEPS, extra=()):
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     args = [

@@ -69,12 +69,17 @@ def _length_delimited(number: int, data: bytes) -> bytes:
 
 
 def encode_event(
-    wall_time: float, step: int, *, scalars: dict[str, float] | None = None, file_version: str | None = None
+    wall_time: float, step: int, *, scalars: dict[str, float] | None = None, file_version: str | None = None,
+    session_start: bool = False,
 ) -> bytes:
-    """An ``Event`` proto: wall_time=1 (double), step=2 (int64), file_version=3, summary=5."""
+    """An ``Event`` proto: wall_time=1 (double), step=2 (int64), file_version=3, summary=5,
+    session_log=6 (``SessionLog.status`` START = 1: TensorBoard drops the steps after it that
+    earlier files logged, i.e. what a resumed run logs again)."""
     out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
     if file_version is not None:
         out += _length_delimited(3, file_version.encode())
+    if session_start:
+        out += _length_delimited(6, _field(1, 0, _varint(1)))
     if scalars:
         values = b"".join(
             _length_delimited(
@@ -100,6 +105,11 @@ class EventWriter:
         self.path = os.path.join(logdir, name)
         self._file = open(self.path, "ab")  # noqa: SIM115 (kept open for the run)
         self._file.write(tfrecord(encode_event(time.time(), 0, file_version="brain.Event:2")))
+
+    def session_start(self, step: int) -> None:
+        """Marks a restart at ``step`` (a resumed run): TensorBoard forgets later steps of earlier files."""
+        self._file.write(tfrecord(encode_event(time.time(), step, session_start=True)))
+        self._file.flush()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         finite = {k: v for k, v in values.items() if isinstance(v, int | float)}
@@ -199,8 +209,13 @@ class MetricsLogger:
         if not self.primary:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+        path = os.path.join(workdir, "metrics.jsonl")
+        if start_step > 0:  # resumed: steps after the checkpoint are trained (and logged) again
+            _drop_records_after(path, start_step)
+        self._jsonl = open(path, "a")  # noqa: SIM115
         self._events = EventWriter(os.path.join(workdir, "tensorboard"))
+        if start_step > 0:
+            self._events.session_start(start_step)
         if use_wandb:
             self._wandb = _start_wandb(workdir, config)
         if progress:
@@ -245,6 +260,28 @@ class MetricsLogger:
                 thing.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    """Rewrites metrics.jsonl without the records of steps after ``step`` (atomically)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a torn last line (repair_jsonl has normally removed it)
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step):
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if len(keep) == len(lines):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
 
 
 def _plain(value):
