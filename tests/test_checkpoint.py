@@ -210,6 +210,8 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
     steps = Checkpointer(workdir).all_steps()
     out = average_checkpoints(workdir, last_k=50)
     assert out.endswith(f"average_last{len(steps)}")
+    with pytest.raises(ValueError, match=r"already holds a checkpoint at step 20 .*--output"):
+        average_checkpoints(workdir, last_k=50)  # the same output again: not overwritten
     # a flipped byte in the newest step's parameters: refused, like any restore of it
     step_dir = integrity.step_dir(os.path.join(workdir, "checkpoints"), 20)
     params = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params")) for f in fs]
@@ -225,6 +227,25 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
     assert not os.path.exists(tmp_path / "bad")
     with pytest.raises(ValueError, match=r"No checkpoint at step 99 in .*; it has steps \[.*20\]"):
         restore_for_inference(workdir, step=99)
+
+
+def test_average_names_a_step_removed_while_reading(reference, tmp_path, monkeypatch):
+    """A run still training in the workdir deletes old steps: one that vanishes mid-read is named as
+    removed, not called corrupt (with advice to move it away)."""
+    import shutil
+
+    from transformer_jax.training import integrity
+
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(reference[1], workdir)
+
+    def deleting_verify(directory, step, model_config=None):
+        shutil.rmtree(integrity.step_dir(directory, step))  # the trainer's pruning, at this moment
+        return integrity.Verdict(step, "corrupt", ["a file is missing"])
+
+    monkeypatch.setattr(integrity, "verify", deleting_verify)
+    with pytest.raises(ValueError, match=r"step 15 .* was removed while it was being read"):
+        average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / "avg"))
 
 
 def test_average_cli(reference, tmp_path):

@@ -25,7 +25,7 @@ def main(argv):
         sys.exit(2)
     try:
         print(average_checkpoints(_WORKDIR.value, _LAST.value, _OUTPUT.value))
-    except (ValueError, FileNotFoundError) as e:  # a workdir or step problem, named in the message
+    except (ValueError, OSError) as e:  # a workdir, step or output problem, named in the message
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

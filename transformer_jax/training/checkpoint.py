@@ -396,6 +396,14 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
 # ------------------------------------------------------------------------------------ averaging
 
 
+def _check_still_there(directory: str, step: int) -> None:
+    if not os.path.isdir(integrity.step_dir(directory, step)):
+        raise ValueError(
+            f"Checkpoint step {step} in {directory} was removed while it was being read (a run "
+            f"training in this workdir keeps only its newest checkpoints): run again, or average a "
+            f"copy of the workdir")
+
+
 def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None) -> str:
     """Averages the params of the last ``last_k`` checkpoints (section 6.1: 5 for base, 20 for big).
 
@@ -429,6 +437,7 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
         for step in steps:
             # Each step is checked against its manifest first, as every restore is: a damaged one
             # would otherwise be averaged in without a word.
+            _check_still_there(directory, step)
             verdict = (integrity.verify(directory, step, model_config) if integrity.is_local(directory)
                        else integrity.Verdict(step, "unsealed"))
             problem = None if verdict.usable else verdict.describe()
@@ -439,6 +448,7 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
                 except Exception as e:  # noqa: BLE001 (an unreadable step is a corrupt one)
                     problem = f"orbax could not restore it ({integrity.first_line(e)})"
             if problem is not None:
+                _check_still_there(directory, step)
                 raise integrity.CheckpointCorruptError(
                     f"Checkpoint step {step} in {directory} is corrupt: {problem}. Not averaging it: "
                     f"average fewer of the newest steps (--last), or move "
@@ -450,6 +460,10 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
     average = jax.tree.map(lambda t, a: (t / len(steps)).astype(a.dtype), total, abstract)
 
     output_workdir = output_workdir or os.path.join(workdir, f"average_last{len(steps)}")
+    if os.path.exists(integrity.step_dir(checkpoint_dir(output_workdir), steps[-1])):
+        raise ValueError(
+            f"{output_workdir} already holds a checkpoint at step {steps[-1]} (an earlier average?): "
+            f"remove it, or give another output directory (--output)")
     if parallel.is_primary():
         os.makedirs(output_workdir, exist_ok=True)
         for name in (CONFIG_FILENAME, "tokenizer.model", "tokenizer.json"):
