@@ -292,6 +292,19 @@ def test_embedding_dropout_rate_applies_to_the_embedding_sums_only():
         config(embedding_dropout_rate=1.0)
 
 
+def test_train_state_of_a_language_model_whose_config_has_encoder_fields():
+    """TransformerLM ignores the encoder fields; create_train_state initialised it with the two
+    inputs of an encoder-decoder (a TypeError) since it read the config, not the module."""
+    import optax
+
+    from transformer_jax import parallel
+    from transformer_jax.training.state import create_train_state
+
+    lm = tj.TransformerLM(tj.presets.tiny(vocab_size=100, norm="pre"))  # num_encoder_layers=2
+    state, _ = create_train_state(lm, optax.adam(1e-3), parallel.create_mesh(1, 1, 1, jax.devices()[:1]))
+    assert "encoder" not in state.params and "decoder" in state.params
+
+
 def test_remat_gives_the_same_gradients():
     t = tokens(2, (B, L))
     grads = []

@@ -17,10 +17,20 @@ def build_model(config: ModelConfig):
     return Transformer(config) if config.num_encoder_layers > 0 else TransformerLM(config)
 
 
-def dummy_inputs(config: ModelConfig, batch_size: int = 1, length: int = 8):
-    """Token arrays to initialise `build_model(config)` with (no longer than a learned position table)."""
+def dummy_inputs(config, batch_size: int = 1, length: int = 8):
+    """Token arrays to initialise a model with (no longer than a learned position table).
+
+    ``config``: a `ModelConfig` (inputs for `build_model(config)`: two for an encoder-decoder,
+    one for a decoder-only config), or a module, whose kind decides (a `TransformerLM` takes one
+    input even when its config has encoder layers, which it ignores)."""
+    from transformer_jax.modeling import TransformerLM
+
+    if isinstance(config, ModelConfig):
+        two = config.num_encoder_layers > 0
+    else:  # a module
+        two, config = not isinstance(config, TransformerLM), config.config
     tokens = jnp.zeros((batch_size, min(length, config.max_len)), jnp.int32)
-    return (tokens, tokens) if config.num_encoder_layers > 0 else (tokens,)
+    return (tokens, tokens) if two else (tokens,)
 
 
 def _boxed_param_shapes(config: ModelConfig):

@@ -376,6 +376,10 @@ class TransformerLM(nn.Module):
 
     apply({'params': p}, tokens [B, L]) -> float32 logits [B, L, V];
     with `cache=` (from `init_cache`) it returns (logits, cache).
+
+    It ignores the config's encoder fields. Helpers that take only a config (`tj.count_params`,
+    `build_model`, `convert_params`, `restore_for_inference`) read ``num_encoder_layers > 0`` as an
+    encoder-decoder: give a decoder-only model ``num_encoder_layers=0``.
     """
 
     config: ModelConfig

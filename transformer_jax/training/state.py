@@ -36,7 +36,7 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seed: int):
 
     def init():
         params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
-        params = model.init(params_key, *dummy_inputs(model.config))["params"]
+        params = model.init(params_key, *dummy_inputs(model))["params"]
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=dropout_key
         )
