@@ -159,6 +159,19 @@ def test_batch_sharding_and_divisibility():
     parallel.check_batch_divisible(12, mesh)
     with pytest.raises(ValueError, match=r"dataset.batch_size=6 .* mesh.data \* mesh.fsdp"):
         parallel.check_batch_divisible(6, mesh)
+    # a mesh and rules of your own: the message names your axes (it read mesh.shape['data'])
+    own = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "mp"),
+                            axis_types=(AxisType.Auto,) * 2)
+    rules = (("batch", "dp"), ("embed", None), ("mlp", "mp"))
+    with pytest.raises(ValueError, match=r"batch_size=6 must be divisible by mesh.dp = 4 "):
+        parallel.check_batch_divisible(6, own, rules)
+
+
+def test_explicit_mesh_axes_are_refused_with_the_fix():
+    mesh = jax.make_mesh((4, 1, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 3)
+    with pytest.raises(ValueError, match=r"AxisType.Explicit .*parallel.create_mesh"), \
+            parallel.sharding_context(mesh):
+        pass
 
 
 def test_shard_batch_builds_global_arrays():

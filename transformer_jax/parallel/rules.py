@@ -57,6 +57,14 @@ def sharding_context(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterato
     Wrap model init, jit and apply in it: without the rules, Linen's activation constraints
     silently do nothing; without the mesh, parameter boxes are not constrained at all.
     """
+    explicit = [name for name, kind in zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False)
+                if kind == jax.sharding.AxisType.Explicit]
+    if explicit:
+        raise ValueError(
+            f"mesh axes {explicit} are AxisType.Explicit (jax.make_mesh's default): the model places "
+            f"its arrays with logical-axis constraints, which need Auto axes. Build the mesh with "
+            f"parallel.create_mesh, or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * "
+            f"{len(mesh.axis_names)})")
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield mesh
 
@@ -152,9 +160,13 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEF
     shards = batch_shard_count(mesh, rules)
     processes = jax.process_count()
     if batch_size % shards:
+        axes = logical_to_mesh_spec(("batch",), rules)[0] or ()
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        split = " * ".join(f"mesh.{a}" for a in axes) or "1"
+        sizes = " * ".join(str(mesh.shape[a]) for a in axes)
         raise ConfigError(
-            f"dataset.batch_size={batch_size} must be divisible by mesh.data * mesh.fsdp = "
-            f"{mesh.shape['data']} * {mesh.shape['fsdp']} = {shards} (the ways the batch is split)."
+            f"dataset.batch_size={batch_size} must be divisible by {split} = "
+            f"{sizes + ' = ' if len(axes) > 1 else ''}{shards} (the ways the batch is split)."
         )
     if (batch_size // grad_accum_steps) % shards:
         raise ConfigError(
