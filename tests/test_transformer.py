@@ -305,6 +305,31 @@ def test_train_state_of_a_language_model_whose_config_has_encoder_fields():
     assert "encoder" not in state.params and "decoder" in state.params
 
 
+def test_bad_model_inputs_name_the_argument():
+    """Each failed deep inside a layer (IndexError, a broadcasting TypeError, flax's shape error)."""
+    cfg = config()
+    seq2seq = tj.Transformer(cfg)
+    src = tokens(1, (2, 5))
+    params = {"params": seq2seq.init(jax.random.key(0), src, src)["params"]}
+    cases = [
+        (([1, 2, 3], src), {}, r"src must be \[batch, length\] token ids, got shape \(3,\)"),
+        ((src, src.astype(jnp.float32)), {}, r"tgt must be integer token ids, got float32"),
+        ((src, tokens(2, (3, 5))), {}, r"the source has 2 rows but the target 3"),
+        ((src, src), dict(tgt_positions=jnp.zeros((1, 3), jnp.int32)),
+         r"tgt_positions has shape \(1, 3\) but tgt has \(2, 5\)"),
+        ((src, src), dict(src_segment_ids=jnp.ones((2, 4), jnp.int32)), r"src_segment_ids has shape"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            seq2seq.apply(params, *args, **kwargs)
+    # lists of ids are fine
+    np.testing.assert_allclose(seq2seq.apply(params, src.tolist(), src.tolist()),
+                               seq2seq.apply(params, src, src))
+    lm, lm_params = init_lm(cfg, src)
+    with pytest.raises(ValueError, match=r"num_valid must have shape \(2,\)"):
+        lm.apply({"params": lm_params}, src, cache=tj.init_cache(cfg, 2, 8), num_valid=jnp.ones(3, jnp.int32))
+
+
 def test_remat_gives_the_same_gradients():
     t = tokens(2, (B, L))
     grads = []

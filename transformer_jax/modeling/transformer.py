@@ -145,6 +145,21 @@ def _check_learned_length(config: ModelConfig, length: int) -> None:
                          "(ModelConfig.max_len): positions past it would be NaN")
 
 
+def _as_tokens(name: str, tokens, **aligned):
+    """``tokens`` as an integer [B, L] array; ``aligned`` arrays (segment ids, positions) must have
+    its shape. Bad inputs are a ValueError naming the argument, not an error deep in a layer."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"{name} must be [batch, length] token ids, got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integer token ids, got {tokens.dtype}")
+    for key, array in aligned.items():
+        if array is not None and tuple(jnp.shape(array)) != tokens.shape:
+            raise ValueError(f"{key} has shape {tuple(jnp.shape(array))} but {name} has {tokens.shape}: "
+                             "they must match")
+    return tokens
+
+
 def segment_positions(segment_ids):
     """[B, S] positions counted from the start of each run of equal segment ids."""
     index = jnp.arange(segment_ids.shape[1])
@@ -177,6 +192,7 @@ class Encoder(_Stack):
 
     def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic=True):
         """tokens: int [B, S] -> encoder output [B, S, D]."""
+        tokens = _as_tokens("src", tokens, src_segment_ids=segment_ids, src_positions=positions)
         if positions is None:
             _check_learned_length(self.config, tokens.shape[1])
             positions = default_positions(tokens, segment_ids)
@@ -248,6 +264,15 @@ class Decoder(_Stack):
         `last_only=True` only the logits of each row's last real token are computed ([B, 1, V]:
         a prompt prefill needs no more, and skips a [B, L, V] product and array).
         """
+        tokens = _as_tokens("tokens", tokens, segment_ids=segment_ids, positions=positions)
+        if num_valid is not None:
+            num_valid = jnp.asarray(num_valid)
+            if num_valid.shape != tokens.shape[:1]:
+                raise ValueError(f"num_valid must have shape {tokens.shape[:1]} (one count per row), got "
+                                 f"{num_valid.shape}")
+        if memory is not None and memory.shape[0] != tokens.shape[0]:
+            raise ValueError(f"the source has {memory.shape[0]} rows but the target {tokens.shape[0]}: "
+                             "they must match")
         if cache is not None:
             if segment_ids is not None or positions is not None or memory is not None:
                 raise ValueError("with a cache, positions follow cache.lengths and the source is the "
@@ -337,6 +362,9 @@ class Transformer(nn.Module):
         tgt_positions=None, cache: KVCache | None = None, num_valid=None, deterministic=True,
         last_only=False,
     ):
+        tgt = _as_tokens("tgt", tgt, tgt_segment_ids=tgt_segment_ids, tgt_positions=tgt_positions)
+        if src is not None and cache is None:
+            src = _as_tokens("src", src, src_segment_ids=src_segment_ids, src_positions=src_positions)
         if cache is not None:
             return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic,
                                 last_only=last_only)
@@ -358,6 +386,7 @@ class Transformer(nn.Module):
         One source per row: `src_segment_ids` (optional, [B, S]) marks its tokens with a non-zero
         id and padding with 0, where the pad id cannot (positions count from each segment's
         start; the target attends to every non-zero token of its row)."""
+        src = _as_tokens("src", src, src_segment_ids=src_segment_ids)
         _check_learned_length(self.config, src.shape[1])  # (positions given below skip the encoder's)
         positions = None if src_segment_ids is None else segment_positions(src_segment_ids)
         memory = self.encode(src, src_segment_ids=src_segment_ids, src_positions=positions)
