@@ -225,6 +225,24 @@ def test_disk_full_mid_save_keeps_earlier_checkpoints(workdir, data_dir, monkeyp
     assert not [n for n in os.listdir(ckpt(workdir)) if "tmp" in n]
 
 
+def test_disk_full_while_logging_is_one_error_naming_the_file(workdir, data_dir, monkeypatch):
+    """A full disk hit first by the metrics writer was an OSError traceback from MetricsLogger."""
+    from transformer_jax.training import metrics
+
+    real = metrics.EventWriter.scalars
+
+    def full(self, step, values):
+        if step == 13:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, step, values)
+
+    monkeypatch.setattr(metrics.EventWriter, "scalars", full)
+    with pytest.raises(integrity.CheckpointWriteError,
+                       match=r"metrics of step 13 to .*metrics.jsonl .*No space left.*free space and rerun"):
+        train_and_evaluate(tiny_config(data_dir, num_train_steps=15), workdir)
+    assert integrity.verify(ckpt(workdir), 10).status == "ok"
+
+
 def test_async_write_failure_is_reported(workdir, data_dir, monkeypatch):
     """The write fails in orbax's background thread: the error surfaces, earlier steps stay good."""
     from orbax.checkpoint._src.path import atomicity

@@ -188,6 +188,10 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     # checkpoints were trained with, which generate and averaging read, untouched.
     ckpt_lib.save_config(config, workdir)
     start_step = int(jax.device_get(state.step))
+    if start_step > config.num_train_steps:
+        _say(f"WARNING: the checkpoint is at step {start_step}, past num_train_steps="
+             f"{config.num_train_steps}: nothing to train (raise --config.num_train_steps to continue); "
+             f"evaluating step {start_step}")
     _say(
         f"config:\n{config}\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
         f"({jax.devices()[0].device_kind}), processes: {jax.process_count()}\n"

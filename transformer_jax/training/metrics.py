@@ -240,9 +240,18 @@ class MetricsLogger:
         if not self.primary:
             return
         clean = {k: _plain(v) for k, v in metrics.items()}
-        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
-        self._jsonl.flush()
-        self._events.scalars(step, {k: v for k, v in clean.items() if _is_number(v)})
+        try:
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+            self._events.scalars(step, {k: v for k, v in clean.items() if _is_number(v)})
+        except OSError as e:  # disk full, or the workdir gone: one line naming the file, no traceback
+            from transformer_jax.training.integrity import CheckpointWriteError
+
+            raise CheckpointWriteError(
+                e.errno, f"Cannot write the metrics of step {step} to {self._jsonl.name} or "
+                f"{self._events.path} ({e.strerror or e}). The checkpoints written so far are intact "
+                f"(a torn last metrics line is repaired on restart): free space and rerun to resume."
+            ) from e
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
