@@ -278,6 +278,24 @@ def _tiny_state(step: int):
     return TrainState(step=jnp.int32(step), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
 
 
+def test_steps_are_sealed_while_a_later_save_is_still_writing(tmp_path, monkeypatch):
+    """A run whose saves outlast the checkpoint period always has one in progress: sealing waited
+    for a moment with none, and could leave every step without its manifest until the run ended."""
+    from transformer_jax.training import integrity
+
+    ck = Checkpointer(str(tmp_path), max_to_keep=5)
+    ck.save(_tiny_state(1), force=True)
+    ck.manager.wait_until_finished()
+    ck.save(_tiny_state(2), force=True)
+    monkeypatch.setattr(ck.manager, "is_saving_in_progress", lambda: True)
+    ck.seal()
+    directory = os.path.join(str(tmp_path), "checkpoints")
+    assert integrity.verify(directory, 1).status == "ok"  # sealed although step 2 is "writing"
+    monkeypatch.undo()
+    ck.close()
+    assert integrity.verify(directory, 2).status == "ok"
+
+
 def test_keep_best_keeps_the_latest_too_and_drops_checkpoints_without_metrics(tmp_path):
     """max_to_keep best by the metric + the latest (what a resume needs, e.g. the one saved at
     preemption); a checkpoint without the metric is kept only while it is the latest."""

@@ -180,7 +180,17 @@ class Checkpointer:
 
     def seal(self, block: bool = False) -> None:
         """Writes the integrity manifest of every committed save (cheap to call after each step)."""
-        if not self._unsealed or (not block and self.manager.is_saving_in_progress()):
+        if not self._unsealed:
+            return
+        if not block and self.manager.is_saving_in_progress():
+            # orbax finishes one save before it starts the next: all but the newest are committed.
+            # Seal them now; a run whose saves take longer than the checkpoint period left every
+            # step unsealed until its end (a killed run: resumed without the model-config check).
+            done, self._unsealed = self._unsealed[:-1], self._unsealed[-1:]
+            for step in done:
+                if (parallel.is_primary() and integrity.is_local(self.directory)
+                        and os.path.isdir(integrity.step_dir(self.directory, step))):
+                    integrity.write_manifest(self.directory, step, self.model_config)
             return
         try:
             self.manager.wait_until_finished()
