@@ -17,12 +17,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file(
-    "config",
-    os.path.join(_HERE, "configs", "default.py"),
-    "Training config file (a get_config() Python file).",
-    lock_config=False,
-)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
@@ -45,19 +39,40 @@ def _config_problem(error: BaseException) -> str:
     text = " ".join(line.strip() for line in raw.splitlines() if line.strip())
     if isinstance(error, AttributeError) and "has no attribute 'get_config'" in raw:
         return "the --config file defines no get_config() function"
-    if isinstance(error, AttributeError | KeyError):  # an override naming a field the config lacks
-        field = re.search(r"'([^']+)'", raw)
+    field = re.search(r"'([^']+)'", raw)
+    overridden = {part for arg in sys.argv[1:] if arg.startswith("--config.")
+                  for part in arg[len("--config."):].split("=", 1)[0].split(".")}
+    if isinstance(error, AttributeError | KeyError) and field and field.group(1) in overridden:
+        # an override naming a field the config lacks (not a lookup failing inside get_config())
         hint = re.search(r'Did you mean "([^"]+)"', raw)
-        return (f"a --config.* override names a field the config does not have: "
-                f"{field.group(1) if field else text!r}"
+        return (f"a --config.* override names a field the config does not have: {field.group(1)!r}"
                 + (f" (did you mean {hint.group(1)!r}?)" if hint else ""))
     if isinstance(error, OSError):  # the file is missing or unreadable: the innermost reason
         return f"cannot load the --config file: {str(error).strip().splitlines()[-1].strip()}"
     if isinstance(error, SyntaxError):
         return f"the --config file does not parse: {error}"
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "site-packages" not in f.filename]
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "site-packages" not in f.filename and not f.filename.startswith("<")]
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"reading --config failed{where}: {type(error).__name__}: {text}"
+
+
+def _define_config_flag() -> None:
+    """--config, whose default file (and its --config.* overrides) ml_collections reads as the flag
+    is defined: its errors get the same one-line treatment as those of a --config given."""
+    try:
+        config_flags.DEFINE_config_file(
+            "config",
+            os.path.join(_HERE, "configs", "default.py"),
+            "Training config file (a get_config() Python file).",
+            lock_config=False,
+        )
+    except Exception as e:  # noqa: BLE001
+        print(f"error: {_config_problem(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+_define_config_flag()
 
 
 def _parse_flags(argv):

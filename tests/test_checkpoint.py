@@ -59,7 +59,7 @@ def reference(data_dir, tmp_path_factory):
 def test_restart_resumes_bit_for_bit_and_logs_each_step_once(data_dir, tmp_path, reference):
     """Resumed from step 5 (as if killed before saving step 10), the run trains and logs steps 6-10
     again: their old records are dropped from metrics.jsonl (they appeared twice), and TensorBoard
-    gets a restart marker (SessionLog START) at step 5, so that neither shows a step twice."""
+    gets a restart marker (SessionLog START) at step 6, so that neither shows a step twice."""
     import glob
     import json
     import shutil
@@ -77,7 +77,9 @@ def test_restart_resumes_bit_for_bit_and_logs_each_step_once(data_dir, tmp_path,
         steps = [r["step"] for r in map(json.loads, f) if "loss" in r]
     assert steps == list(range(1, STEPS + 1))
     newest = sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")))[-1]
-    marker = metrics.encode_event(0.0, 5, session_start=True)[9:]  # step 5, SessionLog START
+    # Event.step = 6 (field 2), Event.session_log (field 7) = SessionLog{status: START (field 1 = 1)}:
+    # TensorBoard purges the earlier files' steps >= 6
+    marker = bytes([0x10, 6, 0x3A, 2, 0x08, 1])
     assert any(payload.endswith(marker) for payload in metrics.read_events(newest))
 
 

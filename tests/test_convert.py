@@ -70,6 +70,9 @@ def test_gpt2_config_maps_every_option():
         hf = json.load(f)
     assert (config.dropout_rate, config.attention_dropout_rate, config.embedding_dropout_rate) == (
         hf["resid_pdrop"], hf["attn_pdrop"], hf["embd_pdrop"])
+    # equal rates stay one setting, so that dropout_rate=0.0 (for evaluation) turns both off
+    same, _ = load_hf_checkpoint(gpt2_checkpoint("gpt2_a"), dropout_rate=0.0)
+    assert same.embedding_dropout_rate is None and same.dropout_rate == 0.0
 
 
 def test_marian_config_maps_every_option():

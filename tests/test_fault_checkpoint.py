@@ -196,7 +196,7 @@ def test_intact_checkpoint_of_another_optimizer_is_a_config_error_not_corruption
     config = tiny_config(data_dir, num_train_steps=12)
     config.optimizer.grad_clip_norm = 1.0
     with pytest.raises(integrity.CheckpointConfigMismatchError,
-                       match=r"step 10 .* is intact .*config.optimizer .*fresh --workdir"):
+                       match=r"step 10 .* is intact .*config.optimizer.*fresh --workdir"):
         train_and_evaluate(config, workdir)
     assert Checkpointer(workdir).all_steps() == [5, 10]
     assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))

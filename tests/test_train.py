@@ -247,7 +247,7 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("optimizer.learning_rate", -1.0, r"optimizer.learning_rate=-1.0 must be a number in \(0, inf\)"),
         ("optimizer.learning_rate", float("nan"), r"config.optimizer.learning_rate=nan must be a number"),
         ("optimizer.b2", 2.0, r"config.optimizer.b2=2.0 must be a number in \[0, 1\)"),
-        ("optimizer.eps", 0.0, r"config.optimizer.eps=0.0 must be a number in \(0, inf\)"),
+        ("optimizer.eps", -1e-8, r"config.optimizer.eps=-1e-08 must be a number in \[0, inf\)"),
         ("optimizer.weight_decay", -1.0, r"optimizer.weight_decay=-1.0 must be a number in \[0, inf\)"),
         ("optimizer.grad_clip_norm", -1.0, r"config.optimizer.grad_clip_norm=-1.0"),
         ("optimizer.warmup_steps", -5, r"config.optimizer.warmup_steps=-5 must be an integer >= 0"),
@@ -267,6 +267,14 @@ def test_numeric_settings_out_of_range_are_named(key, value, message):
     (config[section] if section else config)[field] = value
     with pytest.raises(ConfigError, match=message):
         check_config(config)
+
+
+def test_numeric_settings_keep_their_none_and_zero_meanings():
+    config = tiny.get_config()
+    config.max_checkpoints_to_keep = None  # keep every checkpoint
+    config.optimizer.decay_steps = None  # num_train_steps
+    config.optimizer.eps = 0.0
+    check_config(config)
 
 
 @pytest.mark.parametrize("metric", ["eval_loss", "eval_perplexity", "eval_accuracy"])
@@ -341,7 +349,14 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
     tiny_py = "--config=" + os.path.join(REPO, "configs", "tiny.py")
     (tmp_path / "no_get.py").write_text("x = 1\n")
     (tmp_path / "broken.py").write_text("def get_config():\n    return undefined_name\n")
+    (tmp_path / "env.py").write_text("import os\n\n\ndef get_config():\n"
+                                     "    return os.environ['TJ_NO_SUCH']\n")
     cases = {
+        ("--config.num_train_stepz=3",):  # the default config file, read as the flag is defined
+            "error: a --config.* override names a field the config does not have: 'num_train_stepz' "
+            "(did you mean 'num_train_steps'?)",
+        ("--config=" + str(tmp_path / "env.py"),):  # a KeyError of get_config() is no override's
+            f"error: reading --config failed (at {tmp_path / 'env.py'}:5): KeyError: 'TJ_NO_SUCH'",
         (tiny_py, "--config.optimizer.learning_rte=1e-3"):
             "error: a --config.* override names a field the config does not have: 'learning_rte' "
             "(did you mean 'learning_rate'?)",

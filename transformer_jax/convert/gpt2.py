@@ -48,6 +48,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     check_options("gpt2", problems)
     eos = hf.get("eos_token_id", 50256)
     bos = hf.get("bos_token_id", eos)
+    resid = float(hf.get("resid_pdrop", 0.1))
+    embedding = float(hf.get("embd_pdrop", resid))
     return ModelConfig(
         vocab_size=hf.get("vocab_size", 50257),
         d_model=d_model,
@@ -56,8 +58,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         num_encoder_layers=0,
         num_decoder_layers=hf.get("n_layer", 12),
         max_len=hf.get("n_positions", 1024),
-        dropout_rate=float(hf.get("resid_pdrop", 0.1)),
-        embedding_dropout_rate=float(hf.get("embd_pdrop", hf.get("resid_pdrop", 0.1))),
+        dropout_rate=resid,
+        # None (= dropout_rate) when they agree, so that a dropout_rate override covers both
+        embedding_dropout_rate=None if embedding == resid else embedding,
         attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)),
         norm="pre",
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),

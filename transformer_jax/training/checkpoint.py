@@ -13,6 +13,7 @@ Saves are asynchronous: training continues while the previous checkpoint is writ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -187,10 +188,11 @@ class Checkpointer:
             # Seal them now; a run whose saves take longer than the checkpoint period left every
             # step unsealed until its end (a killed run: resumed without the model-config check).
             done, self._unsealed = self._unsealed[:-1], self._unsealed[-1:]
+            listed = set(self.manager.all_steps())  # orbax drops a step it is deleting from the list
             for step in done:
-                if (parallel.is_primary() and integrity.is_local(self.directory)
-                        and os.path.isdir(integrity.step_dir(self.directory, step))):
-                    integrity.write_manifest(self.directory, step, self.model_config)
+                if parallel.is_primary() and integrity.is_local(self.directory) and step in listed:
+                    with contextlib.suppress(FileNotFoundError):  # deleted meanwhile by the save's pruning
+                        integrity.write_manifest(self.directory, step, self.model_config)
             return
         try:
             self.manager.wait_until_finished()

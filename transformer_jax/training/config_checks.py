@@ -119,14 +119,15 @@ def _check_numbers(config) -> None:
     _number_in(opt, "learning_rate", "config.optimizer", 0.0, low_open=True)
     for key in ("b1", "b2"):
         _number_in(opt, key, "config.optimizer", 0.0, 1.0)
-    _number_in(opt, "eps", "config.optimizer", 0.0, low_open=True)
+    _number_in(opt, "eps", "config.optimizer", 0.0)
     for key in ("weight_decay", "grad_clip_norm", "z_loss", "end_learning_rate_ratio"):
         if key in opt:
             _number_in(opt, key, "config.optimizer", 0.0)
-    for key in ("warmup_steps", "decay_steps"):
-        if key in opt:
-            _positive_int(opt, key, 0, "config.optimizer")
-    _positive_int(config, "max_checkpoints_to_keep")
+    _positive_int(opt, "warmup_steps", 0, "config.optimizer")
+    if opt.get("decay_steps") is not None:  # None or 0: num_train_steps
+        _positive_int(opt, "decay_steps", 0, "config.optimizer")
+    if config.max_checkpoints_to_keep is not None:  # None: keep every checkpoint
+        _positive_int(config, "max_checkpoints_to_keep")
     _positive_int(config, "decode_max_len", 0)
     _positive_int(ds, "max_eval_examples", 0, "config.dataset")  # 0 = all
     lengths = ("max_source_len", "max_target_len") if ds.name in TRANSLATION_DATASETS else ("max_len",)

@@ -295,10 +295,12 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
                 if verdict.status == "ok":  # ...unless every file matches its manifest
                     raise CheckpointConfigMismatchError(
                         f"Checkpoint step {step} in {directory} is intact (every file matches its "
-                        f"manifest), but it does not fit the train state this run builds "
-                        f"({first_line(e)}). The optimizer state's structure follows config.optimizer "
-                        f"(name, weight_decay, grad_clip_norm, ...): set those back to the values in "
-                        f"the workdir's config.json, or train in a fresh --workdir.") from e
+                        f"manifest), but it could not be restored into what this run builds "
+                        f"({first_line(e)}). When training, a tree-structure mismatch means another "
+                        f"optimizer state (it follows config.optimizer: name, weight_decay, "
+                        f"grad_clip_norm, ...): set those back to the values in the workdir's "
+                        f"config.json, or train in a fresh --workdir. The step itself was left as it is."
+                    ) from e
                 verdict = Verdict(step, "corrupt", [f"orbax could not restore it ({first_line(e)})"])
             else:
                 _after_restore(checkpointer, step, verdict, bad)

@@ -190,8 +190,7 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     start_step = int(jax.device_get(state.step))
     if start_step > config.num_train_steps:
         _say(f"WARNING: the checkpoint is at step {start_step}, past num_train_steps="
-             f"{config.num_train_steps}: nothing to train (raise --config.num_train_steps to continue); "
-             f"evaluating step {start_step}")
+             f"{config.num_train_steps}: nothing to train (raise --config.num_train_steps to continue)")
     _say(
         f"config:\n{config}\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
         f"({jax.devices()[0].device_kind}), processes: {jax.process_count()}\n"

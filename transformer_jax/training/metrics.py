@@ -73,13 +73,13 @@ def encode_event(
     session_start: bool = False,
 ) -> bytes:
     """An ``Event`` proto: wall_time=1 (double), step=2 (int64), file_version=3, summary=5,
-    session_log=6 (``SessionLog.status`` START = 1: TensorBoard drops the steps after it that
+    session_log=7 (``SessionLog.status`` START = 1: TensorBoard drops the steps from it on that
     earlier files logged, i.e. what a resumed run logs again)."""
     out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
     if file_version is not None:
         out += _length_delimited(3, file_version.encode())
     if session_start:
-        out += _length_delimited(6, _field(1, 0, _varint(1)))
+        out += _length_delimited(7, _field(1, 0, _varint(1)))
     if scalars:
         values = b"".join(
             _length_delimited(
@@ -107,8 +107,9 @@ class EventWriter:
         self._file.write(tfrecord(encode_event(time.time(), 0, file_version="brain.Event:2")))
 
     def session_start(self, step: int) -> None:
-        """Marks a restart at ``step`` (a resumed run): TensorBoard forgets later steps of earlier files."""
-        self._file.write(tfrecord(encode_event(time.time(), step, session_start=True)))
+        """Marks a restart from the checkpoint of ``step`` (a resumed run): TensorBoard forgets the
+        steps after it that earlier files logged (it purges steps >= the marker's, hence step + 1)."""
+        self._file.write(tfrecord(encode_event(time.time(), step + 1, session_start=True)))
         self._file.flush()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
