@@ -264,10 +264,6 @@ class BanTokensStep:
     step: Callable
     banned: tuple[int, ...]
 
-    @property
-    def max_positions(self) -> int | None:
-        return getattr(self.step, "max_positions", None)
-
     def __call__(self, params, tokens, cache, num_valid):
         logits, cache = self.step(params, tokens, cache, num_valid)
         return logits.at[..., list(self.banned)].set(-1e30), cache

@@ -37,10 +37,6 @@ class LMStep:
 
     model: nn.Module
 
-    @property
-    def max_positions(self) -> int | None:
-        return _max_positions(self.model)
-
     def __call__(self, params, tokens, cache, num_valid):
         return self.model.apply({"params": params}, tokens, cache=cache, num_valid=num_valid,
                                 last_only=True)
@@ -53,20 +49,9 @@ class Seq2SeqStep:
 
     model: nn.Module
 
-    @property
-    def max_positions(self) -> int | None:
-        return _max_positions(self.model)
-
     def __call__(self, params, tokens, cache, num_valid):
         return self.model.apply({"params": params}, None, tokens, cache=cache, num_valid=num_valid,
                                 last_only=True)
-
-
-def _max_positions(model: nn.Module) -> int | None:
-    """How many positions a decoder can take: ``max_len`` with a learned position table (looked up
-    past its end it gives NaN), otherwise unbounded (sinusoidal and rotary positions extend)."""
-    config = model.config
-    return config.max_len if config.position == "learned" else None
 
 
 def lm_step_fn(model: nn.Module) -> LMStep:

@@ -389,9 +389,11 @@ def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: 
             f"the KV cache holds {capacity} positions per row, but a prompt of {longest} tokens "
             f"(padded to {width}) and max_new_tokens={max_new_tokens} need {needed}: build the "
             f"cache with max_length >= {needed}, or generate fewer tokens")
-    positions = getattr(step_fn, "max_positions", None)
-    if positions is None:
+    # A learned position table looked up past its end gives NaN; computed positions extend.
+    config = step_model_config(step_fn)
+    if config is None or config.position != "learned":
         return
+    positions = config.max_len
     reached = needed
     if limits is not None and not isinstance(limits, jax.core.Tracer) and not isinstance(
             prompt_lengths, jax.core.Tracer):
