@@ -161,6 +161,24 @@ def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir):
         assert json.load(f)["model"]["d_ff"] == 64
 
 
+@pytest.mark.parametrize("field, value", [("activation", "gelu"), ("d_ff", 96)])
+def test_unsealed_checkpoint_of_another_model_is_refused_too(workdir, data_dir, field, value):
+    """Steps killed before their manifest record no model: the workdir's config.json (written by the
+    run that saved them) does. Same shapes with another activation restored without a word and were
+    then sealed as the new model; other shapes were declared corrupt and set aside."""
+    for step in (5, 10):
+        os.remove(os.path.join(ckpt(workdir), str(step), integrity.MANIFEST_NAME))
+    config = tiny_config(data_dir, num_train_steps=12)
+    assert config.model[field] != value
+    config.model[field] = value
+    with pytest.raises(integrity.CheckpointConfigMismatchError,
+                       match=rf"step 10 .*{field}=.* in the checkpoint but {value!r}.*no manifest.*config.json"):
+        train_and_evaluate(config, workdir)
+    assert Checkpointer(workdir).all_steps() == [5, 10]
+    assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
+    assert integrity.verify(ckpt(workdir), 10).status == "unsealed"  # not sealed as the new model
+
+
 def test_resume_may_change_how_the_parameters_are_computed_with(workdir, data_dir):
     """Compute dtype, dropout, the attention backend and rematerialisation leave the parameters as
     they are: a run out of memory may switch on remat and resume (they were refused as another model)."""

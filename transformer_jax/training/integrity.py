@@ -9,7 +9,8 @@ directory plus the ``ModelConfig`` the step was written for. Before a restore we
 
 * ``ok``        every file present with the recorded size and hash, same model config;
 * ``unsealed``  no manifest: the process stopped between orbax's commit and our manifest (a few
-  milliseconds), so orbax's own commit is the guarantee; the restore itself is the check;
+  milliseconds), so orbax's own commit is the guarantee; the restore itself is the check, and the
+  model config is checked against the workdir's ``config.json`` instead;
 * ``corrupt``   a file missing, cut short or changed: never restored. The loop falls back to the
   previous good step with a warning (``config.checkpoint_fallback=True``, the default) or stops
   with a message saying how to proceed;
@@ -132,12 +133,17 @@ def check_model_config(directory: str, step: int, manifest: dict | None, model_c
     """Raises :class:`CheckpointConfigMismatchError` naming each field that differs."""
     if not manifest or not manifest.get("model_config"):
         return
+    where = os.path.join(step_dir(directory, step), MANIFEST_NAME)
     try:
         saved = ModelConfig.from_dict(manifest["model_config"])
     except (TypeError, ValueError) as e:
         raise CheckpointConfigMismatchError(
             f"Checkpoint step {step} in {directory} records a model config this version cannot read ({e})."
         ) from e
+    _compare(directory, step, saved, model_config, f"recorded in {where}")
+
+
+def _compare(directory: str, step: int, saved: ModelConfig, model_config: ModelConfig, where: str) -> None:
     from transformer_jax.params import PARAMETER_FREE_FIELDS
 
     # Fields that change how the same parameters are computed with, not what they are (compute dtype,
@@ -150,8 +156,26 @@ def check_model_config(directory: str, step: int, manifest: dict | None, model_c
         raise CheckpointConfigMismatchError(
             f"Checkpoint step {step} in {directory} was written for another model: {fields}. "
             "Train in a fresh --workdir, or set config.model back to the checkpoint's values "
-            f"(recorded in {os.path.join(step_dir(directory, step), MANIFEST_NAME)})."
+            f"({where})."
         )
+
+
+def check_unsealed_against_workdir(directory: str, step: int, model_config: ModelConfig) -> None:
+    """A step without a manifest (its run was killed between orbax's commit and the manifest) records
+    no model config; the workdir's ``config.json`` does: it is written by each run once it has
+    restored, so it names the model of the run that wrote the newest steps. Same shapes with another
+    activation or norm placement would otherwise restore without a word (and be sealed as this model),
+    and other shapes would be declared corrupt and set aside. An unreadable or absent file leaves the
+    check to the restore, as before."""
+    path = os.path.join(os.path.dirname(os.path.abspath(directory)), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            model = json.load(f).get("model")
+        saved = ModelConfig.from_dict(dict(model))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return
+    _compare(directory, step, saved, model_config,
+             f"step {step} has no manifest; the model of the run that wrote it is recorded in {path}")
 
 
 def verify(directory: str, step: int, model_config: ModelConfig | None = None) -> Verdict:
@@ -161,6 +185,8 @@ def verify(directory: str, step: int, model_config: ModelConfig | None = None) -
         return Verdict(step, "corrupt", [f"{path} is missing"])
     manifest = read_manifest(directory, step)
     if manifest is None:
+        if model_config is not None:
+            check_unsealed_against_workdir(directory, step, model_config)
         return Verdict(step, "unsealed")
     if "unreadable" in manifest:
         return Verdict(step, "corrupt", [manifest["unreadable"]])
