@@ -171,8 +171,8 @@ def test_unsealed_checkpoint_of_another_model_is_refused_too(workdir, data_dir, 
     config = tiny_config(data_dir, num_train_steps=12)
     assert config.model[field] != value
     config.model[field] = value
-    with pytest.raises(integrity.CheckpointConfigMismatchError,
-                       match=rf"step 10 .*{field}=.* in the checkpoint but {value!r}.*no manifest.*config.json"):
+    expected = rf"step 10 .*{field}=.* in the checkpoint but {value!r}.*no manifest.*config.json"
+    with pytest.raises(integrity.CheckpointConfigMismatchError, match=expected):
         train_and_evaluate(config, workdir)
     assert Checkpointer(workdir).all_steps() == [5, 10]
     assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))

@@ -10,6 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax import parallel
+from transformer_jax.config import ConfigError
 from transformer_jax.parallel import rules as rules_lib
 
 # --- mesh ---------------------------------------------------------------------------------------
@@ -62,7 +63,22 @@ def test_mesh_from_config_and_device_subset():
 def test_describe_mesh():
     text = parallel.describe_mesh(parallel.create_mesh(2, 2, 2))
     assert "data=2 fsdp=2 tensor=2" in text and "8 cpu devices" in text
-    assert "batch split 4 ways" in text
+    assert "batch split 4 ways" in text and "params sharded up to 4 ways" in text
+
+
+def test_describe_mesh_follows_the_rules_for_a_mesh_with_its_own_axis_names():
+    """A mesh named ('dp', 'mp') with rules of its own: the description and the batch checks read the
+    rules (they assumed 'data' and 'fsdp' and raised KeyError); default rules name the missing axis."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("dp", "mp"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rules = (("batch", "dp"), ("embed", None), ("heads", "mp"), ("mlp", "mp"), ("vocab", "mp"))
+    text = parallel.describe_mesh(mesh, rules)
+    assert "batch split 4 ways" in text and "params sharded up to 2 ways" in text
+    assert parallel.data_parallel_size(mesh, rules) == 4
+    with pytest.raises(ConfigError, match=r"batch_size=6 must be divisible by mesh.dp = 4"):
+        parallel.check_batch_divisible(6, mesh, rules)
+    with pytest.raises(ConfigError, match=r"mesh axis 'data', which this mesh \(axes \('dp', 'mp'\)\)"):
+        parallel.describe_mesh(mesh)
 
 
 # --- rules --------------------------------------------------------------------------------------

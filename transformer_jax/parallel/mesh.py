@@ -113,16 +113,37 @@ def mesh_from_config(mesh_config: Any, devices: Sequence[Any] | None = None) -> 
     return create_mesh(**sizes, devices=devices)
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-    """How many ways the batch is split: ``mesh.data * mesh.fsdp``."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+def data_parallel_size(mesh: Mesh, rules=None) -> int:
+    """How many ways the batch is split: the mesh axes ``rules`` give the ``'batch'`` dimension
+    (``mesh.data * mesh.fsdp`` with the default rules)."""
+    from transformer_jax.parallel import rules as _rules
+
+    return _rules.batch_shard_count(mesh, _rules.DEFAULT_RULES if rules is None else rules)
 
 
-def describe_mesh(mesh: Mesh) -> str:
+def _param_shard_count(mesh: Mesh, rules) -> int:
+    """The product of the mesh axes that some parameter dimension is sharded over (every rule but
+    ``'batch'`` and ``'length'``, which name activation dimensions only)."""
+    axes = set()
+    for name, target in rules:
+        if name in ("batch", "length") or target is None:
+            continue
+        axes.update((target,) if isinstance(target, str) else target)
+    return math.prod(mesh.shape[a] for a in sorted(axes) if a in mesh.shape)
+
+
+def describe_mesh(mesh: Mesh, rules=None) -> str:
     """One line for the startup log, e.g.
 
-    ``mesh data=4 fsdp=2 tensor=1 | 8 cpu devices, 1 process | batch split 8 ways``
+    ``mesh data=4 fsdp=2 tensor=1 | 8 cpu devices, 1 process | batch split 8 ways, params sharded
+    up to 2 ways``
+
+    The splits follow ``rules`` (default: ``parallel.DEFAULT_RULES``), so a mesh with axis names of
+    its own is described by the rules that name them.
     """
+    from transformer_jax.parallel import rules as _rules
+
+    rules = _rules.DEFAULT_RULES if rules is None else rules
     axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
     devices = list(mesh.devices.flat)
     kinds = sorted({d.platform for d in devices})
@@ -130,6 +151,6 @@ def describe_mesh(mesh: Mesh) -> str:
     return (
         f"mesh {axes} | {mesh.size} {'/'.join(kinds)} devices, "
         f"{processes} process{'es' if processes != 1 else ''} | "
-        f"batch split {data_parallel_size(mesh)} ways, "
-        f"params sharded {mesh.shape['fsdp'] * mesh.shape['tensor']} ways"
+        f"batch split {data_parallel_size(mesh, rules)} ways, "
+        f"params sharded up to {_param_shard_count(mesh, rules)} ways"
     )

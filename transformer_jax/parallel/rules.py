@@ -73,6 +73,13 @@ def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
     if axes is None:
         return 1
     axes = (axes,) if isinstance(axes, str) else axes
+    missing = [a for a in axes if a not in mesh.shape]
+    if missing:
+        raise ConfigError(
+            f"the logical axis rules name mesh axis {missing[0]!r}, which this mesh (axes "
+            f"{tuple(mesh.axis_names)}) does not have: pass rules that map the logical names onto "
+            f"the mesh's own axes (the default rules, parallel.DEFAULT_RULES, name 'data', 'fsdp' "
+            f"and 'tensor')")
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
@@ -159,10 +166,10 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEF
     """
     shards = batch_shard_count(mesh, rules)
     processes = jax.process_count()
+    axes = logical_to_mesh_spec(("batch",), rules)[0] or ()
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    split = " * ".join(f"mesh.{a}" for a in axes) or "1"
     if batch_size % shards:
-        axes = logical_to_mesh_spec(("batch",), rules)[0] or ()
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        split = " * ".join(f"mesh.{a}" for a in axes) or "1"
         sizes = " * ".join(str(mesh.shape[a]) for a in axes)
         raise ConfigError(
             f"dataset.batch_size={batch_size} must be divisible by {split} = "
@@ -172,7 +179,7 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEF
         raise ConfigError(
             f"dataset.batch_size={batch_size} / optimizer.grad_accum_steps={grad_accum_steps} = "
             f"{batch_size // grad_accum_steps} rows per micro-batch, which must be divisible by the "
-            f"{shards} ways the batch is split (mesh.data * mesh.fsdp)")
+            f"{shards} ways the batch is split ({split})")
     if batch_size % processes:
         raise ConfigError(
             f"dataset.batch_size={batch_size} must be divisible by the number of processes "
