@@ -233,13 +233,14 @@ def test_disk_full_mid_save_keeps_earlier_checkpoints(workdir, data_dir, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
-    with pytest.raises(integrity.CheckpointWriteError, match=r"step 15 .*disk is full.*\[5, 10\] are intact"):
+    expected = r"step 15 .*disk is full.*partial write was deleted; checkpoints \[5, 10\] are intact"
+    with pytest.raises(integrity.CheckpointWriteError, match=expected):
         train_and_evaluate(tiny_config(data_dir, num_train_steps=15), workdir)
+    # deleted at once (it held the space a full disk needs until the next run's start cleaned it)
+    assert not [n for n in os.listdir(ckpt(workdir)) if "tmp" in n]
     monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
     assert all(integrity.verify(ckpt(workdir), s).status == "ok" for s in (5, 10))
     assert restore_for_inference(workdir).step == 10
-    Checkpointer(workdir).close()  # the next run's manager removes the partial write
-    assert not [n for n in os.listdir(ckpt(workdir)) if "tmp" in n]
 
 
 def test_disk_full_while_logging_is_one_error_naming_the_file(workdir, data_dir, monkeypatch):
@@ -268,8 +269,10 @@ def test_async_write_failure_is_reported(workdir, data_dir, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
-    with pytest.raises(integrity.CheckpointWriteError, match=r"step 15 .*disk is full.*\[5, 10\] are intact"):
+    expected = r"step 15 .*disk is full.*partial write was deleted; checkpoints \[5, 10\] are intact"
+    with pytest.raises(integrity.CheckpointWriteError, match=expected):
         train_and_evaluate(tiny_config(data_dir, num_train_steps=15), workdir)
+    assert not [n for n in os.listdir(ckpt(workdir)) if "tmp" in n]
     monkeypatch.undo()
     assert all(integrity.verify(ckpt(workdir), s).status == "ok" for s in (5, 10))
     assert restore_for_inference(workdir).step == 10

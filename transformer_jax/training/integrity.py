@@ -273,8 +273,28 @@ def workdir_lock(workdir: str, primary: bool = True):
         handle.close()  # releases the lock
 
 
+def remove_partial_save(directory: str, step: int) -> list[str]:
+    """Deletes the temporary directories of a failed save of ``step`` (orbax's
+    ``<step>.orbax-checkpoint-tmp-*``; process 0, local paths), so that a full disk gets its space
+    back now rather than when the next run starts; returns what was removed."""
+    import shutil
+
+    import jax
+
+    if jax.process_index() != 0 or not is_local(directory) or not os.path.isdir(directory):
+        return []
+    prefix = f"{step}.orbax-checkpoint-tmp"
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
 def write_error(error: OSError, step: int, directory: str, kept: list[int]) -> CheckpointWriteError:
-    """A :class:`CheckpointWriteError` saying what failed and what is still intact."""
+    """A :class:`CheckpointWriteError` saying what failed and what is still intact; the failed save's
+    partial write is deleted first."""
     reason = {
         errno.ENOSPC: "the disk is full",
         errno.EDQUOT: "the disk quota is exceeded",
@@ -282,11 +302,15 @@ def write_error(error: OSError, step: int, directory: str, kept: list[int]) -> C
         errno.EACCES: "permission denied",
     }.get(error.errno, str(error))
     intact = f"checkpoints {kept} are intact" if kept else "no earlier checkpoint exists"
+    try:
+        partial = ("The partial write was deleted" if remove_partial_save(directory, step)
+                   else "No partial write was left")
+    except OSError:
+        partial = "The partial write (if any) is not a checkpoint"
     return CheckpointWriteError(
         error.errno or errno.EIO,
-        f"Could not write checkpoint step {step} to {directory}: {reason} ({error}). The partial write "
-        f"is not a checkpoint; {intact}. Free space (or fix permissions) and rerun the same command "
-        "to resume.",
+        f"Could not write checkpoint step {step} to {directory}: {reason} ({error}). {partial}; "
+        f"{intact}. Free space (or fix permissions) and rerun the same command to resume.",
     )
 
 
