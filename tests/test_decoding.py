@@ -113,6 +113,11 @@ def test_min_new_tokens_masks_eos():
     )
     np.testing.assert_array_equal(out.tokens, [[5, 5, 5, EOS, PAD, PAD]])
     assert int(out.lengths[0]) == 4
+    # While EOS is forbidden, log-probabilities are over the other tokens (as transformers'
+    # compute_transition_scores(..., normalize_logits=True) gives); from then on over all of them.
+    without_eos = np.delete(np.asarray(table[5]), EOS)
+    np.testing.assert_allclose(out.logprobs[0, :3], jax.nn.log_softmax(without_eos)[4], rtol=1e-6)
+    assert float(out.logprobs[0, 3]) == pytest.approx(float(jax.nn.log_softmax(table[5])[EOS]), rel=1e-6)
     sampled = generate(
         bigram_step,
         table,
@@ -208,6 +213,47 @@ def test_temperature_sampling_matches_softmax():
     # ... and a clearly different temperature would not pass the same test.
     hot = draws * np.asarray(jax.nn.softmax(logits / 2.0))
     assert float(np.sum((counts - hot) ** 2 / hot)) > 200.0
+
+
+def _truncated_softmax(logits, temperature, top_k=0, top_p=1.0):
+    """The distribution sampling should follow, in float64: logits / temperature, then the top_k
+    largest kept, then the smallest set of most likely tokens whose renormalised mass reaches top_p."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    keep = np.ones(scaled.shape, bool)
+    if top_k:
+        keep &= scaled >= np.sort(scaled)[::-1][top_k - 1]
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        nucleus = np.zeros(scaled.shape, bool)
+        nucleus[order[before < top_p]] = True
+        probs = np.where(nucleus, probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, kept",
+    [(1.5, 3, 1.0, 3), (0.5, 0, 0.8, 3), (2.0, 0, 0.8, 7), (2.0, 5, 0.9, 5), (0.7, 6, 0.75, 3)],
+)
+def test_top_k_and_top_p_sample_the_renormalised_truncated_softmax(temperature, top_k, top_p, kept):
+    """Frequencies, not only the support: a filter that keeps one token too few (top-k off by one,
+    a nucleus that stops short of top_p) or a nucleus taken before the temperature (the kept sets at
+    temperature 1 differ from these: 3, 6, 6, 4, 4) fails the chi-square test. Every boundary sits at
+    least 0.007 of probability mass away from top_p."""
+    logits = jnp.asarray([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, 0.2, -1.0, 0.8, 0.3, -2.0])
+    expected = _truncated_softmax(logits, temperature, top_k, top_p)
+    assert int(np.sum(expected > 0)) == kept
+    draws = 64 * 96
+    _, tokens = _sample_bigram(jnp.broadcast_to(logits, (V, V)), temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=kept)
+    counts = np.bincount(tokens.ravel(), minlength=V)
+    assert counts[expected == 0].sum() == 0, counts
+    support = expected > 0
+    chi2 = float(np.sum((counts[support] - draws * expected[support]) ** 2 / (draws * expected[support])))
+    assert chi2 < 30.0, (chi2, counts, np.round(draws * expected))  # <= 6 dof: P(chi2 > 30) < 1e-4
 
 
 def test_top_p_alone_and_same_key_same_tokens():
