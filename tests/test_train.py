@@ -82,6 +82,84 @@ def test_one_train_step(data_dir, tmp_path):
     assert all(jax.tree.leaves(changed))
 
 
+def _unpack(batch):
+    """Every packed segment as its own zero-padded row: (sources, targets, source and target lengths)."""
+    seg = batch["targets_segment_ids"]
+    rows = [(r, s) for r in range(seg.shape[0]) for s in np.unique(seg[r]) if s > 0]
+    width = batch["targets"].shape[1]
+    src = np.zeros((len(rows), width), np.int32)
+    tgt = np.zeros((len(rows), width), np.int32)
+    src_len, tgt_len = np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int32)
+    for i, (r, s) in enumerate(rows):
+        a = batch["inputs"][r][batch["inputs_segment_ids"][r] == s]
+        b = batch["targets"][r][batch["targets_segment_ids"][r] == s]
+        src[i, : len(a)], tgt[i, : len(b)], src_len[i], tgt_len[i] = a, b, len(a), len(b)
+    return src, tgt, src_len, tgt_len
+
+
+def _paper_loss(model, params, batch, label_smoothing):
+    """(summed loss, token count) of a packed batch written out from the paper, sharing nothing with
+    training/steps.py or losses.py but the model: each segment unpacked into its own row, the decoder
+    fed <start> + the target but its last token (by hand), and the label-smoothed loss as
+    KL(q || p) with q = 1 - eps on the target and eps / (V - 1) elsewhere, over an explicit q."""
+    import jax.numpy as jnp
+
+    src, tgt, src_len, tgt_len = _unpack(batch)
+    dec_in = np.concatenate([np.full((len(tgt), 1), model.config.decoder_start_id, np.int32), tgt[:, :-1]], 1)
+    width = tgt.shape[1]
+    src_seg = (np.arange(width) < src_len[:, None]).astype(np.int32)
+    tgt_seg = (np.arange(width) < tgt_len[:, None]).astype(np.int32)
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), src.shape)
+    logits = model.apply({"params": params}, src, dec_in, src_segment_ids=src_seg, tgt_segment_ids=tgt_seg,
+                         src_positions=positions, tgt_positions=positions)
+    log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    vocab = log_p.shape[-1]
+    q = jnp.where(jax.nn.one_hot(tgt, vocab) > 0, 1.0 - label_smoothing, label_smoothing / (vocab - 1))
+    per_token = jnp.sum(jnp.where(q > 0, q * jnp.log(q), 0.0) - q * log_p, axis=-1)
+    return jnp.sum(per_token * tgt_seg), int(tgt_seg.sum())
+
+
+def test_train_and_eval_losses_and_gradient_norm_equal_the_paper_written_out(data_dir, tmp_path):
+    """The train step's loss and gradient norm, and evaluate_loss over two batches, against the loss
+    of section 5.4 computed by hand on unpacked rows. Training on unshifted targets (the decoder
+    seeing the token it predicts), no label smoothing, counted padding, per-batch means or
+    gradients left unnormalised each passed every other training test."""
+    config = tiny_config(data_dir)
+    eps = config.optimizer.label_smoothing
+    assert eps == 0.1
+    data = build_datasets(config.dataset, str(tmp_path))
+    mesh = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
+    model_cfg = ModelConfig.from_dict(config.model.to_dict())
+    model = build_model(model_cfg)
+    tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
+    schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
+    state, shardings = create_train_state(model, tx, mesh, config.seed)
+    step, eval_step = loop._compile_steps(model, tx, schedule, settings_from_config(config), shardings, mesh)
+    batches = [next(data.train_iter) for _ in range(2)]
+    params = jax.device_get(state.params)
+    params = jax.tree.map(lambda x: getattr(x, "value", x), params)  # logical-partitioning boxes
+
+    def mean_loss(p, batch):
+        total, count = _paper_loss(model, p, batch, eps)
+        return total / count
+
+    want_loss, grads = jax.value_and_grad(mean_loss)(params, batches[0])
+    with parallel.sharding_context(mesh):
+        _, m = step(state, parallel.shard_batch(batches[0], mesh))
+        got_eval = evaluate.evaluate_loss(eval_step, state.params, batches, mesh)
+    m = jax.device_get(m)
+    assert m["num_tokens"] == np.count_nonzero(batches[0]["targets_segment_ids"])
+    np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(m["grad_norm"], float(optax_global_norm(grads)), rtol=1e-4)
+    sums = [_paper_loss(model, params, b, eps) for b in batches]
+    want_eval = sum(float(t) for t, _ in sums) / sum(n for _, n in sums)  # token-weighted, not per batch
+    np.testing.assert_allclose(got_eval["eval_loss"], want_eval, rtol=1e-5)
+
+
+def optax_global_norm(tree):
+    return np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree)))
+
+
 def _losses_on(mesh, config, data_dir, tmp_path, batches):
     state, step = _pieces(config, data_dir, tmp_path, mesh)
     out = []
