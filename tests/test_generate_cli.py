@@ -1,5 +1,6 @@
 """`python -m transformer_jax.generate`: continuations and translations equal transformers' on
-tiny random checkpoints, batching keeps input order, a training workdir works, and bad input ends
+tiny random checkpoints, sampling and beam search equal the library's, batching keeps input order, a
+training workdir works, and bad input ends
 with `error: ...` and exit code 2 (no traceback)."""
 
 from __future__ import annotations
@@ -92,12 +93,52 @@ def test_input_file_batches_keep_input_order(tmp_path):
     assert batched == one_by_one * 2
 
 
-def test_sampling_is_seeded_and_beam_runs():
+def _library_decode(directory, text, new_tokens, seed=None, **kwargs):
+    """One translation by the library's own sampler (seed given) or beam search, set up as the
+    command line documents it: source + EOS padded to its length bucket, decoding from
+    decoder_start_id, the checkpoint's banned tokens never generated, key fold_in(key(seed), 0)."""
+    import jax
+    import jax.numpy as jnp
+
+    from transformer_jax import decoding
+    from transformer_jax.decoding import model_steps
+    from transformer_jax.params import build_model
+
+    gen = cli.load_hf_generator(directory)
+    cfg, model = gen.config, build_model(gen.config)
+    src = gen.input_ids(text)
+    tokens = np.full((1, decoding.bucket_length(len(src))), cfg.pad_id, np.int32)
+    tokens[0, : len(src)] = src
+    cache = model_steps.encode_source(model, gen.params, jnp.asarray(tokens), max_length=new_tokens + 1)
+    step_fn = cli.BanTokensStep(model_steps.Seq2SeqStep(model), gen.banned_ids)
+    start, one = jnp.full((1, 1), cfg.decoder_start_id, jnp.int32), jnp.ones((1,), jnp.int32)
+    common = dict(max_new_tokens=new_tokens, eos_id=cfg.eos_id, pad_id=cfg.pad_id)
+    if seed is None:
+        out = decoding.beam_search(step_fn, gen.params, cache, start, one, **common, **kwargs)
+        ids, n = out.tokens[0, 0], int(out.lengths[0, 0])
+    else:
+        key = jax.random.fold_in(jax.random.key(seed), 0)
+        out = decoding.generate(step_fn, gen.params, cache, start, one, rng=key, **common, **kwargs)
+        ids, n = out.tokens[0], int(out.lengths[0])
+    ids = np.asarray(ids[:n]).tolist()
+    return gen.tokenizer.decode(ids[:-1] if ids and ids[-1] == cfg.eos_id else ids)
+
+
+def test_sampling_and_beam_search_equal_the_library():
+    """The sampling and beam flags reach the library: a CLI that decoded greedily whatever
+    --decoding said passed the earlier check (one seed twice gives the same text)."""
     directory = marian_checkpoint("marian_swish")
-    common = (f"--hf_checkpoint={directory}", "--prompt=the cat", "--prompt=a box", "--max_new_tokens=8")
-    sample = (*common, "--decoding=sample", "--temperature=1.5", "--top_k=20", "--top_p=0.9")
-    assert run_cli(*sample, "--seed=3") == run_cli(*sample, "--seed=3")
-    assert len(run_cli(*common, "--decoding=beam", "--beam_size=3", "--alpha=0.6")) == 2
+    common = (f"--hf_checkpoint={directory}", "--prompt=the cat", "--max_new_tokens=8")
+    settings = dict(temperature=1.5, top_k=20, top_p=0.9)
+    sample = (*common, "--decoding=sample", *(f"--{k}={v}" for k, v in settings.items()))
+    three, four = run_cli(*sample, "--seed=3"), run_cli(*sample, "--seed=4")
+    assert three == [_library_decode(directory, "the cat", 8, seed=3, **settings)]
+    assert four == [_library_decode(directory, "the cat", 8, seed=4, **settings)]
+    assert three != four and three != run_cli(*common)  # another seed, and greedy, differ
+    # (this random model never ends a hypothesis, so alpha changes nothing here: the test above
+    # checks that --alpha and --beam_size reach beam_search)
+    beam = run_cli(*common, "--decoding=beam", "--beam_size=3", "--alpha=0.6")
+    assert beam == [_library_decode(directory, "the cat", 8, beam_size=3, alpha=0.6)]
 
 
 def test_batched_outputs_do_not_depend_on_the_inputs_batched_with_them():
@@ -132,11 +173,11 @@ def test_beam_decoding_gets_each_inputs_own_limit(monkeypatch):
     monkeypatch.setattr(decoding, "beam_search", record)
     directory = marian_checkpoint("marian_swish")  # 64 positions
     texts = ["your cat is a great cat and the box is cold", "hello"]
-    run_cli(f"--hf_checkpoint={directory}", "--decoding=beam", "--min_new_tokens=2",
-            *(f"--prompt={t}" for t in texts))
+    run_cli(f"--hf_checkpoint={directory}", "--decoding=beam", "--min_new_tokens=2", "--beam_size=3",
+            "--alpha=1.25", *(f"--prompt={t}" for t in texts))
     limits = seen["max_new_tokens_per_row"].tolist()
     assert limits[0] == 64 and limits[1] < 64 and seen["max_new_tokens"] == 64, limits
-    assert seen["min_new_tokens"] == 2
+    assert seen["min_new_tokens"] == 2 and seen["beam_size"] == 3 and seen["alpha"] == 1.25
 
 
 def test_truncate_cuts_long_prompts(capsys):
