@@ -1,7 +1,6 @@
 """`python -m transformer_jax.generate`: continuations and translations equal transformers' on
 tiny random checkpoints, sampling and beam search equal the library's, batching keeps input order, a
-training workdir works, and bad input ends
-with `error: ...` and exit code 2 (no traceback)."""
+training workdir works, and bad input ends with `error: ...` and exit code 2 (no traceback)."""
 
 from __future__ import annotations
 
