@@ -275,6 +275,27 @@ def test_dropout_needs_rng_only_in_training():
     assert not np.allclose(d1, a) and not np.allclose(d1, d2)
 
 
+@pytest.mark.parametrize("layout", ["BSNK", "BNSK"])
+def test_attention_dropout_drops_a_fraction_p_of_the_weights_and_rescales_the_rest(layout):
+    """Equal scores give weights 1/S, and an identity V reads the dropped weights out directly:
+    about a fraction p of them are zero and the rest are (1/S) / (1 - p), so their mean stays 1/S
+    (keeping with probability p instead of 1 - p passed the "outputs differ" test above)."""
+    batch, length, heads, keys, p = 2, 16, 4, 64, 0.2
+    q = jnp.zeros((batch, length, heads, keys))
+    k = jnp.zeros((batch, keys, heads, keys))
+    v = jnp.broadcast_to(jnp.eye(keys)[None, :, None, :], (batch, keys, heads, keys))
+    if layout == "BNSK":  # the KV cache's layout takes its own path through the reference attention
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    run = functools.partial(dot_product_attention, q, k, v, impl="reference", kv_layout=layout,
+                            dropout_rate=p)
+    np.testing.assert_allclose(run(deterministic=True)[0], 1.0 / keys, rtol=1e-6)
+    weights = np.asarray(run(deterministic=False, dropout_rng=jax.random.key(0))[0])  # [B, L, H, S]
+    dropped = weights == 0.0
+    assert abs(dropped.mean() - p) < 0.02, dropped.mean()  # 8192 weights: 4.5 standard deviations
+    np.testing.assert_allclose(weights[~dropped], 1.0 / keys / (1.0 - p), rtol=1e-6)
+    assert abs(weights.sum(-1).mean() - 1.0) < 0.02
+
+
 def test_embedding_dropout_rate_applies_to_the_embedding_sums_only():
     t = tokens(2, (B, L))
     run = lambda cfg, key: japply(init_lm(cfg, t)[0])(
