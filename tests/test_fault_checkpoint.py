@@ -88,6 +88,20 @@ def test_complete_checkpoints_verify(trained):
         assert manifest["model_config"]["d_model"] == 32 and len(manifest["files"]) > 5
 
 
+def test_a_training_workdir_holds_no_pickles(trained):
+    """Everything a run writes (checkpoints with the optimizer and data-iterator state, manifests,
+    config, tokenizer, metrics, TensorBoard events) loads without unpickling: no file starts with a
+    pickle's protocol marker or is named as one."""
+    seen = 0
+    for root, _, names in os.walk(trained):
+        for name in names:
+            seen += 1
+            assert not name.endswith((".pkl", ".pickle")), name
+            with open(os.path.join(root, name), "rb") as f:
+                assert not f.read(2).startswith(b"\x80"), os.path.join(root, name)  # protocol 2+
+    assert seen > 20 and os.path.isdir(os.path.join(trained, "checkpoints", "10", "data"))
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [

@@ -117,20 +117,3 @@ def test_the_scan_catches_unsafe_loads(source):
 )
 def test_the_scan_allows_safe_loads(source):
     assert not unsafe_calls(source)
-
-
-def test_checkpoints_hold_no_pickles(tmp_path):
-    """orbax writes JSON metadata and tensorstore arrays; no file starts with a pickle opcode."""
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-
-    manager = ocp.CheckpointManager(
-        str(tmp_path), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
-    )
-    tree = {"w": jnp.ones((4, 4)), "step": jnp.int32(3), "nested": {"b": jnp.zeros(3, jnp.bfloat16)}}
-    manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(tree)))
-    manager.close()
-    for root, _, names in os.walk(tmp_path):
-        for name in names:
-            with open(os.path.join(root, name), "rb") as f:
-                assert not f.read(2).startswith(b"\x80"), name  # pickle protocol 2+ marker
