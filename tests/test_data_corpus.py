@@ -65,3 +65,20 @@ def test_phenomena_are_present():
     assert _any(lambda en, fr: " du " in f" {fr} " or " de la " in fr)
     # possessives follow the noun's gender, mon before a vowel
     assert _any(lambda en, fr: "my school" in en and "mon école" in fr)
+
+
+def _every(phrase, pred, at_least):
+    """pred holds for every pair whose English has `phrase` as whole words (and there are some)."""
+    hits = [(en, fr) for en, fr in PAIRS.items() if f" {phrase} " in f" {en} "]
+    assert len(hits) >= at_least, (phrase, len(hits))
+    wrong = [(en, fr) for en, fr in hits if not pred(fr)]
+    assert not wrong, wrong[:3]
+
+
+def test_rules_hold_in_every_sentence_that_needs_them():
+    """Not only somewhere in the corpus: a rule right once and wrong elsewhere fails here."""
+    _every("did not", lambda fr: (" ne " in f" {fr} " or " n'" in f" {fr}") and " pas " in f" {fr} ", 500)
+    _every("was eating", lambda fr: "mange" in fr, 20)
+    _every("will drink", lambda fr: "boir" in fr, 20)
+    _every("my school", lambda fr: "mon école" in fr, 10)  # mon before a vowel, not ma
+    _every("the cold coffee", lambda fr: "café froid" in fr, 3)  # the adjective after the noun
