@@ -339,6 +339,11 @@ def test_bad_model_inputs_name_the_argument():
         ((src, src), dict(tgt_positions=jnp.zeros((1, 3), jnp.int32)),
          r"tgt_positions has shape \(1, 3\) but tgt has \(2, 5\)"),
         ((src, src), dict(src_segment_ids=jnp.ones((2, 4), jnp.int32)), r"src_segment_ids has shape"),
+        # ids outside the vocabulary gave NaN logits (JAX's gather fills out-of-range rows with NaN)
+        ((src.at[1, 3].set(cfg.vocab_size), src), {},
+         rf"src holds token id {cfg.vocab_size} \(at \(1, 3\)\), outside the model's vocabulary "
+         rf"\[0, {cfg.vocab_size}\)"),
+        ((src, src.at[0, 0].set(-100)), {}, r"tgt holds token id -100 \(at \(0, 0\)\)"),
     ]
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -349,6 +354,11 @@ def test_bad_model_inputs_name_the_argument():
     lm, lm_params = init_lm(cfg, src)
     with pytest.raises(ValueError, match=r"num_valid must have shape \(2,\)"):
         lm.apply({"params": lm_params}, src, cache=tj.init_cache(cfg, 2, 8), num_valid=jnp.ones(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"tokens holds token id -1 \(at \(0, 2\)\)"):
+        lm.apply({"params": lm_params}, src.at[0, 2].set(-1))
+    # inside jit the ids cannot be read: no error, and the lookup's NaN shows in the logits
+    too_big = src.at[0, 2].set(cfg.vocab_size)
+    assert np.isnan(np.asarray(jax.jit(lm.apply)({"params": lm_params}, too_big))[0, 2]).all()
 
 
 def test_remat_gives_the_same_gradients():

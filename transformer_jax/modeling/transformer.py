@@ -8,6 +8,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.modeling import masks
@@ -145,14 +146,34 @@ def _check_learned_length(config: ModelConfig, length: int) -> None:
                          "(ModelConfig.max_len): positions past it would be NaN")
 
 
-def _as_tokens(name: str, tokens, **aligned):
+def _as_tokens(name: str, tokens, vocab_size: int | None = None, **aligned):
     """``tokens`` as an integer [B, L] array; ``aligned`` arrays (segment ids, positions) must have
-    its shape. Bad inputs are a ValueError naming the argument, not an error deep in a layer."""
+    its shape. Bad inputs are a ValueError naming the argument, not an error deep in a layer.
+
+    Ids outside ``[0, vocab_size)`` are refused when the ids are concrete (an eager call, or
+    ``init``). Inside ``jit`` they cannot be read: there an id >= vocab_size looks up NaN (JAX's
+    gather fills out-of-range rows rather than raising) and a negative id counts from the end of
+    the table, as NumPy indexing does."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"{name} must be [batch, length] token ids, got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"{name} must be integer token ids, got {tokens.dtype}")
+    if vocab_size is not None and tokens.size:
+        try:  # on the host: inside a trace even operations on a concrete array are staged
+            host = np.asarray(tokens)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            return _check_aligned(name, tokens, aligned)
+        low, high = int(host.min()), int(host.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            where = tuple(int(i) for i in np.argwhere(host == bad)[0])
+            raise ValueError(f"{name} holds token id {bad} (at {where}), outside the model's vocabulary "
+                             f"[0, {vocab_size})")
+    return _check_aligned(name, tokens, aligned)
+
+
+def _check_aligned(name: str, tokens, aligned: dict):
     for key, array in aligned.items():
         if array is not None and tuple(jnp.shape(array)) != tokens.shape:
             raise ValueError(f"{key} has shape {tuple(jnp.shape(array))} but {name} has {tokens.shape}: "
@@ -192,7 +213,8 @@ class Encoder(_Stack):
 
     def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic=True):
         """tokens: int [B, S] -> encoder output [B, S, D]."""
-        tokens = _as_tokens("src", tokens, src_segment_ids=segment_ids, src_positions=positions)
+        tokens = _as_tokens("src", tokens, self.config.vocab_size, src_segment_ids=segment_ids,
+                            src_positions=positions)
         if positions is None:
             _check_learned_length(self.config, tokens.shape[1])
             positions = default_positions(tokens, segment_ids)
@@ -264,7 +286,8 @@ class Decoder(_Stack):
         `last_only=True` only the logits of each row's last real token are computed ([B, 1, V]:
         a prompt prefill needs no more, and skips a [B, L, V] product and array).
         """
-        tokens = _as_tokens("tokens", tokens, segment_ids=segment_ids, positions=positions)
+        tokens = _as_tokens("tokens", tokens, self.config.vocab_size, segment_ids=segment_ids,
+                            positions=positions)
         if num_valid is not None:
             num_valid = jnp.asarray(num_valid)
             if num_valid.shape != tokens.shape[:1]:
@@ -362,9 +385,10 @@ class Transformer(nn.Module):
         tgt_positions=None, cache: KVCache | None = None, num_valid=None, deterministic=True,
         last_only=False,
     ):
-        tgt = _as_tokens("tgt", tgt, tgt_segment_ids=tgt_segment_ids, tgt_positions=tgt_positions)
+        vocab = self.config.vocab_size
+        tgt = _as_tokens("tgt", tgt, vocab, tgt_segment_ids=tgt_segment_ids, tgt_positions=tgt_positions)
         if src is not None and cache is None:
-            src = _as_tokens("src", src, src_segment_ids=src_segment_ids, src_positions=src_positions)
+            src = _as_tokens("src", src, vocab, src_segment_ids=src_segment_ids, src_positions=src_positions)
         if cache is not None:
             return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic,
                                 last_only=last_only)
@@ -386,7 +410,7 @@ class Transformer(nn.Module):
         One source per row: `src_segment_ids` (optional, [B, S]) marks its tokens with a non-zero
         id and padding with 0, where the pad id cannot (positions count from each segment's
         start; the target attends to every non-zero token of its row)."""
-        src = _as_tokens("src", src, src_segment_ids=src_segment_ids)
+        src = _as_tokens("src", src, self.config.vocab_size, src_segment_ids=src_segment_ids)
         _check_learned_length(self.config, src.shape[1])  # (positions given below skip the encoder's)
         positions = None if src_segment_ids is None else segment_positions(src_segment_ids)
         memory = self.encode(src, src_segment_ids=src_segment_ids, src_positions=positions)
