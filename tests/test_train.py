@@ -286,9 +286,10 @@ def test_non_finite_stops_or_skips(data_dir, tmp_path):
 
 
 def test_log_window_leaves_out_skipped_steps():
-    step = lambda loss, finite: {"loss": loss, "learning_rate": 0.1, "finite": float(finite)}
-    window = loop._summarise([step(2.0, 1), step(np.nan, 0), step(4.0, 1)], 30, 1.0, 0.0, None)
+    step = lambda loss, finite, lr=0.1: {"loss": loss, "learning_rate": lr, "finite": float(finite)}
+    window = loop._summarise([step(2.0, 1, 0.1), step(np.nan, 0, 0.2), step(4.0, 1, 0.3)], 30, 1.0, 0.0, None)
     assert (window["loss"], window["skipped"]) == (3.0, 1)
+    assert window["learning_rate"] == pytest.approx(0.3)  # the logged step's rate, not a warm-up mean
     only_skipped = loop._summarise([step(np.nan, 0)], 10, 1.0, 0.0, None)
     assert np.isnan(only_skipped["loss"]) and only_skipped["skipped"] == 1
 

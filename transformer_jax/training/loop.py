@@ -60,7 +60,8 @@ def _non_pad_tokens(batch) -> int:
 
 
 def _summarise(history: list, tokens: int, seconds: float, flops: float, peak) -> dict:
-    """Means of the per-step metrics since the last log, plus throughput and MFU.
+    """Means of the per-step metrics since the last log, plus throughput and MFU; the learning rate
+    is the logged step's own (a mean over a warm-up window is no step's rate).
 
     Non-finite (skipped) steps are left out of the means and counted in ``skipped``; a window of
     only such steps reports their (non-finite) means.
@@ -69,6 +70,8 @@ def _summarise(history: list, tokens: int, seconds: float, flops: float, peak) -
     finite = [h for h in host if bool(h["finite"])]
     kept = finite or host
     out = {k: float(np.mean([h[k] for h in kept])) for k in host[0] if k != "finite"}
+    if "learning_rate" in host[-1]:
+        out["learning_rate"] = float(host[-1]["learning_rate"])
     out["skipped"] = len(host) - len(finite)
     out["tokens_per_sec"] = tokens / seconds
     out["steps_per_sec"] = len(history) / seconds
