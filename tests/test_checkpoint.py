@@ -274,6 +274,9 @@ def test_average_cli(reference, tmp_path):
         timeout=180,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    # one line out, the output's path; the checkpoint library's INFO logs (~90 lines) only with
+    # --verbosity, and no "read only" notice for the workdir opened read-only on purpose
+    assert out.stdout.strip() == str(tmp_path / "avg3") and out.stderr.strip() == "", out.stderr[-3000:]
     assert restore_for_inference(str(tmp_path / "avg3")).step == 20
 
 

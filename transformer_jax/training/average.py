@@ -10,7 +10,7 @@ below 1 is one ``error:`` line and exit status 2.
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from transformer_jax.training.checkpoint import average_checkpoints
 
@@ -23,6 +23,8 @@ def main(argv):
     if len(argv) > 1:
         print(f"error: unexpected arguments {list(argv[1:])} (flags are --name=value)", file=sys.stderr)
         sys.exit(2)
+    if not flags.FLAGS["verbosity"].present:  # the checkpoint library's INFO logs only on request
+        logging.set_verbosity(logging.WARNING)
     try:
         print(average_checkpoints(_WORKDIR.value, _LAST.value, _OUTPUT.value))
     except (ValueError, OSError) as e:  # a workdir, step or output problem, named in the message

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging as pylogging
 import os
 import signal
 import threading
@@ -37,6 +38,18 @@ from transformer_jax.training.state import TrainState
 
 CONFIG_FILENAME = "config.json"
 CHECKPOINT_DIRNAME = "checkpoints"
+
+
+class _ReadOnlyNotice(pylogging.Filter):
+    """Drops orbax's "Given directory is read only" warning: we open managers read-only on purpose
+    (inference, averaging), and a user read it as a problem with a writable workdir."""
+
+    def filter(self, record) -> bool:
+        return not (record.levelno < pylogging.ERROR and "orbax" in record.pathname
+                    and str(record.msg).startswith("Given directory is read only"))
+
+
+pylogging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
 def _read_only_options() -> ocp.CheckpointManagerOptions:
