@@ -298,9 +298,10 @@ def test_attention_dropout_drops_a_fraction_p_of_the_weights_and_rescales_the_re
 
 def test_embedding_dropout_rate_applies_to_the_embedding_sums_only():
     t = tokens(2, (B, L))
-    run = lambda cfg, key: japply(init_lm(cfg, t)[0])(
-        {"params": init_lm(cfg, t)[1]}, t, deterministic=False, rngs={"dropout": jax.random.key(key)})
-    plain = japply(init_lm(config(dropout_rate=0.0), t)[0])({"params": init_lm(config(), t)[1]}, t)
+    params = init_lm(config(), t)[1]  # dropout rates change no parameter: one set serves every config
+    run = lambda cfg, key: japply(tj.TransformerLM(cfg))(
+        {"params": params}, t, deterministic=False, rngs={"dropout": jax.random.key(key)})
+    plain = japply(tj.TransformerLM(config(dropout_rate=0.0)))({"params": params}, t)
     # only the embedding dropout is on: training outputs differ from the deterministic ones
     assert not np.allclose(run(config(dropout_rate=0.0, embedding_dropout_rate=0.5), 1), plain)
     # with it off, residual dropout alone is what moves them; None means dropout_rate, as in the paper
