@@ -181,6 +181,22 @@ def test_restore_on_another_mesh_and_device_count(data_dir, tmp_path, reference)
     )
 
 
+def test_a_finished_run_started_again_logs_its_final_evaluation_once(data_dir, tmp_path, reference):
+    """Nothing left to train: the final test evaluation is computed and returned again, but not
+    appended to metrics.jsonl (and TensorBoard) a second time."""
+    import json
+    import shutil
+
+    workdir = shutil.copytree(reference[1], str(tmp_path / "w"))
+    # (the reference ran without a test split: the first start here evaluates and logs it)
+    first, again = (train_and_evaluate(tiny_config(data_dir, test_split="test"), workdir) for _ in range(2))
+    assert first["step"] == again["step"] == STEPS and again["test_bleu"] == first["test_bleu"]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    tests = [r for r in records if "test_bleu" in r]
+    assert len(tests) == 1 and tests[0]["step"] == STEPS and tests[0]["test_bleu"] == first["test_bleu"]
+
+
 def test_restore_for_inference_without_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=str(tmp_path)):
         restore_for_inference(str(tmp_path))

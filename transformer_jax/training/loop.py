@@ -275,7 +275,8 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     if data.is_translation and final["step"] == config.num_train_steps and test_split:
         step, params = final["step"], state.params
         final.update(_translation_eval(config, workdir, model, params, data, mesh, test_split, log, step))
-        log.write(final["step"], {k: v for k, v in final.items() if k.startswith(test_split)})
+        if not (start_step == step and log.logged(step, f"{test_split}_")):  # (a finished run rerun)
+            log.write(step, {k: v for k, v in final.items() if k.startswith(test_split)})
     checkpointer.close()
     log.close()
     return final

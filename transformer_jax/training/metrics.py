@@ -231,6 +231,22 @@ class MetricsLogger:
                 smoothing=0.1,
             )
 
+    def logged(self, step: int, prefix: str) -> bool:
+        """Whether ``metrics.jsonl`` already holds a value named ``prefix...`` at ``step`` (a finished
+        run started again evaluates its final step again; the record is written once)."""
+        if self._jsonl is None:
+            return False
+        with open(self._jsonl.name) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if (isinstance(record, dict) and record.get("step") == step
+                        and any(str(k).startswith(prefix) for k in record)):
+                    return True
+        return False
+
     def progress(self, step: int, **values: float) -> None:
         if self._bar is not None:
             self._bar.n = step
