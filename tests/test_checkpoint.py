@@ -161,6 +161,24 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(data_dir, tmp_path, re
     assert train_losses(workdir) == reference[0]
 
 
+def test_a_stop_between_logging_steps_logs_the_steps_before_it(data_dir, tmp_path, reference, monkeypatch):
+    """Logging every 4 steps, stopped after step 6: steps 5-6 are logged at the stop (they were
+    dropped, and the resume starts after them), and the resumed run logs 7-8 at step 8."""
+    from transformer_jax.training import checkpoint as ckpt_lib
+
+    workdir = str(tmp_path / "w")
+    monkeypatch.setattr(ckpt_lib.PreemptionFlag, "reached", lambda self, manager, step: step == 6)
+    train_and_evaluate(tiny_config(data_dir, log_every_steps=4), workdir)
+    monkeypatch.undo()
+    assert sorted(train_losses(workdir)) == [4, 6] and Checkpointer(workdir).latest_step() == 6
+    train_and_evaluate(tiny_config(data_dir, log_every_steps=4, num_train_steps=8), workdir)
+    losses, each = train_losses(workdir), reference[0]  # the reference logs every step
+    assert sorted(losses) == [4, 6, 8]
+    for step, first in [(4, 1), (6, 5), (8, 7)]:
+        window = [each[s] for s in range(first, step + 1)]
+        np.testing.assert_allclose(losses[step], np.mean(window), rtol=1e-5)
+
+
 def test_restore_on_another_mesh_and_device_count(data_dir, tmp_path, reference):
     workdir = str(tmp_path / "w")
     sharded = parallel.create_mesh(data=2, fsdp=2, tensor=2)

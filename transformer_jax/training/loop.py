@@ -226,6 +226,14 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     history, tokens, skipped, summary, eval_metrics = [], 0, 0, {}, {}
     last_log, pending = time.time(), None
     profile_dir = os.path.join(workdir, "profile")
+
+    def log_window(done: int) -> dict:
+        summary = _summarise(history, tokens, time.time() - last_log, flops, peak)
+        summary["skipped_steps"] = skipped
+        log.write(done, summary)
+        log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
+        return summary
+
     with parallel.sharding_context(mesh), preemption:
         for step in range(start_step, config.num_train_steps):
             if step == config.profile_start_step:
@@ -245,10 +253,7 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
                 jax.profiler.stop_trace()
                 _say(f"Profiler trace of steps {config.profile_start_step}..{done - 1} in {profile_dir}")
             if done % config.log_every_steps == 0 or done == config.num_train_steps:
-                summary = _summarise(history, tokens, time.time() - last_log, flops, peak)
-                summary["skipped_steps"] = skipped
-                log.write(done, summary)
-                log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
+                summary = log_window(done)
                 history, tokens, last_log = [], 0, time.time()
             evaluated = done % config.eval_every_steps == 0 or done == config.num_train_steps
             if evaluated:
@@ -265,6 +270,8 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
                 # between evaluations (at preemption) has no metrics and is kept while it is the latest.
                 checkpointer.save(state, data.train_iter, eval_metrics if evaluated else None, force=stop)
             if stop:
+                if history:  # the steps since the last line: the resume starts after them
+                    summary = log_window(done)
                 log.message(f"Stopped by {preemption.signal_name or 'SIGTERM'} after step {done}; "
                             "checkpoint saved.")
                 break
