@@ -1,0 +1,72 @@
+"""Translation evaluation plumbing, with the decoder replaced by fakes whose outputs are known: which
+rows count, where hypotheses are cut, which beam is read, and BLEU's argument order."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import sacrebleu
+
+from transformer_jax import parallel
+from transformer_jax.data.tokenizer import EOS_ID
+from transformer_jax.decoding import BeamOutput, GenerateOutput
+from transformer_jax.training import evaluate
+
+JUNK = 29  # what the fakes emit after EOS, and in every beam but the best
+
+
+class WordTokenizer:
+    def decode_batch(self, rows):
+        return [" ".join(f"w{i}" for i in row) for row in rows]
+
+
+def _batch():
+    """Three real examples and one padding row (segment id 0), one example per row."""
+    targets = np.array([[5, 6, 7, 18, 19, EOS_ID, 0, 0], [8, 20, 21, 22, EOS_ID, 0, 0, 0],
+                        [9, 10, 23, 24, 25, 26, EOS_ID, 0], [0] * 8], np.int32)
+    inputs = np.array([[11, 12, EOS_ID, 0], [13, EOS_ID, 0, 0], [14, 15, 16, EOS_ID], [0, 0, 0, 0]], np.int32)
+    seg = (inputs > 0).astype(np.int32)
+    return {"inputs": inputs, "inputs_segment_ids": seg, "targets": targets}
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_translate_reads_the_best_hypothesis_up_to_eos_of_real_rows_only(monkeypatch, beam_size):
+    batch = _batch()
+    answers = np.where(batch["targets"] == 0, JUNK, batch["targets"])  # the reference, junk after EOS
+    answers[3] = 17  # the padding row decodes to something (it must not be counted)
+
+    def fake_generate(step_fn, params, cache, prompt, lengths, **kwargs):
+        return GenerateOutput(jnp.asarray(answers), jnp.zeros(4, jnp.int32), jnp.zeros(answers.shape))
+
+    def fake_beam_search(step_fn, params, cache, prompt, lengths, *, beam_size, **kwargs):
+        beams = np.full((4, beam_size, answers.shape[1]), JUNK, np.int32)
+        beams[:, 0] = answers  # best first
+        zeros = jnp.zeros((4, beam_size))
+        return BeamOutput(jnp.asarray(beams), zeros, zeros, zeros.astype(jnp.int32))
+
+    monkeypatch.setattr(evaluate, "encode_source", lambda *a, **k: None)
+    monkeypatch.setattr(evaluate, "Seq2SeqStep", lambda model: None)
+    monkeypatch.setattr(evaluate, "generate", fake_generate)
+    monkeypatch.setattr(evaluate, "beam_search", fake_beam_search)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(decoder_start_id=2, eos_id=EOS_ID, pad_id=0))
+    mesh = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
+    out = evaluate.translate(model, None, [batch], WordTokenizer(), mesh, max_new_tokens=8,
+                             beam_size=beam_size)
+    assert out.references == ["w5 w6 w7 w18 w19", "w8 w20 w21 w22", "w9 w10 w23 w24 w25 w26"]
+    assert out.sources == ["w11 w12", "w13", "w14 w15 w16"]
+    assert out.hypotheses == out.references and out.exact_match == 1.0
+    assert out.bleu() == pytest.approx(100.0)
+
+
+def test_bleu_is_sacrebleu_of_hypotheses_against_references():
+    """Not symmetric (the brevity penalty): swapped arguments give another number."""
+    refs = ["the tired engineer drank the cold coffee", "your cat is a great cat"]
+    hyps = ["the engineer drank coffee", "your cat is a great cat"]
+    out = evaluate.Translations(["s1", "s2"], refs, hyps)
+    assert out.bleu() == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    assert out.bleu() != pytest.approx(sacrebleu.corpus_bleu(refs, [hyps]).score)
+    assert out.exact_match == 0.5
