@@ -64,6 +64,18 @@ def test_make_row_literal():
         packing.make_row([{"t": [1] * 8}], {"t": 7})
 
 
+def test_first_fit_emits_the_fullest_row_when_every_row_is_open():
+    """Rows of 10 tokens, two open at most. A (6) opens row 1, B (8) row 2; C (5) fits neither and
+    both rows are open, so the fullest (B) leaves and C opens a row; D (4) fills A's row, which
+    leaves at once; C is emitted at the end. (Emitting the emptiest row, or keeping a third row
+    open, each keeps every token and passed the other packing tests.)"""
+    A, B, C, D = [5] * 6, [6] * 8, [7] * 5, [8] * 4
+    ds = grain.MapDataset.source([{"t": np.array(x)} for x in (A, B, C, D)]).to_iter_dataset()
+    rows = list(packing.FirstFitPackIterDataset(ds, {"t": 10}, num_bins=2))
+    real = [r["t"][r["t_segment_ids"] > 0].tolist() for r in rows]
+    assert real == [B, A + D, C]
+
+
 def test_packing_keeps_every_token_and_pairs_segments(tok):
     examples = [pipeline.Tokenize(tok, TRANSLATION, LENGTHS).map(r) for r in SOURCE]
     ds = grain.MapDataset.source(examples).to_iter_dataset()
@@ -192,6 +204,10 @@ def test_length_policies(tok):
     lm = pipeline.Features({"targets": "text"})
     cut = pipeline.Tokenize(tok, lm, {"targets": 16}, "truncate").map(long[0])
     assert len(cut["targets"]) == 16 and cut["targets"][-1] == tk.EOS_ID
+    # the first 15 tokens are kept (a text whose tokens differ along it: the head, not the tail)
+    varied = " ".join(f"sentence number {i}" for i in range(40))
+    cut = pipeline.Tokenize(tok, lm, {"targets": 16}, "truncate").map({"text": varied})
+    assert list(cut["targets"]) == list(tok.encode(varied)[:15]) + [tk.EOS_ID]
     assert pipeline.Tokenize(tok, lm, {"targets": 16}, "drop").map(long[0]) is None
     it = pipeline.make_train_iterator(long, tok, lm, {"targets": 16}, 2, length_policy="drop",
                                       shard=shard())

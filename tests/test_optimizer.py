@@ -205,6 +205,22 @@ def test_accumulate_gradients_passes_one_rng_per_micro_batch():
     jax.tree.map(np.testing.assert_array_equal, grads_a, grads_c)
 
 
+def test_each_micro_batch_gets_its_own_key_and_sums_are_kept_in_float32():
+    """The keys are jax.random.split(rng, n), one per micro-batch in order (the same key for every
+    micro-batch passed the test above); bf16 values are summed in float32: 256 + four 1s is 260,
+    where bf16 sums would stay at 256."""
+    key, n = jax.random.key(7), 5
+    values = jnp.asarray([256.0, 1.0, 1.0, 1.0, 1.0], jnp.bfloat16)
+
+    def fn(params, micro_batch, k):
+        return jax.random.uniform(k), values[micro_batch["i"][0]]
+
+    got_keys, got_sum = accumulate_gradients(fn, None, {"i": jnp.arange(n)}, n, key)
+    want = sum(float(jax.random.uniform(k)) for k in jax.random.split(key, n))
+    np.testing.assert_allclose(got_keys, want, rtol=1e-6)
+    assert got_sum.dtype == jnp.bfloat16 and float(got_sum) == 260.0
+
+
 def test_accumulate_gradients_single_micro_batch_and_bad_split():
     params, batch = _accumulation_problem()
     grad_fn = jax.jit(jax.value_and_grad(_tiny_lm_loss, has_aux=True))

@@ -62,6 +62,9 @@ def test_create_schedule_from_config():
     config.warmup_steps = 10
     lr = schedules.create_schedule(config, 512, num_train_steps=110)
     np.testing.assert_allclose(float(lr(109)), 0.0, atol=1e-9)
+    config.end_learning_rate_ratio = 0.1  # the floor is a fraction of learning_rate
+    lr = schedules.create_schedule(config, 512, num_train_steps=110)
+    np.testing.assert_allclose([float(lr(59)), float(lr(109))], [5.5e-4, 1e-4], rtol=1e-5)
     config.schedule = "constant"
     assert float(schedules.create_schedule(config, 512)(1000)) == pytest.approx(1e-3)
     plain = {"schedule": "constant", "learning_rate": 0.5, "warmup_steps": 0}
