@@ -476,6 +476,31 @@ def test_length_penalty_trades_length_for_probability():
         expected = sorted([short / length_penalty(1, alpha), long / length_penalty(3, alpha)])[::-1]
         np.testing.assert_allclose(out.scores[0], expected, atol=1e-4)
     assert float(length_penalty(3, 0.6)) == pytest.approx((8 / 6) ** 0.6)
+    # One beam: EOS finishes a hypothesis at step 1, but the live one may still beat it once the
+    # length penalty of a longer output applies, so the search must go on (stopping on the bound
+    # of the current length returned [EOS]).
+    out = beam_search(bigram_step, table, bigram_cache(1), jnp.array([[2]]), jnp.array([1]),
+                      max_new_tokens=4, beam_size=1, alpha=1.0)
+    np.testing.assert_array_equal(out.tokens[0, 0], [3, 4, EOS, PAD])
+    assert float(out.scores[0, 0]) == pytest.approx(long / (8 / 6), abs=1e-4)
+
+
+def test_two_eos_candidates_do_not_crowd_out_a_live_beam():
+    """2K candidates per step: with K = 2, both step-1 candidates ending in EOS and the live [4, 7]
+    must all be kept; with K + 1 of them the EOS pair filled the slots and [4, 7, 8, 9, EOS], the
+    best under alpha = 1, was lost."""
+    probs = np.full((V, V), 1e-9)
+    probs[2, [3, 4, 5]] = [0.4, 0.35, 0.25]
+    probs[3, [EOS, 6]] = [0.55, 0.45]
+    probs[4, [EOS, 7]] = [0.52, 0.48]
+    probs[6, [EOS, 10]] = [0.2, 0.8]
+    probs[7, 8] = probs[8, 9] = probs[9, EOS] = probs[10, EOS] = 1.0
+    probs[[0, 1, 5], EOS] = 1.0
+    table = jnp.log(jnp.asarray(probs / probs.sum(1, keepdims=True), jnp.float32))
+    out = beam_search(bigram_step, table, bigram_cache(1), jnp.array([[2]]), jnp.array([1]),
+                      max_new_tokens=6, beam_size=2, alpha=1.0)
+    np.testing.assert_array_equal(out.tokens[0, 0], [4, 7, 8, 9, EOS, PAD])
+    assert float(out.scores[0, 0]) == pytest.approx(math.log(0.35 * 0.48) / (10 / 6), abs=1e-4)
 
 
 @pytest.mark.parametrize(("alpha", "eos_id"), [(0.0, EOS), (0.6, None)])
