@@ -252,6 +252,9 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
     steps = Checkpointer(workdir).all_steps()
     out = average_checkpoints(workdir, last_k=50)
     assert out.endswith(f"average_last{len(steps)}")
+    each = [restore_for_inference(workdir, step=s).params for s in steps]  # the mean of those there are
+    jax.tree.map(lambda a, *xs: np.testing.assert_allclose(a, np.mean(xs, axis=0), rtol=1e-5, atol=1e-7),
+                 restore_for_inference(out).params, *each)
     with pytest.raises(ValueError, match=r"already holds a checkpoint at step 20 .*--output"):
         average_checkpoints(workdir, last_k=50)  # the same output again: not overwritten
     # a flipped byte in the newest step's parameters: refused, like any restore of it

@@ -150,3 +150,27 @@ def test_smoothing_entropy(v, eps):
     q[0] = 1 - eps
     q = q[q > 0]
     np.testing.assert_allclose(losses.smoothing_entropy(v, eps), -np.sum(q * np.log(q)), rtol=1e-9)
+
+
+def test_train_and_eval_steps_pass_z_loss_and_label_smoothing_to_the_loss():
+    """StepSettings reach the loss of the train and eval steps (one function computes it for both):
+    every end-to-end config has z_loss = 0, so a step that dropped it passed (the loss itself is
+    tested above)."""
+    import transformer_jax as tj
+    from transformer_jax.training import steps
+
+    model = tj.Transformer(tj.presets.tiny(vocab_size=16, dropout_rate=0.0))
+    seg = jnp.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], jnp.int32)
+    pos = jnp.array([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]], jnp.int32)
+    ids = jax.random.randint(jax.random.key(0), (2, 6), 3, 16) * (seg > 0)
+    batch = {"inputs": ids, "inputs_segment_ids": seg, "inputs_positions": pos,
+             "targets": ids[:, ::-1] * (seg > 0), "targets_segment_ids": seg, "targets_positions": pos}
+    params = model.init(jax.random.key(1), ids, ids)["params"]
+    logits = jax.jit(lambda p, b: steps.forward(model, p, b, train=False))(params, batch)
+    weights = np.asarray(seg > 0, np.float32)
+    settings = steps.StepSettings(label_smoothing=0.1, z_loss=1e-2)
+    sums = jax.jit(lambda p, b: steps.eval_step(p, b, model=model, settings=settings))(params, batch)
+    z = float(np.sum(weights * np.asarray(jax.nn.logsumexp(logits, -1)) ** 2))
+    np.testing.assert_allclose(sums["z_loss"], 1e-2 * z, rtol=1e-5)
+    plain, _, _ = cross_entropy(logits, batch["targets"], weights, label_smoothing=0.1)
+    np.testing.assert_allclose(sums["loss_sum"], plain + 1e-2 * z, rtol=1e-5)

@@ -250,3 +250,13 @@ def test_jitted_init_places_params_by_the_rules(reference):
 def test_rules_module_has_no_mesh_axes_outside_the_table():
     used = {axis for _, axes in rules_lib.DEFAULT_RULES for axis in np.atleast_1d(axes) if axis}
     assert used <= set(parallel.MESH_AXES)
+
+
+def test_processes_with_unequal_shares_of_the_batch_are_refused():
+    """Each process loads batch_size / process_count rows: pieces split 2 to 1 would not add up."""
+    mesh = parallel.create_mesh(4, 1, 2)
+    with pytest.raises(ConfigError, match=r"unequal numbers of batch pieces \(\{0: 2, 1: 1\}\)"):
+        rules_lib.check_process_pieces({0: {0, 4}, 1: {8}}, mesh)
+    rules_lib.check_process_pieces({0: {0, 4}, 1: {8, 12}}, mesh)  # equal and distinct: fine
+    with pytest.raises(ConfigError, match=r"processes 0 and 1 hold the same rows of the batch \(row 4 on\)"):
+        rules_lib.check_process_pieces({0: {0, 4}, 1: {4, 8}}, mesh)
