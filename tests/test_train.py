@@ -57,14 +57,15 @@ def train_losses(workdir):
     return {r["step"]: r["loss"] for r in read_jsonl(workdir) if "loss" in r}
 
 
-def _pieces(config, data_dir, tmp_path, mesh):
+def _pieces(config, mesh):
+    """(model, initial state, jitted train step, jitted eval step), as the training loop builds them."""
     model_cfg = ModelConfig.from_dict(config.model.to_dict())
     model = build_model(model_cfg)
     tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
     schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
     state, shardings = create_train_state(model, tx, mesh, config.seed)
-    step, _ = loop._compile_steps(model, tx, schedule, settings_from_config(config), shardings, mesh)
-    return state, step
+    step, eval_step = loop._compile_steps(model, tx, schedule, settings_from_config(config), shardings, mesh)
+    return model, state, step, eval_step
 
 
 def _unpack(batch):
@@ -115,12 +116,7 @@ def test_train_and_eval_losses_and_gradient_norm_equal_the_paper_written_out(dat
     assert eps == 0.1
     data = build_datasets(config.dataset, str(tmp_path))
     mesh = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
-    model_cfg = ModelConfig.from_dict(config.model.to_dict())
-    model = build_model(model_cfg)
-    tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
-    schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
-    state, shardings = create_train_state(model, tx, mesh, config.seed)
-    step, eval_step = loop._compile_steps(model, tx, schedule, settings_from_config(config), shardings, mesh)
+    model, state, step, eval_step = _pieces(config, mesh)
     batches = [next(data.train_iter) for _ in range(2)]
     params = nn.unbox(jax.device_get(state.params))  # without the logical-partitioning boxes
 
@@ -154,8 +150,8 @@ def optax_global_norm(tree):
     return np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree)))
 
 
-def _losses_on(mesh, config, data_dir, tmp_path, batches):
-    state, step = _pieces(config, data_dir, tmp_path, mesh)
+def _losses_on(mesh, config, batches):
+    _, state, step, _ = _pieces(config, mesh)
     out = []
     with parallel.sharding_context(mesh):
         for batch in batches:
@@ -169,11 +165,11 @@ def test_meshes_give_the_same_losses(data_dir, tmp_path):
     data = build_datasets(config.dataset, str(tmp_path))
     batches = [next(data.train_iter) for _ in range(4)]
     devices = jax.devices()
-    reference = _losses_on(parallel.create_mesh(1, 1, 1, devices[:1]), config, data_dir, tmp_path, batches)
+    reference = _losses_on(parallel.create_mesh(1, 1, 1, devices[:1]), config, batches)
     assert reference[-1] < reference[0]
     # data + FSDP + tensor parallel at once (pure data parallelism over 8 devices is compared with
     # one device in test_checkpoint.py's restore onto another mesh)
-    losses = _losses_on(parallel.create_mesh(2, 2, 2), config, data_dir, tmp_path, batches)
+    losses = _losses_on(parallel.create_mesh(2, 2, 2), config, batches)
     np.testing.assert_allclose(losses, reference, rtol=2e-5, err_msg="mesh (2, 2, 2)")
 
 
