@@ -296,6 +296,24 @@ def test_attention_dropout_drops_a_fraction_p_of_the_weights_and_rescales_the_re
     assert abs(weights.sum(-1).mean() - 1.0) < 0.02
 
 
+def test_residual_dropout_is_on_the_sub_layer_output_not_on_the_sum():
+    """Section 5.4: dropout on each sub-layer's output before it is added. With a rate so close to 1
+    that this key drops every element, each pre-norm block passes its input through unchanged, so the
+    logits are the final norm of the embedding sums times the table (dropout on the sum would zero
+    the residual stream instead)."""
+    t = tokens(2, (B, L))
+    cfg = config(norm="pre", dropout_rate=1.0 - 1e-7, embedding_dropout_rate=0.0)
+    lm, params = init_lm(cfg, t)
+    dropped = japply(lm)({"params": params}, t, deterministic=False, rngs={"dropout": jax.random.key(0)})
+
+    def blocks_skipped(m, tokens):
+        x = m.decoder.embed_tokens(tokens, jnp.broadcast_to(jnp.arange(L), tokens.shape), True)
+        return m.embed.attend(m.decoder.finish(x))
+
+    np.testing.assert_allclose(dropped, lm.apply({"params": params}, t, method=blocks_skipped), atol=1e-5)
+    assert not np.allclose(dropped, japply(lm)({"params": params}, t), atol=1e-3)  # the blocks do matter
+
+
 def test_embedding_dropout_rate_applies_to_the_embedding_sums_only():
     t = tokens(2, (B, L))
     params = init_lm(config(), t)[1]  # dropout rates change no parameter: one set serves every config
