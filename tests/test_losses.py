@@ -152,20 +152,27 @@ def test_smoothing_entropy(v, eps):
     np.testing.assert_allclose(losses.smoothing_entropy(v, eps), -np.sum(q * np.log(q)), rtol=1e-9)
 
 
-def test_train_and_eval_steps_pass_z_loss_and_label_smoothing_to_the_loss():
-    """StepSettings reach the loss of the train and eval steps (one function computes it for both):
-    every end-to-end config has z_loss = 0, so a step that dropped it passed (the loss itself is
-    tested above)."""
+def _step_problem(dropout_rate):
+    """A tiny encoder-decoder, a packed batch of two rows (one with padding) and its parameters."""
     import transformer_jax as tj
-    from transformer_jax.training import steps
 
-    model = tj.Transformer(tj.presets.tiny(vocab_size=16, dropout_rate=0.0))
+    model = tj.Transformer(tj.presets.tiny(vocab_size=16, dropout_rate=dropout_rate))
     seg = jnp.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], jnp.int32)
     pos = jnp.array([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]], jnp.int32)
     ids = jax.random.randint(jax.random.key(0), (2, 6), 3, 16) * (seg > 0)
     batch = {"inputs": ids, "inputs_segment_ids": seg, "inputs_positions": pos,
              "targets": ids[:, ::-1] * (seg > 0), "targets_segment_ids": seg, "targets_positions": pos}
-    params = model.init(jax.random.key(1), ids, ids)["params"]
+    return model, batch, model.init(jax.random.key(1), ids, ids)["params"]
+
+
+def test_train_and_eval_steps_pass_z_loss_and_label_smoothing_to_the_loss():
+    """StepSettings reach the loss of the train and eval steps (one function computes it for both):
+    every end-to-end config has z_loss = 0, so a step that dropped it passed (the loss itself is
+    tested above)."""
+    from transformer_jax.training import steps
+
+    model, batch, params = _step_problem(dropout_rate=0.0)
+    seg = batch["targets_segment_ids"]
     logits = jax.jit(lambda p, b: steps.forward(model, p, b, train=False))(params, batch)
     weights = np.asarray(seg > 0, np.float32)
     settings = steps.StepSettings(label_smoothing=0.1, z_loss=1e-2)
@@ -174,3 +181,30 @@ def test_train_and_eval_steps_pass_z_loss_and_label_smoothing_to_the_loss():
     np.testing.assert_allclose(sums["z_loss"], 1e-2 * z, rtol=1e-5)
     plain, _, _ = cross_entropy(logits, batch["targets"], weights, label_smoothing=0.1)
     np.testing.assert_allclose(sums["loss_sum"], plain + 1e-2 * z, rtol=1e-5)
+
+
+def test_train_step_accumulates_micro_batches_with_a_key_each():
+    """grad_accum_steps=2 with dropout: the step's loss is the token-weighted loss of rows 0 and 1
+    run as two micro-batches, with keys split(fold_in(rng, step), 2) (a step that ignored the
+    setting ran one batch with one key: equal losses without dropout, so only dropout shows it)."""
+    import optax
+
+    from transformer_jax.training import steps
+    from transformer_jax.training.state import TrainState
+
+    model, batch, params = _step_problem(dropout_rate=0.3)
+    rng, step = jax.random.key(5), 3
+    state = TrainState(step=jnp.int32(step), params=params, opt_state=optax.sgd(0.0).init(params), rng=rng)
+    settings = steps.StepSettings(label_smoothing=0.1, grad_accum_steps=2)
+    train = lambda st, b: steps.train_step(st, b, model=model, tx=optax.sgd(0.0), schedule=lambda c: 0.0,
+                                           settings=settings)
+    _, metrics = jax.jit(train)(state, batch)
+    keys = jax.random.split(jax.random.fold_in(rng, step), 2)
+    loss_sum = weight = 0.0
+    for row, key in zip((0, 1), keys):  # micro-batch i holds rows i, i + 2, ...: here row i alone
+        micro = {k: v[row:row + 1] for k, v in batch.items()}
+        logits = steps.forward(model, params, micro, train=True, rng=key)
+        w = micro["targets_segment_ids"] > 0
+        total, count, _ = cross_entropy(logits, micro["targets"], w, label_smoothing=0.1)
+        loss_sum, weight = loss_sum + float(total), weight + float(count)
+    np.testing.assert_allclose(metrics["loss"], loss_sum / weight, rtol=1e-5)
