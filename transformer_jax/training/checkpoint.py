@@ -36,7 +36,7 @@ from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
 from transformer_jax.training.state import TrainState
 
-CONFIG_FILENAME = "config.json"
+CONFIG_FILENAME = integrity.CONFIG_FILENAME
 CHECKPOINT_DIRNAME = "checkpoints"
 
 

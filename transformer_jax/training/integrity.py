@@ -33,6 +33,7 @@ from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data.errors import DataError
 
 MANIFEST_NAME = "integrity.json"
+CONFIG_FILENAME = "config.json"  # the workdir's resolved config (written by checkpoint.save_config)
 FORMAT = 1
 _CHUNK = 1 << 20
 
@@ -167,7 +168,7 @@ def check_unsealed_against_workdir(directory: str, step: int, model_config: Mode
     activation or norm placement would otherwise restore without a word (and be sealed as this model),
     and other shapes would be declared corrupt and set aside. An unreadable or absent file leaves the
     check to the restore, as before."""
-    path = os.path.join(os.path.dirname(os.path.abspath(directory)), "config.json")
+    path = os.path.join(os.path.dirname(os.path.abspath(directory)), CONFIG_FILENAME)
     try:
         with open(path, encoding="utf-8") as f:
             model = json.load(f).get("model")
