@@ -82,3 +82,40 @@ def test_rules_hold_in_every_sentence_that_needs_them():
     _every("will drink", lambda fr: "boir" in fr, 20)
     _every("my school", lambda fr: "mon école" in fr, 10)  # mon before a vowel, not ma
     _every("the cold coffee", lambda fr: "café froid" in fr, 3)  # the adjective after the noun
+
+
+def test_etre_participle_agrees_with_the_subject_in_gender_and_number():
+    arrive = next(v for v in tc._VERBS if v.en[0] == "arrive")
+    expected = {(0, "m"): ("suis", "arrivé"), (2, "f"): ("est", "arrivée"),
+                (3, "m"): ("sommes", "arrivés"), (4, "m"): ("sont", "arrivés"),
+                (4, "f"): ("sont", "arrivées")}
+    for (person, gender), (aux, participle) in expected.items():
+        assert tc._french_verb(arrive, tc.PAST, person, gender) == ([aux], participle)
+    _every("we arrived", lambda fr: "nous sommes arrivés" in fr, 3)
+
+
+NOUNS = {n.en: n for n in tc._nouns()}
+ADJECTIVES = {a.en: a for a in tc._ADJECTIVES}
+
+
+def _np(noun, plural, determiner, kind, adjective=None):
+    return tc.NounPhrase(NOUNS[noun], plural, determiner, kind,
+                         ADJECTIVES[adjective] if adjective else None)
+
+
+def test_negation_turns_indefinites_and_partitives_into_de():
+    """pas de café / pas d'eau / pas de chats / pas de chat; definites stay (pas le café)."""
+    cases = [(_np("coffee", False, "", "bare"), "du café", "de café"),
+             (_np("water", False, "", "bare"), "de l'eau", "d'eau"),
+             (_np("soup", False, "", "bare"), "de la soupe", "de soupe"),
+             (_np("cat", True, "", "bare"), "des chats", "de chats"),
+             (_np("cat", False, "a", "indef"), "un chat", "de chat"),
+             (_np("coffee", False, "the", "def"), "le café", "le café")]
+    for phrase, plain, negated in cases:
+        assert (phrase.french(), phrase.french(negated=True)) == (plain, negated), phrase
+
+
+def test_english_article_is_an_before_the_vowel_of_the_next_word():
+    assert _np("cat", False, "a", "indef", "old").english() == "an old cat"
+    assert _np("apple", False, "a", "indef", "big").english() == "a big apple"
+    assert _np("umbrella", False, "a", "indef").english() == "an umbrella"

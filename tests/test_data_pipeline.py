@@ -1,6 +1,7 @@
 """grain pipeline: packing, determinism, exact resume, per-host shards, eval coverage, datasets."""
 
 import collections
+import os
 
 import grain
 import numpy as np
@@ -240,6 +241,24 @@ def test_drop_with_nothing_that_fits_is_an_error_not_a_hang(tok):
     assert tok.decode(_segments(next(it), "targets")[0]) == "short"
 
 
+def test_an_example_of_exactly_the_row_length_fits(tok):
+    """EOS included, ``limit`` tokens fit and ``limit + 1`` do not, under every policy."""
+    lm = pipeline.Features({"targets": "text"})
+    record = {"text": "sentence number 7"}
+    expected = tok.encode(record["text"]) + [tk.EOS_ID]
+    n = len(expected)
+    for policy in ("truncate", "drop", "split"):
+        out = pipeline.Tokenize(tok, lm, {"targets": n}, policy).map(record)
+        out = out[0] if policy == "split" else out
+        assert out["targets"].tolist() == expected, policy
+    assert pipeline.Tokenize(tok, lm, {"targets": n}, "drop").too_long(record) == {}
+    assert pipeline.Tokenize(tok, lm, {"targets": n - 1}, "drop").too_long(record) == {"targets": n}
+    # one token too long everywhere: an error up front, not an iterator that never yields
+    with pytest.raises(DataError, match="keeps none of the 3 examples"):
+        pipeline.make_train_iterator([record] * 3, tok, lm, {"targets": n - 1}, 2,
+                                     length_policy="drop", shard=shard())
+
+
 def test_to_global_batch_on_eight_devices():
     import jax
     from jax.sharding import AxisType, PartitionSpec
@@ -432,3 +451,66 @@ def test_wmt_and_lm1b_read_from_prepared_files(tmp_path):
     lm = inputs.build_datasets(_cfg("lm1b", data_dir, vocab_size=300), str(tmp_path / "l"),
                                shard=shard())
     assert lm.eval_size == 30 and "targets" in next(lm.train_iter)
+
+
+def test_tokenizer_texts_sample_records_evenly_and_read_both_sides():
+    source = [{"a": f"a{i:08d}".encode(), "b": f"b{i:08d}".encode()} for i in range(10)]
+    everything = [f"{f}{i:08d}" for i in range(10) for f in "ab"]
+    assert list(inputs._tokenizer_texts(source, ["a", "b"], 10_000)()) == everything
+    # 18 characters a record, 180 in all, 45 wanted: every 5th record (int(180 / 45) + 1)
+    assert list(inputs._tokenizer_texts(source, ["a", "b"], 45)()) == [
+        "a00000000", "b00000000", "a00000005", "b00000005"]
+
+
+def test_editing_a_user_file_rebuilds_the_dataset(data_dir, tmp_path):
+    """The build is named by the files' sizes and modification times: an edit that keeps the size
+    (a typo fixed) must not reuse the old build."""
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("cat\tchat\n")
+    read = lambda: [r["target"] for r in builders.data_source(
+        builders.builtin_builder("tsv", data_dir, None, [str(tsv)]), "train")]
+    assert read() == [b"chat"]
+    mtime = tsv.stat().st_mtime_ns
+    tsv.write_text("cat\tchou\n")  # same size
+    os.utime(tsv, ns=(mtime + 10**9, mtime + 10**9))
+    assert read() == [b"chou"]
+
+
+def test_build_datasets_gives_each_host_its_share_and_each_side_its_length(data_dir, tmp_path):
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("".join(f"{r['src']}\t{r['tgt']}\n" for r in SOURCE[:20]))
+    cfg = _cfg("tsv", data_dir, train_files=[str(tsv)], vocab_size=300, max_source_len=16,
+               max_target_len=12)  # global batch_size = eval_batch_size = 8
+    data = inputs.build_datasets(cfg, str(tmp_path / "w"), shard=shard(0, 2))
+    batch = next(data.train_iter)
+    assert batch["inputs"].shape == (4, 16) and batch["targets"].shape == (4, 12)
+    assert len(data.eval_batches) == 3  # ceil(ceil(20 / 2) / 4)
+    for b in data.eval_batches:
+        assert b["inputs"].shape == (4, 16) and b["targets"].shape == (4, 12)
+
+
+class _FakeWmtNoTest(_FakeWmt, skip_registration=True):
+    """A prepared WMT without its evaluation split 'test'."""
+
+    name = "wmt14_translate"
+
+    def _split_generators(self, dl_manager):
+        return {s: self._generate_examples(s) for s in ("train", "validation")}
+
+
+def test_evaluation_reads_the_eval_split_and_max_eval_examples(tmp_path):
+    """Without 'test' the evaluation falls back to 'validation': its first max_eval_examples
+    records, never the training examples."""
+    data_dir = str(tmp_path / "tfds")
+    builder = builders.prepare(_FakeWmtNoTest(data_dir=data_dir, file_format="array_record"))
+    validation = builders.data_source(builder, "validation")
+    want = [(validation[i]["en"].decode(), validation[i]["de"].decode()) for i in range(5)]
+    assert all(en.endswith(" validation") for en, _ in want)
+    data = inputs.build_datasets(_cfg("wmt14_translate/de-en", data_dir, vocab_size=300,
+                                      max_eval_examples=5), str(tmp_path / "w"), shard=shard())
+    assert data.eval_size == 5 and len(data.eval_batches) == 1  # of 20 in 'validation'
+    b = data.eval_batches[0]
+    real = b["inputs_segment_ids"].max(1) > 0
+    got = [(data.tokenizer.decode(i), data.tokenizer.decode(t))
+           for i, t in zip(b["inputs"][real], b["targets"][real])]
+    assert got == want

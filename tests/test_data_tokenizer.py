@@ -172,3 +172,23 @@ def test_load_errors_name_the_file(tmp_path):
     with pytest.raises(DataError, match=r"default_ids\.model: SentencePiece model has special "
                                         r"ids \(pad, eos, bos, unk\)=\(-1, 2, 1, 0\)"):
         tk.Tokenizer.load(tmp_path / "default_ids.model")
+
+
+def test_decode_drops_the_first_id_past_the_vocabulary(tok):
+    """vocab_size itself is out of range (ids run 0..vocab_size-1): dropped, not an IndexError."""
+    n = tok.vocab_size
+    assert tok.decode([5, n, n - 1]) == tok.decode([5, n - 1])
+    assert tok.decode_batch([[n], [5, n]]) == ["", tok.decode([5])]
+
+
+def test_training_text_is_cut_per_line_and_stops_at_the_budget():
+    settings = tk.TokenizerSettings(max_training_chars=7, max_sentence_chars=4)
+    # 'abcdefgh' is cut to 'abcd' (4 chars), blank lines are skipped, 'xy' makes 6 < 7, 'zzzz'
+    # (cut to 4) makes 10 >= 7: it is the last line taken.
+    texts = ["abcdefgh\n\n  \nxy", "zzzzzz\nnever", "never"]
+    assert list(tk._training_sentences(texts, settings)) == ["abcd", "xy", "zzzz"]
+    # A corpus that is one long line (a minified file) trains: SentencePiece would leave out a
+    # sentence longer than its max_sentence_length and then find no text at all.
+    one_line = tk.Tokenizer.train(["word " * 5000], tk.TokenizerSettings(vocab_size=300))
+    assert one_line.decode(one_line.encode("word word")) == "word word"
+    assert len(one_line.encode("word word")) == 2  # 'word' was learnt as a piece

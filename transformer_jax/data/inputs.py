@@ -225,5 +225,5 @@ def build_datasets(cfg: ml_collections.ConfigDict, workdir: str, *,
     eval_batches = pipeline.make_eval_batches(
         eval_source, tokenizer, features, lengths, cfg.eval_batch_size // count, shard=shard,
         max_examples=cfg.max_eval_examples or None)
-    return Datasets(tokenizer, train_iter, eval_batches, is_translation, len(train_source),
-                    len(eval_source))
+    eval_size = min(len(eval_source), cfg.max_eval_examples or len(eval_source))  # those evaluated
+    return Datasets(tokenizer, train_iter, eval_batches, is_translation, len(train_source), eval_size)
