@@ -31,6 +31,7 @@ def test_presets_accept_overrides():
         ("norm", "middle"), ("activation", "tanh"), ("position", "absolute"),
         ("attention_impl", "magic"), ("dtype", "int8"), ("num_encoder_layers", -1),
         ("eos_id", 40000), ("pad_id", -1), ("norm_eps", 0.0), ("pad_vocab_multiple", 0),
+        ("eos_id", 37000),  # token ids are below vocab_size=37000
         ("pad_vocab_multiple", True),
         # wrong types: accepted before (truthy strings, True as 1) or a bare TypeError
         ("share_embeddings", "no"), ("scan_layers", 1), ("final_norm", 1), ("num_kv_heads", True),

@@ -270,6 +270,14 @@ def test_to_global_batch_on_eight_devices():
     assert out["targets"].shape == (8, 6)
     assert out["targets"].sharding.spec == PartitionSpec(("data",))
     np.testing.assert_array_equal(np.asarray(out["targets"]), batch["targets"])
+    # a training mesh: the batch over both data-parallel axes, 'data' and 'fsdp' (as the compiled steps
+    # take it), not copied across 'fsdp' (where fsdp spans hosts, copies would take every host's rows
+    # for the same rows)
+    from transformer_jax import parallel
+
+    out = pipeline.to_global_batch(batch, parallel.create_mesh(2, 2, 2))
+    assert out["targets"].sharding.spec == PartitionSpec(("data", "fsdp"))
+    np.testing.assert_array_equal(np.asarray(out["targets"]), batch["targets"])
 
 
 # -- datasets --------------------------------------------------------------------------------

@@ -193,6 +193,8 @@ def test_truncate_cuts_long_prompts(capsys):
     [
         (["--prompt="], "empty input (--prompt number 1)"),
         (["--prompt=a", "--max_new_tokens=0"], "--max_new_tokens=0: must be a positive integer"),
+        (["--prompt=a", "--min_new_tokens=5", "--max_new_tokens=3"],
+         "--min_new_tokens=5 exceeds --max_new_tokens=3"),
         (["--prompt=a", "--decoding=sample", "--top_p=1.5"], "--top_p=1.5: must be in (0, 1]"),
         (["--prompt=a", "--decoding=sample", "--temperature=-1"], "--temperature=-1.0: must be > 0"),
         (["--prompt=a", "--top_k=5"], "--top_k applies only to --decoding=sample"),
@@ -207,6 +209,47 @@ def test_truncate_cuts_long_prompts(capsys):
 def test_bad_input_is_a_clear_error(capsys, args, message):
     err = cli_error(capsys, f"--hf_checkpoint={gpt2_checkpoint('gpt2_a')}", *args)
     assert message in err and "Traceback" not in err
+
+
+def test_truncate_keeps_the_start_of_a_source_and_the_end_of_a_prompt():
+    """--truncate: a translation keeps the start of its source and the EOS; a continuation keeps
+    its prefix and the tokens just before the ones it generates."""
+    import transformer_jax as tj
+
+    class Numbers:  # the text is its token ids
+        def encode(self, text):
+            return [int(w) for w in text.split()]
+
+    text = " ".join(str(i) for i in range(10, 20))  # 10 tokens
+    opts = cli.DecodeOptions(max_new_tokens=3, truncate=True)
+    lm = cli.Generator(tj.presets.tiny(num_encoder_layers=0, max_len=8), None, Numbers(), prompt_prefix=(2,))
+    assert cli.encode_inputs(lm, [text], opts) == [[2, 16, 17, 18, 19]]  # 8 positions less 3 new
+    translation = cli.Generator(tj.presets.tiny(max_len=8), None, Numbers())
+    assert cli.encode_inputs(translation, [text], opts) == [[10, 11, 12, 13, 14, 15, 16, 1]]
+
+
+def test_newlines_inside_an_output_are_written_as_backslash_n():
+    assert cli._escape_newlines("a\nb\r\nc\rd") == "a\\nb\\nc\\nd"
+
+
+def test_an_empty_input_file_is_an_error(capsys, tmp_path):
+    (tmp_path / "in.txt").write_text("")
+    err = cli_error(capsys, f"--workdir={tmp_path}", f"--input_file={tmp_path / 'in.txt'}")
+    assert f"--input_file='{tmp_path / 'in.txt'}' is empty" in err
+
+
+def test_step_flag_picks_the_checkpoint(capsys, tmp_path, monkeypatch):
+    from transformer_jax.training import checkpoint
+
+    asked = []
+
+    def restore(workdir, step=None, mesh=None):
+        asked.append(step)
+        raise FileNotFoundError(f"{workdir} has no checkpoint at step {step}")
+
+    monkeypatch.setattr(checkpoint, "restore_for_inference", restore)
+    err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a", "--step=3")
+    assert asked == [3] and "has no checkpoint at step 3" in err
 
 
 def test_bad_model_sources_are_clear_errors(capsys, tmp_path):

@@ -28,6 +28,7 @@ def test_environment_fills_missing_arguments():
         ({"OMPI_COMM_WORLD_SIZE": "4"}, "mpi"),
         ({"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, "tpu"),
         ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),
+        ({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.1:8080"}, "tpu"),  # multi-slice
     ],
 )
 def test_detect_cluster(env, expected):
@@ -43,6 +44,30 @@ def test_single_process_is_a_no_op(monkeypatch):
     assert parallel.initialize(num_processes=1) is False
     assert parallel.is_primary()
     parallel.sync_global("single process barrier")  # returns at once
+
+
+def test_initialize_passes_the_settings_and_auto_detects_unless_forbidden(monkeypatch):
+    """A detected cluster starts jax.distributed with no address (JAX reads the scheduler's
+    variables) unless auto=False; explicit arguments and the heartbeat setting reach JAX."""
+    calls = []
+    monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "OMPI_COMM_WORLD_SIZE",
+                 "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("TJ_HEARTBEAT_TIMEOUT_S", "30")
+    assert parallel.initialize(auto=False) is False and calls == []
+    assert parallel.initialize(initialization_timeout=9) is True
+    assert parallel.initialize("h:1", 2, 1, heartbeat_timeout_seconds=5) is True
+    common = dict(local_device_ids=None)
+    assert calls == [
+        dict(coordinator_address=None, num_processes=None, process_id=None, **common,
+             initialization_timeout=9, heartbeat_timeout_seconds=30),
+        dict(coordinator_address="h:1", num_processes=2, process_id=1, **common,
+             initialization_timeout=300, heartbeat_timeout_seconds=5),
+    ]
 
 
 WORKER = textwrap.dedent(

@@ -5,6 +5,7 @@ import copy
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import build_datasets
 from transformer_jax.params import build_model
 from transformer_jax.training import check_config, evaluate, loop, metrics, train_and_evaluate
+from transformer_jax.training.checkpoint import Checkpointer
 from transformer_jax.training.optimizer import create_optimizer
 from transformer_jax.training.schedules import create_schedule
 from transformer_jax.training.state import create_train_state
@@ -200,6 +202,31 @@ def test_short_run_loss_falls_and_writes_everything(data_dir, tmp_path):
     assert b"brain.Event:2" in payloads[0] and any(b"eval_loss" in p for p in payloads)
 
 
+def test_logging_evaluation_and_checkpoints_follow_their_periods_and_the_last_step(data_dir, tmp_path):
+    """7 steps, logging every 3, evaluating every 4, checkpointing every 3: each happens at its
+    multiples and at the last step. A window's tokens_per_sec / steps_per_sec is its mean count of
+    real (non-padding) source and target tokens per step, counted here from the same batches."""
+    workdir = str(tmp_path / "run")
+    config = tiny_config(data_dir, num_train_steps=7, log_every_steps=3, eval_every_steps=4,
+                         checkpoint_every_steps=3, max_checkpoints_to_keep=None)
+    config.dataset.max_eval_examples = 16
+    train_and_evaluate(config, workdir)
+    records = read_jsonl(workdir)
+    logged = {r["step"]: r for r in records if "loss" in r}
+    assert sorted(logged) == [3, 6, 7]
+    assert [r["step"] for r in records if "eval_loss" in r] == [4, 7]
+    assert Checkpointer(workdir, read_only=True).all_steps() == [3, 6, 7]
+    data = build_datasets(config.dataset, workdir)
+    per_step = []
+    for _ in range(7):
+        batch = next(data.train_iter)
+        per_step.append(sum(int((batch[k] > 0).sum()) for k in ("inputs_segment_ids", "targets_segment_ids")))
+    assert min(per_step) < batch["inputs"].size + batch["targets"].size  # padding to leave out
+    for step, first in [(3, 0), (6, 3), (7, 6)]:
+        ratio = logged[step]["tokens_per_sec"] / logged[step]["steps_per_sec"]
+        assert ratio == pytest.approx(np.mean(per_step[first:step]), rel=1e-9), step
+
+
 def test_bleu_references_are_not_cut_at_max_target_len(data_dir, tmp_path, monkeypatch):
     """BLEU and exact match compare with the whole reference, not the reference cut at the
     training targets' max_target_len (sacreBLEU scores the real text)."""
@@ -236,6 +263,42 @@ def test_tfrecord_checksums():
     assert metrics.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
     assert metrics.encode_event(0.0, 5)[:9] == b"\x09" + b"\x00" * 8  # field 1, double 0.0
     assert metrics.train_flops_per_step(ModelConfig(), 1, 10, 10) > 0
+
+
+def test_tfrecord_checksums_are_masked_as_tensorflow_masks_them():
+    """TFRecord stores masked CRC-32C values: rotated right by 15 bits, plus 0xa282ead8 (TensorFlow's
+    crc32c::Mask). read_events unmasks with the same code, so only fixed bytes catch a wrong mask
+    (which TensorBoard would refuse as corrupt)."""
+    record = metrics.tfrecord(b"123456789")
+    assert record[:8] == struct.pack("<Q", 9) and record[12:21] == b"123456789"
+    # crc32c = 0xe3069283 -> rotated right 15 bits: 0x2507c60d -> + 0xa282ead8 = 0xc78ab0e5
+    assert record[21:] == struct.pack("<I", 0xC78AB0E5)
+
+
+def test_train_flops_count_every_matmul():
+    """6 x the multiply-adds of D=4, h*d_k=4, d_ff=8, V=10, one encoder and one decoder layer, S=5
+    source and T=3 target tokens, counted matmul by matmul:
+    encoder, per source token: q, k, v, o 4*4*4 = 64, feed-forward 2*4*8 = 64, QK^T and AV
+    2*5*4 = 40: 168 * 5 = 840; decoder self-attention, per target token 64 + 64 + 2*3*4 = 152:
+    456; cross-attention: q, o 2*4*4 = 32 plus QK^T, AV 2*5*4 = 40 per target token (216) and k, v
+    32 per source token (160): 376; output projection 3*4*10 = 120. Together 1792."""
+    cfg = ModelConfig(vocab_size=10, d_model=4, num_heads=2, d_ff=8, num_encoder_layers=1,
+                      num_decoder_layers=1)
+    assert metrics.train_flops_per_step(cfg, 2, 3, 5) == 6 * 2 * 1792
+    lm = cfg.replace(num_encoder_layers=0)  # decoder-only: self-attention blocks and the output
+    assert metrics.train_flops_per_step(lm, 1, 3) == 6 * (456 + 120)
+    # a gated feed-forward (three D x F matrices) adds 2*4*8 / 2 = 32 per token
+    assert metrics.train_flops_per_step(lm.replace(activation="swiglu"), 1, 3) == 6 * (456 + 120 + 3 * 32)
+
+
+def test_non_finite_values_reach_metrics_jsonl_but_not_tensorboard(tmp_path):
+    log = metrics.MetricsLogger(str(tmp_path), 10, progress=False)
+    log.write(3, {"loss": float("nan"), "learning_rate": 0.5})
+    log.close()
+    assert np.isnan(read_jsonl(str(tmp_path))[0]["loss"])
+    (events,) = os.listdir(tmp_path / "tensorboard")
+    last = metrics.read_events(str(tmp_path / "tensorboard" / events))[-1]
+    assert b"learning_rate" in last and struct.pack("<f", 0.5) in last and b"loss" not in last
 
 
 def test_mfu_counts_the_output_product_over_a_padded_table():
@@ -285,6 +348,21 @@ def test_log_window_leaves_out_skipped_steps():
     assert np.isnan(only_skipped["loss"]) and only_skipped["skipped"] == 1
 
 
+def test_window_throughput_counts_real_tokens_and_mfu_every_step_of_it(monkeypatch):
+    batch = {"inputs_segment_ids": np.array([[1, 1, 2, 0], [1, 0, 0, 0]]),
+             "targets_segment_ids": np.array([[1, 1, 1, 0], [0, 0, 0, 0]]),
+             "targets": np.ones((2, 4), np.int32)}
+    assert loop._non_pad_tokens(batch) == 7  # 4 source and 3 target tokens; the padding is left out
+    monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
+    assert loop._non_pad_tokens(batch) == 14  # every process loads a batch of the same size
+    monkeypatch.undo()
+    step = {"loss": 1.0, "finite": 1.0}
+    window = loop._summarise([step, step], 30, 4.0, 1e12, 0.5)
+    assert (window["tokens_per_sec"], window["steps_per_sec"]) == (7.5, 0.5)
+    # 2 steps of 1e12 FLOPs in 4 s, on 8 devices of 0.5 TFLOP/s: 0.5e12 / 4e12
+    assert window["mfu"] == pytest.approx(0.125)
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [
@@ -327,6 +405,9 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("decode_max_len", -1, r"config.decode_max_len=-1 must be an integer >= 0"),
         ("dataset.batch_size", 0, r"config.dataset.batch_size=0 must be an integer >= 1"),
         ("optimizer.grad_accum_steps", 0, r"config.optimizer.grad_accum_steps=0 must be an integer >= 1"),
+        ("optimizer.b2", 1.0, r"config.optimizer.b2=1.0 must be a number in \[0, 1\)"),
+        ("optimizer.label_smoothing", 1.0, r"config.optimizer.label_smoothing=1.0 must be in \[0, 1\)"),
+        ("beam_size", 0, r"config.beam_size=0 must be >= 1"),
     ],
 )
 def test_numeric_settings_out_of_range_are_named(key, value, message):
