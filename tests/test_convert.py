@@ -96,6 +96,50 @@ def test_marian_config_maps_every_option():
     assert not config.share_embeddings and {"source_embed", "target_embed"} <= set(params)
 
 
+def test_gpt2_layer_norm_epsilon_and_token_ids_are_carried_over(tmp_path):
+    """Values other than GPT-2's defaults (the fixtures keep them): a LayerNorm epsilon large
+    enough to change every norm (logits equal transformers'), and bos != eos, for the model and
+    for the tokenizer stored beside it."""
+    import transformers
+
+    hf_config = transformers.GPT2Config(vocab_size=300, n_embd=16, n_head=2, n_layer=2, n_positions=16,
+                                        layer_norm_epsilon=0.01, bos_token_id=3, eos_token_id=7)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(hf_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0) if p.ndim == 2 else p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    shutil.copy(os.path.join(gpt2_checkpoint("gpt2_a"), "tokenizer.json"), tmp_path / "tokenizer.json")
+    config, params = load_hf_checkpoint(tmp_path)
+    assert config.norm_eps == model.transformer.ln_f.eps == 0.01
+    assert (config.bos_id, config.eos_id, config.decoder_start_id) == (3, 7, 3)
+    tokens = np.random.default_rng(0).integers(0, 300, (2, 9))
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    ours = np.asarray(build_model(config).apply({"params": params}, jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+    tokenizer = load_hf_tokenizer(tmp_path)
+    assert tokenizer.eos_id == 7 and tokenizer.decode(tokenizer.encode("the cat") + [7]) == "the cat"
+
+
+def test_marian_token_ids_and_layer_norm_epsilon_follow_transformers():
+    """decoder_start_token_id and eos_token_id other than the fixtures' (pad, 0) are read from
+    config.json, as transformers reads them; every LayerNorm gets torch's epsilon."""
+
+    def edit(c):
+        c.update(decoder_start_token_id=5, eos_token_id=2)
+
+    directory = _copy_checkpoint(marian_checkpoint("marian_swish"), edit)
+    config = load_hf_config(directory)
+    model = hf_model(directory)
+    hf = model.config
+    assert (config.decoder_start_id, config.bos_id) == (hf.decoder_start_token_id,) * 2 == (5, 5)
+    assert (config.eos_id, config.pad_id) == (hf.eos_token_id, hf.pad_token_id) == (2, config.vocab_size - 1)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 * 2 + 2 * 3 and {m.eps for m in norms} == {config.norm_eps}
+
+
 # ----------------------------------------------------------------------------- logits parity
 
 
@@ -244,6 +288,45 @@ def test_pytorch_bin_loads_the_same_params(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_sharded_checkpoints_load_the_same_params(tmp_path):
+    directory = gpt2_checkpoint("gpt2_b")
+    _, whole = load_hf_checkpoint(directory)
+    # safetensors shards as transformers writes them (model.safetensors.index.json)
+    hf_model(directory).save_pretrained(tmp_path / "st", max_shard_size="20KB")
+    with open(tmp_path / "st" / "model.safetensors.index.json") as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 2
+    # and pytorch_model.bin shards with their index, split by hand
+    (tmp_path / "bin").mkdir()
+    shutil.copy(os.path.join(directory, "config.json"), tmp_path / "bin" / "config.json")
+    state = {k: v.contiguous() for k, v in hf_model(directory).state_dict().items()}
+    names = sorted(state)
+    weight_map = {}
+    for n, part in enumerate((names[::3], names[1::3], names[2::3])):
+        filename = f"pytorch_model-{n:05d}-of-00003.bin"
+        torch.save({k: state[k] for k in part}, tmp_path / "bin" / filename)
+        weight_map.update(dict.fromkeys(part, filename))
+    with open(tmp_path / "bin" / "pytorch_model.bin.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    for sub in ("st", "bin"):
+        _, sharded = load_hf_checkpoint(tmp_path / sub)
+        assert jax.tree.structure(sharded) == jax.tree.structure(whole)
+        for a, b in zip(_leaves(sharded), _leaves(whole), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_bfloat16_pytorch_bin_loads_its_values(tmp_path):
+    directory = gpt2_checkpoint("gpt2_a")
+    shutil.copy(os.path.join(directory, "config.json"), tmp_path / "config.json")
+    state = {k: v.to(torch.bfloat16) for k, v in hf_model(directory).state_dict().items()}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    _, params = load_hf_checkpoint(tmp_path)
+    assert params["embed"]["embedding"].dtype == jnp.float32
+    np.testing.assert_array_equal(params["embed"]["embedding"],
+                                  state["transformer.wte.weight"].float().numpy())
+    np.testing.assert_array_equal(params["decoder"]["layer_1"]["feed_forward"]["wo"]["kernel"],
+                                  state["transformer.h.1.mlp.c_proj.weight"].float().numpy())
+
+
 def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
@@ -320,12 +403,14 @@ def test_unsupported_model_type_names_the_supported_ones():
 
 def test_unsupported_options_are_all_listed():
     def edit(c):
-        c.update(scale_attn_by_inverse_layer_idx=True, add_cross_attention=True, activation_function="mish")
+        c.update(scale_attn_by_inverse_layer_idx=True, add_cross_attention=True, activation_function="mish",
+                 scale_attn_weights=False)
 
     directory = _copy_checkpoint(gpt2_checkpoint("gpt2_a"), edit)
     with pytest.raises(ConversionError) as e:
         load_hf_checkpoint(directory)
-    for option in ("scale_attn_by_inverse_layer_idx", "add_cross_attention", "activation_function='mish'"):
+    for option in ("scale_attn_weights=False", "scale_attn_by_inverse_layer_idx", "add_cross_attention",
+                   "activation_function='mish'"):
         assert option in str(e.value)
     directory = _copy_checkpoint(
         marian_checkpoint("marian_swish"), lambda c: c.update(decoder_attention_heads=6, decoder_vocab_size=7)
@@ -405,3 +490,30 @@ def test_missing_tokenizer_files_are_named(tmp_path):
     shutil.copy(os.path.join(marian_checkpoint("marian_swish"), "config.json"), tmp_path / "config.json")
     with pytest.raises(ConversionError, match=r"missing .*\['source.spm', 'target.spm', 'vocab.json'\]"):
         load_hf_tokenizer(tmp_path)
+
+
+def test_marian_tokenizer_takes_special_token_names_from_its_config(tmp_path):
+    """tokenizer_config.json may name the special tokens otherwise; ids, EOS and decoding then
+    follow those names, as in transformers' MarianTokenizer."""
+    import transformers
+
+    src = marian_checkpoint("marian_swish")
+    for name in ("source.spm", "target.spm", "config.json"):
+        shutil.copy(os.path.join(src, name), tmp_path / name)
+    renamed = {"</s>": "<EOS>", "<unk>": "<UNK>", "<pad>": "<PAD>"}
+    with open(os.path.join(src, "vocab.json")) as f:
+        vocab = {renamed.get(k, k): v for k, v in json.load(f).items()}
+    with open(tmp_path / "vocab.json", "w") as f:
+        json.dump(vocab, f)
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({"tokenizer_class": "MarianTokenizer", "separate_vocabs": False, "eos_token": "<EOS>",
+                   "unk_token": "<UNK>", "pad_token": "<PAD>"}, f)
+    ours = load_hf_tokenizer(tmp_path)
+    theirs = transformers.MarianTokenizer.from_pretrained(str(tmp_path))
+    assert (ours.eos_id, ours.unk_id, ours.pad_id) == (
+        theirs.eos_token_id, theirs.unk_token_id, theirs.pad_token_id) == (0, 1, len(vocab) - 1)
+    for text in ("the cold coffee", "zzz qqq"):
+        ids = theirs(text).input_ids
+        assert ours.encode_source(text) == ids
+        padded = ids + [theirs.pad_token_id] * 2
+        assert ours.decode(padded) == theirs.decode(padded, skip_special_tokens=True)
