@@ -187,6 +187,24 @@ def test_auto_on_gpu_takes_cudnn_only_for_inputs_it_supports(monkeypatch):
         dot_product_attention(*qkv(), impl="cudnn")
 
 
+def test_auto_on_tpu_takes_flash_only_for_masks_and_lengths_it_supports(monkeypatch):
+    """The Pallas kernel takes causal (no offset) and segment/key-padding masks on lengths that are
+    multiples of 128: with a KV cache's mask (key lengths, a causal offset) 'auto' must not pick it
+    ('flash' would raise), nor for a length off the block size."""
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "tpu")
+    n = 256
+    pick = lambda mask, lq=n, lk=n: resolve_impl("auto", q_length=lq, kv_length=lk, mask=mask)
+    assert pick(None) == "flash"
+    assert pick(AttentionMask(n, n, causal=True)) == "flash"
+    assert pick(AttentionMask(n, n, kv_valid=jnp.ones((2, n), bool))) == "flash"
+    assert pick(AttentionMask(n, n, kv_lengths=jnp.array([3, 200]))) == "xla"
+    assert pick(AttentionMask(n, n, causal=True, causal_offset=jnp.array([0, 5]))) == "xla"
+    assert pick(AttentionMask(n, n, causal=True, kv_limit=100)) == "xla"
+    assert pick(jnp.ones((2, 1, n, n), bool)) == "xla"  # a dense array
+    assert pick(None, lq=200) == "xla"
+    assert pick(AttentionMask(16384, 16384, kv_lengths=jnp.array([3, 200])), 16384, 16384) == "chunked"
+
+
 def test_pallas_tpu_flash_in_interpret_mode():
     """The TPU kernel behind 'flash' (causal + segment ids, GQA heads repeated), run by the Pallas
     interpreter on CPU, against the reference."""
@@ -196,7 +214,7 @@ def test_pallas_tpu_flash_in_interpret_mode():
     except ImportError as e:
         pytest.skip(f"Pallas TPU flash attention not importable: {e}")
     n = 128  # the kernel's smallest block
-    q, k, v = qkv(heads=(2, 1), lengths=(n, n))
+    q, k, v = qkv(heads=(4, 2), lengths=(n, n))  # two K/V heads: repeated, not tiled
     seg = jnp.concatenate([jnp.ones((B, 96), jnp.int32), jnp.full((B, 32), 2, jnp.int32)], axis=1)
     spec = masks.causal_spec(n, seg)
     # Only an interpreter that cannot run at all is a skip; an error from our call into the kernel

@@ -232,6 +232,24 @@ def test_seq2seq_greedy_and_beam_search_match_the_full_model(seq2seq):
     assert np.all(np.asarray(beams.logprobs[:, 0]) >= np.asarray(out.logprobs.sum(1)) - 1e-4)
 
 
+def test_source_segment_ids_mark_padding_that_is_not_the_pad_id(seq2seq):
+    """`encode_source` with segment ids: the tokens marked 0 are padding whatever their ids (here
+    not the pad id), for the encoder and for the decoder's cross-attention. Cached decoding then
+    equals the full model run on each source cut to its real tokens."""
+    model, params = seq2seq
+    real = [[9, 4, 27, 1], [30, 11, 1]]
+    src = jnp.asarray([[9, 4, 27, 1, 5, 6], [30, 11, 1, 7, 8, 9]])
+    segment_ids = jnp.asarray([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
+    tgt = jnp.asarray([[CONFIG.decoder_start_id, 5, 17, 3]] * 2)
+    cache = encode_source(model, params, src, 4, src_segment_ids=segment_ids)
+    np.testing.assert_array_equal(cache.source_mask, segment_ids != 0)
+    apply = jax.jit(model.apply)
+    logits, _ = apply({"params": params}, None, tgt, cache=cache)
+    for row, tokens in enumerate(real):
+        want = apply({"params": params}, jnp.asarray([tokens]), tgt[row : row + 1])
+        np.testing.assert_allclose(logits[row], want[0], atol=1e-5)
+
+
 def test_beam_reordering_leaves_the_source_cross_attention_alone(seq2seq, monkeypatch):
     """`KVCache.reorder_beams` gathers the self-attention cache only: every beam of a row holds the
     same source K/V. Same hypotheses as gathering every leaf, and no gather of source-shaped

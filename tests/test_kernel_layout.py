@@ -219,6 +219,22 @@ def test_a_cache_in_another_dtype_is_read_in_the_wider_one(impl):
     np.testing.assert_allclose(out, wide, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "reference", "chunked"])
+def test_bf16_queries_read_a_float32_cache_in_float32(impl):
+    # bf16 queries with a float32 cache (what a bf16 model decodes with on CPU): the arithmetic is
+    # float32, against softmax(QK^T / sqrt(d_k)) V in float64; K and V are not rounded to bf16.
+    q = jax.random.normal(jax.random.key(0), (2, 1, 4, 8)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(jax.random.key(i), (2, 4, 16, 8)) for i in (1, 2))  # [B, N, S, K]
+    mask = jnp.ones((2, 1, 1, 16), bool)
+    out, _ = dot_product_attention(q, k, v, mask, impl=impl, kv_layout="BNSK")
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q.astype(jnp.float32), k, v))
+    logits = np.einsum("blhk,bhsk->bhls", q64, k64) / np.sqrt(8)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, np.einsum("bhls,bhsk->blhk", probs, v64), rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_cache_is_float32_on_cpu_with_the_same_results():
     config = _lm(dtype="bfloat16")
     want = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16

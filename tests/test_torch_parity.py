@@ -1,4 +1,5 @@
-"""Parity with PyTorch's `torch.nn.Transformer` (Post-LN, ReLU, dropout 0) on random weights.
+"""Parity with PyTorch's `torch.nn.Transformer` (Post-LN with ReLU, and Pre-LN with the exact GELU;
+dropout 0) on random weights.
 
 Both models get the same weights; ours adds the embedding, sinusoidal positions and tied output
 projection around the encoder-decoder body, so the reference applies those by hand. Sizes are
@@ -21,10 +22,10 @@ B, S, L, H, K, F, V = 3, 11, 7, 5, 2, 13, 37
 D = H * K
 
 
-def make_config():
+def make_config(norm="post", activation="relu"):
     return tj.ModelConfig(
         vocab_size=V, d_model=D, num_heads=H, d_ff=F, num_encoder_layers=2, num_decoder_layers=3,
-        dropout_rate=0.0, norm="post", final_norm=True, norm_eps=1e-5, activation="relu",
+        dropout_rate=0.0, norm=norm, final_norm=True, norm_eps=1e-5, activation=activation,
         max_len=64,
     )
 
@@ -77,12 +78,18 @@ def params_from_torch(ref, embedding):
     return {"embed": {"embedding": embedding}, "encoder": encoder, "decoder": decoder}
 
 
-def test_encoder_decoder_matches_torch_nn_transformer():
+@pytest.mark.parametrize("norm_first, activation", [(False, "relu"), (True, "gelu")],
+                         ids=["post_ln_relu", "pre_ln_gelu"])
+def test_encoder_decoder_matches_torch_nn_transformer(norm_first, activation):
     torch.manual_seed(0)
     ref = torch.nn.Transformer(  # odd head count: torch warns it skips its nested-tensor path
         d_model=D, nhead=H, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=F,
-        dropout=0.0, activation="relu", batch_first=True, norm_first=False,
+        dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first,
     ).eval()
+    with torch.no_grad():  # LayerNorm weights start at one and attention biases at zero: random
+        for p in ref.parameters():  # ones, so that a swapped norm or a dropped bias shows
+            if p.ndim == 1:
+                p.add_(0.5 * torch.randn_like(p))
     rng = np.random.default_rng(0)
     embedding = rng.normal(0, D**-0.5, (V, D)).astype(np.float32)
     src = rng.integers(3, V, (B, S))
@@ -102,7 +109,7 @@ def test_encoder_decoder_matches_torch_nn_transformer():
         )
     expected = out.numpy() @ embedding.T
 
-    model = tj.Transformer(make_config())
+    model = tj.Transformer(make_config("pre" if norm_first else "post", activation))
     ours_init = jax.eval_shape(lambda: model.init(jax.random.key(0), src, tgt))["params"]
     params = params_from_torch(ref, embedding)
     # Same tree, same shapes as our own initialisation: nothing missing, nothing extra.

@@ -7,6 +7,7 @@ split into heads) so a transposed axis cannot pass unnoticed.
 import functools
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,6 +263,74 @@ def test_bfloat16_compute_stays_close_to_float32():
     assert err < 0.05, err
     np.testing.assert_array_equal(out.argmax(-1)[ref.max(-1) - jnp.sort(ref, -1)[..., -2] > 0.5],
                                   ref.argmax(-1)[ref.max(-1) - jnp.sort(ref, -1)[..., -2] > 0.5])
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_bf16_logits_are_accumulated_and_returned_in_float32(tie):
+    """The output layer multiplies bf16 activations by the bf16 table with float32 accumulation and
+    returns the float32 sums: logits rounded to bf16 (0.4% steps) would blur the loss and sampling."""
+    cfg = config(num_encoder_layers=0, norm="pre", dtype="bfloat16", tie_output=tie)
+    t = tokens(3, (B, L))
+    lm, params = init_lm(cfg, t)
+    run = jax.jit(functools.partial(lm.apply, capture_intermediates=True, mutable="intermediates"))
+    logits, state = run({"params": params}, t)
+    (hidden,) = state["intermediates"]["decoder"]["final_norm"]["__call__"]  # bf16 [B, L, D]
+    p = nn.unbox(params)
+    table = p["embed"]["embedding"].T if tie else p["decoder"]["output"]["kernel"]
+    as32 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    want = as32(hidden) @ as32(table)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_a_prompt_that_fills_the_cache_exactly_is_accepted():
+    """L tokens fit in a cache of L positions: a prefill to the last slot equals the full forward."""
+    cfg = config()
+    t = tokens(6, (B, 9))
+    lm, params = init_lm(cfg, t)
+    logits, cache = japply(lm)({"params": params}, t, cache=tj.init_cache(cfg, B, 9))
+    np.testing.assert_allclose(logits, japply(lm)({"params": params}, t), atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, 9)
+
+
+def _rope(x, positions, theta):
+    """Pairs (k, k + K/2) of x [B, L, H, K] rotated by position * theta^(-2k/K)."""
+    half = x.shape[-1] // 2
+    angle = positions[:, :, None, None] * theta ** (-2 * np.arange(half) / x.shape[-1])
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], -1)
+
+
+@pytest.mark.parametrize("num_kv_heads, fused", [(4, True), (4, False), (2, False), (1, False)],
+                         ids=["mha_fused_qkv", "mha", "gqa", "mqa"])
+def test_rotary_attention_layer_equals_the_formula(num_kv_heads, fused, monkeypatch):
+    """MultiHeadAttention with rotary positions against numpy: Q, K, V projections with biases,
+    RoPE on Q and K, softmax(QK^T / sqrt(d_k)) V with query head h reading K/V head h // (H / N),
+    then W^O. Both self-attention projection paths (one stacked Q/K/V product from
+    FUSED_QKV_MIN_TOKENS tokens on, three below it) must give it."""
+    from transformer_jax.modeling import attention
+
+    monkeypatch.setattr(attention, "FUSED_QKV_MIN_TOKENS", 1 if fused else 10**9)
+    H, K, D, theta = 4, 6, 10, 10000.0
+    mha = attention.MultiHeadAttention(d_model=D, num_heads=H, head_dim=K, num_kv_heads=num_kv_heads,
+                                       rope_theta=theta)
+    x = jax.random.normal(jax.random.key(0), (2, 5, D))
+    positions = jnp.array([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    shapes = jax.eval_shape(mha.init, jax.random.key(0), x, q_positions=positions)["params"]
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32) * 0.5, nn.unbox(shapes))
+    out, _ = jax.jit(mha.apply)({"params": params}, x, q_positions=positions)
+
+    x64, pos = np.asarray(x, np.float64), np.asarray(positions, np.float64)
+    proj = lambda name: np.einsum("bld,dhk->blhk", x64, params[name]["kernel"]) + params[name]["bias"]
+    q, k, v = _rope(proj("query"), pos, theta), _rope(proj("key"), pos, theta), proj("value")
+    k, v = (np.repeat(a, H // num_kv_heads, axis=2) for a in (k, v))
+    logits = np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(K)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    heads = np.einsum("bhls,bshk->blhk", probs, v)
+    want = np.einsum("blhk,hkd->bld", heads, params["out"]["kernel"]) + params["out"]["bias"]
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_needs_rng_only_in_training():
