@@ -6,8 +6,10 @@
 Needs only jax, flax, optax and this repository: synthetic batches, random weights, nothing
 downloaded. One run measures the device's own limits and each workload against them:
 
-  hardware   peak bf16 matmul FLOP/s (an 8192^2 product, float32 accumulation) and memory bandwidth
-             (a jitted sum over 4 GiB), each the higher of a measurement at the start and at the end
+  hardware   peak bf16 matmul FLOP/s (the fastest of 8192^2, 8192 x 4096 x 8192 and 8192 x 768 x 3072
+             products, float32 accumulation) and memory bandwidth (the faster of a jitted sum and a
+             matrix-vector product over 4 GiB), each the higher of a measurement at the start and at
+             the end
   train      a ~350M-parameter decoder (24 layers, d_model 1024, 16 heads, GPT-2's 50257-token
              vocabulary with its table padded to 50304 rows) on 8 x 2048 tokens on one device, bf16
              compute with float32 master weights, scan_layers, dots_saveable remat, cuDNN attention on

@@ -44,10 +44,10 @@ def _size(tree) -> int:
 def matmul_params(abstract_params, config) -> tuple[int, int]:
     """(N_enc, N_dec): matmul parameters of the encoder side and of the decoder side (the latter
     includes the output projection: the tied embedding, or the untied output matrix)."""
-    def stack(name):
-        tree = dict(abstract_params.get(name, {}))
-        tree.pop("position_embed", None)
-        return _size(tree)
+    def stack(name):  # the kernels of one side: no norms, biases or position tables
+        leaves = jax.tree_util.tree_leaves_with_path(abstract_params.get(name, {}))
+        return sum(int(np.prod(x.shape)) for path, x in leaves
+                   if getattr(path[-1], "key", None) == "kernel")
 
     embed = _size(abstract_params.get("embed", abstract_params.get("target_embed", {})))
     return stack("encoder"), stack("decoder") + (embed if config.tie_output else 0)

@@ -161,3 +161,261 @@ def test_tensor_parallel_row_runs_in_a_child_process_and_a_failure_is_reported(m
     assert bandwidth == 25.0
     table = run.summarise(results, {}, bandwidth)
     assert table[0]["ratio"] == 0.61 and table[1]["measured"] == "failed: RuntimeError: out of memory"
+
+
+def test_decode_rows_divide_their_bytes_by_the_bandwidth_and_one_step_per_new_token(monkeypatch):
+    """The rows' timings replaced by round numbers: a step is the decode time over the tokens the
+    scan generates (the prefill makes the first of an LM's; a seq2seq run decodes all of them after
+    encoding), and the roofline reads the parameters, the self-attention cache and (seq2seq) the
+    cross-attention keys and values of the encoded source once per step, in bytes."""
+    import transformer_jax as tj
+    from benchmarks import bench_decode
+
+    monkeypatch.setattr(bench_decode, "best_time", lambda fn, repeats: 0.5)  # prefill / encoding
+    monkeypatch.setattr(bench_decode, "timed_generate", lambda *args: (1.0, 2.5))  # compile, whole run
+    ones = jax.numpy.ones((1, 8), jax.numpy.int32)
+    # seq2seq, batch 3, 5 new tokens: (2.5 - 0.5) s / 5 steps
+    config = tj.presets.tiny()
+    model = tj.Transformer(config)
+    params = bench_decode.random_params(model, ones, ones, dtype="float32")
+    src = jax.numpy.ones((3, bench_decode.PROMPT), jax.numpy.int32)
+    row = bench_decode.seq2seq_row(config, model, params, src, 5, 1e9, 1)
+    assert row["decode_step_s"] == 0.4 and row["decode_tok_s"] == 7.5 and row["prefill_tok_s"] == 192.0
+    # 2 layers x (k, v) x batch 3 x 32 features x float32: 5 target and 32 source positions
+    self_cache, cross = 2 * 2 * 3 * 32 * 5 * 4, 2 * 2 * 3 * 32 * bench_decode.PROMPT * 4
+    assert row["bytes_per_step"] == bench_decode.step_param_bytes(config, params, 3) + self_cache + cross
+    assert row["roofline_frac"] == round(row["bytes_per_step"] / 1e9 / 0.4, 3)
+    # decoder-only, batch 2, 5 new tokens: the prefill gives the first, (2.5 - 0.5) s / 4 steps
+    config = tj.presets.tiny(num_encoder_layers=0)
+    model = tj.TransformerLM(config)
+    params = bench_decode.random_params(model, ones, dtype="float32")
+    prompt = jax.numpy.ones((2, bench_decode.PROMPT), jax.numpy.int32)
+    lengths = jax.numpy.full((2,), bench_decode.PROMPT)
+    row = bench_decode.lm_row(config, model, params, prompt, lengths, 5, 2e9, 1)
+    assert row["decode_step_s"] == 0.5 and row["decode_step_ms"] == 500.0 and row["decode_tok_s"] == 4.0
+    assert row["prefill_tok_s"] == 128.0
+    cache = 2 * 2 * 2 * 32 * (bench_decode.PROMPT + 5) * 4
+    assert row["bytes_per_step"] == bench_decode.step_param_bytes(config, params, 2) + cache
+    assert row["roofline_frac"] == round(row["bytes_per_step"] / 2e9 / 0.5, 3)  # bytes, not bits
+
+
+def test_hardware_limits_are_the_fastest_reading_in_bytes_and_flops(monkeypatch):
+    """Each timing is replaced by a given one: the bandwidth is the faster of the sum and the
+    matrix-vector product; the matmul peak the fastest of its shapes at 2 FLOPs per multiply-add;
+    weight streaming counts bytes of the given dtype; `measure` reports each dtype's own peak."""
+    from benchmarks import hardware
+
+    times = []
+    monkeypatch.setattr(hardware, "median_time", lambda fn, repeats=5: times.pop(0))
+    times[:] = [0.004, 0.001]  # the sum, then the product over 1 MiB
+    assert hardware.memory_bandwidth(mib=1, repeats=1) == 2**20 / 0.001
+    times[:] = [0.001, 0.004]
+    assert hardware.memory_bandwidth(mib=1, repeats=1) == 2**20 / 0.001
+    # [768, 768] x [768, 768] in 1 s, [768, 384] x [384, 768] in 0.25 s, [768, 768] x [768, 3072] in 4 s
+    times[:] = [1.0, 0.25, 4.0]
+    assert hardware.peak_matmul_flops("float32", n=768, repeats=1) == 2 * 768 * 384 * 768 / 0.25
+    assert not times
+    times[:] = [0.5, 0.5]
+    assert hardware.weight_streaming(2, d_in=8, d_out=16, count=3, repeats=1) == 3 * 8 * 16 * 4 / 0.5
+    assert hardware.weight_streaming(2, d_in=8, d_out=16, count=3, repeats=1, dtype="bfloat16",
+                                     layout="out_in") == 3 * 8 * 16 * 2 / 0.5
+    monkeypatch.setattr(hardware, "peak_matmul_flops",
+                        lambda dtype, repeats=5: dict(float32=2e11, bfloat16=8e11)[dtype])
+    monkeypatch.setattr(hardware, "memory_bandwidth", lambda repeats=5: 2.5e10)
+    measured = hardware.measure(repeats=1)
+    assert (measured["matmul_f32_tflops"], measured["matmul_bf16_tflops"], measured["bandwidth_gb_s"]) == (
+        0.2, 0.8, 25.0)
+
+
+def test_training_flops_count_the_matmuls_and_each_kind_of_attention():
+    """By hand, on a parameter tree of known sizes: 6 FLOPs per matmul parameter and token, the
+    tied embedding once (as the output projection), no position table; 12 * layers * D per query
+    and key for the decoder's self-attention, the encoder's and the cross-attention."""
+    import transformer_jax as tj
+    from benchmarks import bench_model
+
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jax.numpy.float32)
+    norm = dict(scale=shape(32), bias=shape(32))  # not matmul parameters: left out
+    abstract = dict(encoder=dict(layers=dict(kernel=shape(32, 100), bias=shape(100), norm=norm),
+                                 position_embed=dict(embedding=shape(128, 32))),
+                    decoder=dict(layers=dict(kernel=shape(32, 200)), final_norm=norm),
+                    embed=dict(embedding=shape(64, 32)))
+    config = tj.presets.tiny()  # d_model 32, 2 + 2 layers, tied output
+    assert bench_model.matmul_params(abstract, config) == (3200, 6400 + 2048)
+    # batch 2, 10 source and 6 target tokens per row
+    matmuls = 6 * (3200 * 2 * 10 + 8448 * 2 * 6)
+    decoder_self, encoder_self, cross = 12 * 2 * 32 * 6 * 12, 12 * 2 * 32 * 10 * 20, 12 * 2 * 32 * 10 * 12
+    attention = decoder_self + encoder_self + cross
+    assert bench_model.model_flops(config, abstract, 2, 10, 6) == matmuls + attention
+    # untied: the output kernel sits in the decoder, the target table is a lookup
+    untied = dict(abstract, target_embed=abstract["embed"],
+                  decoder=dict(layers=dict(kernel=shape(32, 200)), output=dict(kernel=shape(32, 64))))
+    del untied["embed"]
+    assert bench_model.matmul_params(untied, config.replace(tie_output=False)) == (3200, 6400 + 2048)
+    # decoder-only: 6*N*T + 12*layers*L*D*T
+    decoder_only = dict(decoder=abstract["decoder"], embed=abstract["embed"])
+    config = tj.presets.tiny(num_encoder_layers=0)
+    assert bench_model.model_flops(config, decoder_only, 2, 0, 6) == 6 * 8448 * 12 + 12 * 2 * 6 * 32 * 12
+
+
+def test_training_row_figures_from_the_step_time(monkeypatch):
+    """bench_train with a step that costs nothing and a clock that advances 0.5 s per reading: the
+    tokens of both sides, and an MFU against the peak of the compute dtype (bf16 here, although the
+    weights are float32)."""
+    import types
+
+    import transformer_jax as tj
+    from benchmarks import bench_model
+
+    clock = iter(0.5 * i for i in range(100))
+    monkeypatch.setattr(bench_model, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(bench_model, "make_train_step",
+                        lambda model, tx, encoder_decoder: lambda p, o, b: (p, o, jax.numpy.float32(2.0)))
+    peaks = dict(float32=1e6, bfloat16=4e6)
+    monkeypatch.setattr(bench_model, "peak_matmul_flops", lambda dtype: peaks[str(dtype)])
+    config = tj.presets.tiny(dtype="bfloat16")
+    row = bench_model.bench_train(config, 2, 8, steps=3)
+    model = bench_model.build_model(config)
+    flops = bench_model.model_flops(config, bench_model.abstract_state(model, config, bench_model.make_batch(
+        config, 2, 8)), 2, 8, 8)
+    assert row["step_ms"] == 500.0 and row["first_step_s"] == 0.5 and row["loss"] == 2.0
+    assert row["tokens_per_s"] == 2 * 8 * 2 / 0.5  # source and target tokens
+    assert row["mfu"] == round(flops / 0.5 / 4e6, 3)
+    assert row["achieved_tflops"] == round(flops / 0.5 / 1e12, 4)
+
+
+def test_cpu_suite_rows_take_the_higher_adjacent_reading_of_their_own_dtype(monkeypatch):
+    """train_rows and decode_rows with the workloads and readings replaced by given numbers."""
+    import transformer_jax as tj
+    from benchmarks import bench_decode, run
+
+    readings = dict(float32=[2e11, 3e11, 2e11, 3e11], bfloat16=[6e11, 5e11, 6e11, 5e11])
+    monkeypatch.setattr(run.hardware, "peak_matmul_flops", lambda dtype, repeats=5: readings[dtype].pop(0))
+    monkeypatch.setattr(run.bench_model, "bench_train", lambda config, batch, length, steps, peak_flops: dict(
+        dtype=config.dtype, batch=batch, length=length, tokens_per_s=100.0, achieved_tflops=0.15,
+        mfu=round(0.15e12 / peak_flops, 3)))
+    rows = run.train_rows(None, quick=True)
+    assert [(r["model"], r["dtype"], r["peak_tflops"], r["mfu"]) for r in rows] == [
+        ("gpt2_small", "float32", 0.3, 0.5), ("gpt2_small", "bfloat16", 0.6, 0.25),
+        ("transformer_base", "float32", 0.3, 0.5), ("transformer_base", "bfloat16", 0.6, 0.25)]
+
+    bandwidths = [20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9]  # before, after each row
+    monkeypatch.setattr(run.hardware, "memory_bandwidth", lambda repeats=5: bandwidths.pop(0))
+    monkeypatch.setattr(run.hardware, "weight_streaming", lambda batch, dtype, layout, repeats: 4e10)
+    monkeypatch.setattr(run, "tensor_parallel_decode_row", lambda quick: None)
+    monkeypatch.setattr(bench_decode, "random_params", lambda *args, **kwargs: None)
+    monkeypatch.setattr(tj, "TransformerLM", lambda config: None)
+
+    def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
+        # 100 MB per 10 ms step: 0.5 of the bandwidth read before the row
+        return dict(batch=prompt.shape[0], new_tokens=steps, bytes_per_step=1e8, decode_step_s=0.01,
+                    roofline_frac=round(1e8 / bandwidth / 0.01, 3))
+
+    monkeypatch.setattr(bench_decode, "lm_row", lm_row)
+    rows = run.decode_rows(quick=True)
+    assert [(r["dtype"], r["kernel_layout"], r["batch"]) for r in rows] == [
+        ("float32", "in_out", 1), ("float32", "in_out", 8), ("float32", "out_in", 8),
+        ("bfloat16", "out_in", 1), ("bfloat16", "out_in", 8)]
+    # against 25 GB/s, the higher reading next to each row, whichever came first
+    assert [r["roofline_frac"] for r in rows] == [0.4] * 5
+    assert [r["bandwidth_gb_s"] for r in rows] == [25.0] * 5
+    # 100 MB per 10 ms step against the 40 GB/s the matmuls stream
+    assert [r["stream_frac"] for r in rows] == [0.25] * 5 and rows[0]["weight_stream_gb_s"] == 40.0
+
+
+def test_summary_table_of_training_attention_and_compile_rows():
+    from benchmarks import run
+
+    train = [dict(model="gpt2_small", dtype="float32", batch=8, length=256, tokens_per_s=100.0, mfu=0.58,
+                  peak_tflops=0.3, run_peak_tflops=0.31),
+             dict(model="gpt2_small", dtype="bfloat16", batch=8, length=256, tokens_per_s=180.0, mfu=0.3,
+                  peak_tflops=1.2, run_peak_tflops=1.24),
+             dict(model="transformer_base", dtype="float32", batch=8, length=256, tokens_per_s=200.0,
+                  mfu=0.4, peak_tflops=0.3)]
+    mib = 2**20
+    attention = [dict(impl=impl, length=length, forward_ms=ms, forward=dict(peak_bytes=mem * mib),
+                      train=dict(peak_bytes=2 * mem * mib))
+                 for impl, length, ms, mem in [("reference", 1024, 10.0, 40), ("chunked", 1024, 14.0, 8),
+                                               ("reference", 4096, 100.0, 640), ("chunked", 4096, 120.0, 64)]]
+    compile_rows = [dict(scan=scan, layers=layers, total_s=s) for scan, layers, s in
+                    [(False, 2, 10.0), (False, 24, 60.0),
+                     (True, 2, 10.0), (True, 6, 11.0), (True, 12, 12.0), (True, 24, 14.0)]]
+    results = {"train": {"rows": train}, "attention": {"rows": attention}, "compile": {"rows": compile_rows}}
+    peaks = dict(float32=0.31, bfloat16=1.24)
+    table = {line["workload"]: line for line in run.summarise(results, peaks, 25.0)}
+    gpt2 = table["train gpt2_small float32 b8x256"]
+    assert (gpt2["ratio"], gpt2["target"], gpt2["target_met"]) == (0.58, 0.55, True)
+    assert gpt2["limit"] == "0.310 TFLOP/s float32 matmul (highest in the run; 0.300 next to the row)"
+    assert table["train transformer_base float32 b8x256"]["target"] is None
+    speedup = table["train gpt2_small bf16 / f32 tokens/s"]  # bf16 over f32, against the peaks' ratio
+    assert (speedup["measured"], speedup["limit"], speedup["ratio"], speedup["target_met"]) == (
+        "1.80x", "matmul peak ratio 4.00x", 1.8, True)
+    assert "train transformer_base bf16 / f32 tokens/s" not in table  # no bf16 row
+    # the memory ratio at the longest length only, lower is better: 64 / 640 MiB meets 1/8
+    memory = table["attention chunked causal L=4096"]
+    assert (memory["ratio"], memory["target_met"]) == (0.1, True)
+    assert table["attention chunked causal L=1024"]["ratio"] is None
+    slowdown = table["attention chunked/reference time L=4096"]
+    assert (slowdown["ratio"], slowdown["target_met"]) == (1.2, True)
+    assert table["attention chunked/reference time L=1024"]["target_met"] is True  # 1.4 <= 1.5
+    # compile time of the deepest over the shallowest stack
+    scanned = table["compile 24/2 layers scan=True"]
+    assert (scanned["ratio"], scanned["target"], scanned["target_met"]) == (1.4, 1.5, True)
+    unscanned = table["compile 24/2 layers scan=False"]
+    assert (unscanned["ratio"], unscanned["target"]) == (6.0, None)
+    meta = dict(date="d", device_kind="cpu", cpus=2, jax="0", load_start=[1.0], load_end=[1.0],
+                peaks=dict(float32=0.31, bfloat16=1.24), bandwidth_gb_s=25.0)
+    text = run.markdown(run.summarise(results, peaks, 25.0), meta)
+    assert "| 1.80x | matmul peak ratio 4.00x | 1.8 | ≥ 1.5 (speed-up) | yes |" in text
+    assert "| 0.1 | ≤ 0.125 (memory / reference) | yes |" in text
+
+
+def test_accelerator_ratios_are_against_the_higher_reading_of_each_limit(monkeypatch):
+    """accelerator.run with its sections replaced: the MFU and roofline are set against the higher
+    of the start and end readings, each limit on its own (the peak read higher at the start, the
+    bandwidth at the end), and the summary holds the decode target at batch 1 only."""
+    readings = [dict(peak_bf16_flops=1.0e15, bandwidth_bytes_s=3.5e12),
+                dict(peak_bf16_flops=0.8e15, bandwidth_bytes_s=4.0e12)]
+    monkeypatch.setattr(accelerator, "measure_hardware", lambda sizes: readings.pop(0))
+    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits: [
+        dict(tokens_per_s=1000.0, achieved_tflops=460.0, mfu=0.575)])
+    monkeypatch.setattr(accelerator, "decode_section", lambda sizes, platform, limits: [
+        dict(batch=batch, decode_tok_s=batch * 1000.0, bytes_per_step=2.6e9, decode_step_s=0.001,
+             roofline_frac=0.743) for batch in (1, 8)])
+    monkeypatch.setattr(accelerator, "attention_section", lambda sizes, platform: [])
+    report = accelerator.run(smoke=True)
+    assert report["meta"]["peak_bf16_tflops"] == 1000.0 and report["meta"]["bandwidth_gb_s"] == 4000.0
+    [train] = report["results"]["train"]["rows"]
+    assert train["mfu"] == 0.46  # 460 TFLOP/s of 1000
+    assert [row["roofline_frac"] for row in report["results"]["decode"]["rows"]] == [0.65, 0.65]
+    assert [(line["ratio"], line["target"], line["met"]) for line in report["summary"]] == [
+        (0.46, 0.45, True), (0.65, 0.6, True), (0.65, None, None)]
+
+
+def test_bench_train_script_counts_both_sides_and_every_device(monkeypatch, tmp_path):
+    """bench_train.py on a tiny model, its clock advancing 0.5 s per reading (2 steps in 0.5 s) and
+    its step doing nothing: tokens of the source and target sides, and an MFU against the given
+    peak of each device."""
+    import sys
+    import types
+
+    from benchmarks import bench_train
+    from transformer_jax.training import metrics
+
+    clock = iter(0.5 * i for i in range(100))
+    monkeypatch.setattr(bench_train, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(bench_train.steps, "train_step", lambda state, batch, **kwargs: (
+        state, {"loss": jax.numpy.float32(2.0)}))
+    out = tmp_path / "train.json"
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--d_model=16", "--heads=2", "--layers=1",
+                                      "--vocab=64", "--batch=8", "--length=8", "--steps=2",
+                                      "--peak_tflops=2e-6", f"--out={out}"])
+    bench_train.main()
+    result = json.loads(out.read_text())
+    config = bench_train.ModelConfig(vocab_size=64, d_model=16, d_ff=64, num_heads=2, num_encoder_layers=1,
+                                     num_decoder_layers=1, dropout_rate=0.0, max_len=64)
+    flops = metrics.train_flops_per_step(config, 8, 8, 8)
+    assert result["compile_s"] == 0.5 and result["step_s"] == 0.25 and result["devices"] == jax.device_count()
+    assert result["tokens_per_s"] == 2 * 8 * 8 / 0.25
+    assert result["mfu"] == flops / 0.25 / (2e-6 * 1e12 * jax.device_count())
+    assert result["model_tflops_per_s"] == flops / 0.25 / 1e12 and result["loss"] == 2.0

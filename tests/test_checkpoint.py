@@ -383,3 +383,15 @@ def test_keep_best_ranks_by_the_evaluation_of_the_checkpoint_step(data_dir, tmp_
     assert 6 not in ck.all_steps() and ck.all_steps()[-1] == 8
     for step in ck.all_steps():
         assert ck.manager.metrics(step)["eval_loss"] == pytest.approx(evals[step])
+
+
+def test_max_to_keep_keeps_that_many_of_the_newest_steps(tmp_path):
+    ck = Checkpointer(str(tmp_path), max_to_keep=2, async_save=False)
+    on_disk = []
+    for step in (1, 2, 3, 4):
+        ck.save(_tiny_state(step), force=True)
+        ck.wait()
+        on_disk.append(ck.all_steps())
+    ck.close()
+    assert on_disk == [[1], [1, 2], [2, 3], [3, 4]]
+    assert Checkpointer(str(tmp_path), read_only=True).all_steps() == [3, 4]

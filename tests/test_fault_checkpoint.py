@@ -331,3 +331,93 @@ def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt
     assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
     final = train_and_evaluate(tiny_config(data_dir, num_train_steps=12, resume_data_position=False), workdir)
     assert final["step"] == 12  # resumed from step 10, the pipeline started afresh
+
+
+def _tiny_state(step: int):
+    import jax
+    import jax.numpy as jnp
+
+    from transformer_jax.training.state import TrainState
+
+    params = {"w": jnp.full(3, float(step))}
+    return TrainState(step=jnp.int32(step), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
+
+
+def _save_tiny(workdir, step, data_iter=None, model_config=None):
+    """A committed, sealed step of a three-number state (no training); returns its directory."""
+    ck = Checkpointer(workdir, async_save=False, model_config=model_config)
+    ck.save(_tiny_state(step), data_iter, force=True)
+    ck.close()
+    return integrity.step_dir(ckpt(workdir), step)
+
+
+def test_the_manifest_covers_every_file_of_a_step_and_nothing_else(tmp_path):
+    """Every file, the input pipeline's position (JSON) too: a changed position (valid JSON, so
+    orbax reads it) would resume the data order elsewhere without a word. A file that is not the
+    step's (copied in from another run) is caught as well."""
+    import grain
+
+    iterator = iter(grain.MapDataset.range(10).to_iter_dataset())
+    next(iterator), next(iterator)
+    workdir = str(tmp_path)
+    path = _save_tiny(workdir, 1, iterator)
+    on_disk = sorted(os.path.relpath(os.path.join(r, n), path) for r, _, ns in os.walk(path) for n in ns
+                     if n != integrity.MANIFEST_NAME)
+    position = os.path.join("data", "process_0-of-1.json")
+    assert position in on_disk
+    assert sorted(integrity.read_manifest(ckpt(workdir), 1)["files"]) == on_disk
+    with open(os.path.join(path, position)) as f:
+        saved = f.read()
+    moved = saved.replace("2", "7")  # grain's next_index, 2 -> 7
+    assert moved != saved and json.loads(moved)
+    write(os.path.join(path, position), moved)
+    verdict = integrity.verify(ckpt(workdir), 1)
+    assert verdict.status == "corrupt" and f"{position} has changed" in verdict.describe(), verdict
+    write(os.path.join(path, position), saved)
+    assert integrity.verify(ckpt(workdir), 1).status == "ok"
+    write(os.path.join(path, "params", "stray"), "from another run")
+    verdict = integrity.verify(ckpt(workdir), 1)
+    assert verdict.status == "corrupt" and verdict.problems == [
+        f"{os.path.join('params', 'stray')} is not in the manifest"]
+
+
+@pytest.mark.parametrize("manifest", ['{"format": 1, "step": 1}', '{"files": []}', "[]"])
+def test_a_manifest_without_its_file_table_is_unreadable(tmp_path, manifest):
+    os.makedirs(os.path.join(tmp_path, "1"))
+    write(os.path.join(tmp_path, "1", "data"), "x")
+    write(os.path.join(tmp_path, "1", integrity.MANIFEST_NAME), manifest)
+    verdict = integrity.verify(str(tmp_path), 1)
+    assert verdict.status == "corrupt" and "integrity.json is unreadable" in verdict.describe(), verdict
+
+
+def test_a_failed_save_removes_only_its_own_partial_write(tmp_path):
+    """Step 1's failed save leaves step 10, 11 and their temporaries alone."""
+    names = ["1", "10", "11", "1.orbax-checkpoint-tmp-5", "10.orbax-checkpoint-tmp-2"]
+    for name in names:
+        os.makedirs(os.path.join(tmp_path, name))
+    assert integrity.remove_partial_save(str(tmp_path), 1) == ["1.orbax-checkpoint-tmp-5"]
+    assert sorted(os.listdir(tmp_path)) == ["1", "10", "10.orbax-checkpoint-tmp-2", "11"]
+
+
+def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path):
+    """A step committed by orbax but killed before its manifest is sealed once a run restores it
+    (with this run's model config, checked against the workdir's first); a read-only reader
+    (inference, averaging) leaves it as it is."""
+    import numpy as np
+
+    from configs import tiny as tiny_config_module
+    from transformer_jax.config import ModelConfig
+
+    model = ModelConfig.from_dict(dict(tiny_config_module.get_config().model))
+    workdir = str(tmp_path)
+    path = _save_tiny(workdir, 3, model_config=model)
+    os.remove(os.path.join(path, integrity.MANIFEST_NAME))
+    reader = Checkpointer(workdir, read_only=True, model_config=model)
+    reader.restore(_tiny_state(0))
+    assert reader.restored_step == 3 and integrity.verify(ckpt(workdir), 3).status == "unsealed"
+    ck = Checkpointer(workdir, model_config=model)
+    state = ck.restore(_tiny_state(0))
+    ck.close()
+    np.testing.assert_array_equal(state.params["w"], [3.0, 3.0, 3.0])
+    assert integrity.verify(ckpt(workdir), 3, model).status == "ok"
+    assert integrity.read_manifest(ckpt(workdir), 3)["model_config"] == model.to_dict()
