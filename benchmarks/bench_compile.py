@@ -27,7 +27,8 @@ except ImportError:
 
 def compile_time(depth: int, scan: bool, batch: int = 8, length: int = 256) -> dict:
     jax.config.update("jax_enable_compilation_cache", False)
-    config = tj.presets.gpt2_small(num_decoder_layers=depth, scan_layers=scan, dropout_rate=0.0)
+    config = tj.presets.gpt2_small(num_decoder_layers=depth, scan_layers=scan, dropout_rate=0.0,
+                                    attention_dropout_rate=0.0)
     model = build_model(config)
     data = make_batch(config, batch, length)
     params = abstract_state(model, config, data)

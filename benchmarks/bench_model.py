@@ -140,7 +140,7 @@ def bench_train(config, batch: int, length: int, *, steps: int = 5, peak_flops: 
 # the residual-stream gradient chain of every later layer into each earlier one and recomputes it per
 # layer (GPT-2 small, f32: ~12.5 s against ~9.5 s per 8x256 step). remat='dots_saveable': recomputing
 # the elementwise work in the backward pass is cheaper than stacking it in the scan (~8.4 s).
-FAST = dict(dropout_rate=0.0, scan_layers=True, remat="dots_saveable")
+FAST = dict(dropout_rate=0.0, attention_dropout_rate=0.0, scan_layers=True, remat="dots_saveable")
 PRESETS = {
     "gpt2_small": lambda **kw: tj.presets.gpt2_small(**FAST, **kw),
     "transformer_base": lambda **kw: tj.presets.transformer_base(**FAST, **kw),

@@ -70,3 +70,45 @@ def test_bleu_is_sacrebleu_of_hypotheses_against_references():
     assert out.bleu() == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
     assert out.bleu() != pytest.approx(sacrebleu.corpus_bleu(refs, [hyps]).score)
     assert out.exact_match == 0.5
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_translate_passes_the_decoding_settings_to_the_decoder(monkeypatch, beam_size):
+    """The source reaches the encoder, every row starts from decoder_start_id, and max_new_tokens,
+    the length penalty alpha and the model's eos / pad ids reach greedy or beam search (the fakes
+    above ignore them, so a translate that decoded with beam search's default alpha passed)."""
+    batch = _batch()
+    calls = []
+
+    def fake_encode(model, params, src, max_length, src_segment_ids):
+        calls.append(("encode", np.asarray(src), max_length))
+        return "cache"
+
+    def fake_decode(kind):
+        def decode(step_fn, params, cache, prompt, lengths, **kwargs):
+            calls.append((kind, cache, np.asarray(prompt), np.asarray(lengths), kwargs))
+            tokens = np.full((4, kwargs.get("beam_size", 1), 3), EOS_ID, np.int32)
+            if kind == "beam":
+                return BeamOutput(jnp.asarray(tokens), *(jnp.zeros((4, kwargs["beam_size"])),) * 3)
+            return GenerateOutput(jnp.asarray(tokens[:, 0]), jnp.zeros(4, jnp.int32), jnp.zeros((4, 3)))
+        return decode
+
+    monkeypatch.setattr(evaluate, "encode_source", fake_encode)
+    monkeypatch.setattr(evaluate, "Seq2SeqStep", lambda model: None)
+    monkeypatch.setattr(evaluate, "generate", fake_decode("greedy"))
+    monkeypatch.setattr(evaluate, "beam_search", fake_decode("beam"))
+    config = types.SimpleNamespace(decoder_start_id=3, bos_id=2, eos_id=EOS_ID, pad_id=0)
+    model = types.SimpleNamespace(config=config)
+    mesh = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
+    evaluate.translate(model, None, [batch], WordTokenizer(), mesh, max_new_tokens=7, beam_size=beam_size,
+                       alpha=0.9)
+    (_, src, max_length), (kind, cache, prompt, lengths, kwargs) = calls
+    np.testing.assert_array_equal(src, batch["inputs"])
+    assert max_length >= 7 and cache == "cache"
+    assert kind == ("beam" if beam_size > 1 else "greedy")
+    np.testing.assert_array_equal(prompt, np.full((4, 1), 3))
+    np.testing.assert_array_equal(lengths, np.ones(4))
+    want = {"max_new_tokens": 7, "eos_id": EOS_ID, "pad_id": 0}
+    if beam_size > 1:
+        want.update(beam_size=4, alpha=0.9)
+    assert kwargs == want

@@ -208,3 +208,97 @@ def test_train_step_accumulates_micro_batches_with_a_key_each():
         total, count, _ = cross_entropy(logits, micro["targets"], w, label_smoothing=0.1)
         loss_sum, weight = loss_sum + float(total), weight + float(count)
     np.testing.assert_allclose(metrics["loss"], loss_sum / weight, rtol=1e-5)
+
+
+def test_eval_step_runs_the_model_without_dropout():
+    """With P_drop = 0.3 the eval step's sums are those of the deterministic model (decoder fed the
+    targets shifted right), while the training forward pass does drop: every end-to-end config
+    trains tiny models with dropout 0, where an eval step with dropout on passed."""
+    from transformer_jax.modeling.masks import shift_right
+    from transformer_jax.training import steps
+
+    model, batch, params = _step_problem(dropout_rate=0.3)
+    seg, pos = batch["targets_segment_ids"], batch["targets_positions"]
+    tgt_in = shift_right(batch["targets"], seg, model.config.decoder_start_id)
+    apply = jax.jit(lambda p, deterministic, key: model.apply(
+        {"params": p}, batch["inputs"], tgt_in, src_segment_ids=batch["inputs_segment_ids"],
+        tgt_segment_ids=seg, src_positions=batch["inputs_positions"], tgt_positions=pos,
+        deterministic=deterministic, rngs={"dropout": key}), static_argnums=1)
+    clean = apply(params, True, jax.random.key(0))
+    assert not np.allclose(apply(params, False, jax.random.key(0)), clean)  # dropout is on in training
+    settings = steps.StepSettings(label_smoothing=0.1)
+    sums = jax.jit(lambda p, b: steps.eval_step(p, b, model=model, settings=settings))(params, batch)
+    want, count, _ = cross_entropy(clean, batch["targets"], seg > 0, label_smoothing=0.1)
+    assert float(sums["weight_sum"]) == float(count) == 11.0  # the 11 real target tokens
+    np.testing.assert_allclose(sums["loss_sum"], want, rtol=1e-5)
+
+
+@jax.custom_vjp
+def _nan_gradient(x):
+    return x
+
+
+_nan_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.full_like(g, jnp.nan),))
+
+
+class _BroadcastLM:
+    """A decoder-only 'model' whose logits at every position are its parameter vector w, passed
+    through ``through`` (e.g. `_nan_gradient`: finite logits and loss, a NaN gradient, as when only
+    the backward pass overflows)."""
+
+    config = type("Config", (), {"decoder_start_id": 2})()
+
+    def __init__(self, through=lambda w: w):
+        self.through = through
+
+    def apply(self, variables, tokens, **kwargs):
+        w = variables["params"]["w"]
+        return jnp.broadcast_to(self.through(w), tokens.shape + w.shape)
+
+
+def _broadcast_lm_step(model, tx, w):
+    """One train_step of ``model`` from w at step 7 on one row: targets 3, 4, 1 and a padding slot."""
+    from transformer_jax.training import steps
+    from transformer_jax.training.state import TrainState
+
+    params = {"w": jnp.asarray(w, jnp.float32)}
+    state = TrainState(step=jnp.int32(7), params=params, opt_state=tx.init(params), rng=jax.random.key(0))
+    batch = {"targets": jnp.array([[3, 4, 1, 0]], jnp.int32),
+             "targets_segment_ids": jnp.array([[1, 1, 1, 0]], jnp.int32),
+             "targets_positions": jnp.array([[0, 1, 2, 0]], jnp.int32)}
+    train = jax.jit(lambda st, b: steps.train_step(st, b, model=model, tx=tx, schedule=lambda c: 0.1 * c,
+                                                   settings=steps.StepSettings(label_smoothing=0.0)))
+    return state, *train(state, batch)
+
+
+def test_train_step_applies_the_update_for_the_mean_loss_over_real_tokens():
+    """With uniform logits (w = 0) the loss of each of the 3 real tokens is log 5 and its gradient
+    softmax(w) - onehot(target) = 0.2 - onehot: summed over targets 3, 4, 1 that is
+    (0.6, -0.4, 0.6, -0.4, -0.4), divided by the 3 real tokens, not the 4 slots. SGD with rate 0.5
+    then moves w by -0.5 times that."""
+    import optax
+
+    state, new, metrics = _broadcast_lm_step(_BroadcastLM(), optax.sgd(0.5), np.zeros(5))
+    grad = np.array([0.6, -0.4, 0.6, -0.4, -0.4]) / 3
+    assert float(metrics["loss"]) == pytest.approx(math.log(5), rel=1e-6)
+    assert float(metrics["num_tokens"]) == 3.0 and float(metrics["finite"]) == 1.0
+    assert float(metrics["learning_rate"]) == pytest.approx(0.7)  # the schedule (0.1 * count) at step 7
+    assert float(metrics["grad_norm"]) == pytest.approx(np.linalg.norm(grad), rel=1e-6)
+    np.testing.assert_allclose(new.params["w"], -0.5 * grad, rtol=1e-6)
+    assert int(new.step) == 8
+
+
+def test_a_step_with_a_finite_loss_but_non_finite_gradients_changes_nothing_but_the_step():
+    """The guard looks at the gradients too, not only the loss: the step is reported not finite and
+    neither the parameters nor the Adam moments and count take the NaN update."""
+    import optax
+
+    state, new, metrics = _broadcast_lm_step(_BroadcastLM(_nan_gradient), optax.adam(0.1), np.arange(5))
+    params = state.params
+    # each of the 3 real tokens: -log softmax(0..4)[target] = logsumexp(0..4) - target
+    lse = math.log(sum(math.exp(i) for i in range(5)))
+    assert float(metrics["loss"]) == pytest.approx(lse - (3 + 4 + 1) / 3, rel=1e-5)
+    assert float(metrics["finite"]) == 0.0 and int(new.step) == 8
+    np.testing.assert_array_equal(new.params["w"], params["w"])
+    for got, old in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(state.opt_state)):
+        np.testing.assert_array_equal(got, old)

@@ -152,6 +152,25 @@ def optax_global_norm(tree):
     return np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree)))
 
 
+def test_the_seed_sets_the_initial_parameters_and_the_dropout_key():
+    """config.seed decides the initial state (create_train_state's init, compiled once with the seed
+    as an argument): the same seed gives the same parameters and base dropout key, another seed
+    other parameters and another key (a run whose seed was ignored could not be varied)."""
+    import optax
+
+    from transformer_jax.training import state as state_lib
+
+    model = build_model(ModelConfig(vocab_size=16, d_model=8, num_heads=2, d_ff=16, num_encoder_layers=1,
+                                    num_decoder_layers=1, max_len=8))
+    init = jax.jit(lambda seed: nn.unbox(state_lib._init_fn(model, optax.sgd(0.1), seed)()))
+    states = [jax.device_get(init(seed)) for seed in (0, 0, 1)]
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert same(states[0], states[1])
+    assert not np.allclose(states[0].params["embed"]["embedding"], states[2].params["embed"]["embedding"])
+    assert not np.array_equal(states[0].rng, states[2].rng)
+    assert int(states[2].step) == 0
+
+
 def _losses_on(mesh, config, batches):
     _, state, step, _ = _pieces(config, mesh)
     out = []
@@ -522,6 +541,44 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
     for flags, expected in cases.items():
         code, lines = _train_py_error(tmp_path, *flags)
         assert (code, lines) == (2, [expected]), (flags, lines)
+
+
+_FAKE_TRAINING = """
+import json, runpy, sys
+import transformer_jax.training as training
+
+def train_and_evaluate(config, workdir):
+    record = {"workdir": workdir, "steps": config.num_train_steps, "d_model": config.model.d_model,
+              "profile": [config.profile_start_step, config.profile_num_steps]}
+    print("called " + json.dumps(record), flush=True)
+    return {"step": config.num_train_steps, "loss": 0.25}
+
+training.train_and_evaluate = train_and_evaluate
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path(sys.argv.pop(1), run_name="__main__")
+"""
+
+
+def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_arguments(tmp_path):
+    """train.py with train_and_evaluate replaced (no training): the --workdir given, the config with
+    its --config.* overrides and the --profile_* flags reach it, the final metrics are printed and
+    the status is 0; an unexpected positional argument is refused before anything runs."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    run = lambda *flags: subprocess.run(
+        [sys.executable, "-c", _FAKE_TRAINING, os.path.join(REPO, "train.py"),
+         "--config=" + os.path.join(REPO, "configs", "tiny.py"), *flags],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    workdir = str(tmp_path / "elsewhere")
+    proc = run(f"--workdir={workdir}", "--config.num_train_steps=3", "--config.model.d_model=48",
+               "--profile_start_step=7", "--profile_num_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (called,) = [json.loads(line[len("called "):]) for line in proc.stdout.splitlines()
+                 if line.startswith("called ")]
+    assert called == {"workdir": workdir, "steps": 3, "d_model": 48, "profile": [7, 2]}
+    assert proc.stdout.splitlines()[-1] == "final: loss 0.25, step 3"
+    proc = run(f"--workdir={workdir}", "stray")
+    assert proc.returncode != 0 and "called" not in proc.stdout
+    assert "Unexpected arguments: ['stray']" in proc.stderr
 
 
 def _free_port() -> int:

@@ -22,10 +22,12 @@ def transformer_big(**overrides) -> ModelConfig:
 
 def gpt2_small(**overrides) -> ModelConfig:
     """GPT-2 124M shape: decoder-only, 12 layers, d_model=768, 12 heads, learned positions, Pre-LN,
-    tanh-GELU, tied head, 50257-token vocabulary, 1024 positions."""
+    tanh-GELU, tied head, 50257-token vocabulary, 1024 positions; GPT-2's dropout of 0.1 on the
+    residual branches, the embeddings and the attention probabilities."""
     values = dict(
         vocab_size=50257, d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=0,
-        num_decoder_layers=12, dropout_rate=0.1, max_len=1024, norm="pre", norm_eps=1e-5,
+        num_decoder_layers=12, dropout_rate=0.1, attention_dropout_rate=0.1, max_len=1024,
+        norm="pre", norm_eps=1e-5,
         activation="gelu_tanh", position="learned", scale_embeddings=False, pad_id=None,
         eos_id=50256, bos_id=50256, decoder_start_id=50256,
     )
