@@ -8,8 +8,8 @@ master weights. Checkpoints every 1,000 steps, the last 20 kept, for averaging t
 
 Hardware and time: the paper took 12 hours on 8 P100 GPUs (0.4 s/step); expect about the same on
 8 A100/H100 GPUs or a TPU v4-8 / v5e-8 slice. Expected result: newstest2013 perplexity about 4.9,
-newstest2014 BLEU about 27 (paper: 27.3) with beam 4, alpha 0.6, after averaging the last 5
-checkpoints.
+newstest2014 BLEU about 27 (paper: 27.3) with beam 4, alpha 0.6 and outputs of at most input
+length + 50 tokens (section 6.1), after averaging the last 5 checkpoints.
 
 Data: prepare once where TensorFlow and the internet are available:
 ``tfds build wmt14_translate/de-en --file_format=array_record --data_dir=DIR``.
@@ -49,6 +49,7 @@ def wmt14_config(model, num_train_steps: int) -> ml_collections.ConfigDict:
     c.beam_size = 4
     c.beam_alpha = 0.6
     c.decode_max_len = 256
+    c.decode_extra_len = 50  # section 6.1: at most input length + 50 tokens, and 256
     return c
 
 

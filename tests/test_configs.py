@@ -142,6 +142,7 @@ def test_wmt14_configs_are_the_papers_table_3_recipe(name, d_model, d_ff, heads,
             1024: (1.2352647e-07, 4.9410588e-04, 2.4705294e-04)}[d_model]
     np.testing.assert_allclose([float(lr(c)) for c in (0, 3999, 15999)], want, rtol=1e-6)
     assert (config.beam_size, config.beam_alpha, config.test_split) == (4, 0.6, "test")
+    assert config.decode_extra_len == 50  # section 6.1: outputs of at most input length + 50
 
 
 def test_gpt2_small_config_has_gpt2_smalls_shape():

@@ -108,7 +108,16 @@ def test_translate_passes_the_decoding_settings_to_the_decoder(monkeypatch, beam
     assert kind == ("beam" if beam_size > 1 else "greedy")
     np.testing.assert_array_equal(prompt, np.full((4, 1), 3))
     np.testing.assert_array_equal(lengths, np.ones(4))
-    want = {"max_new_tokens": 7, "eos_id": EOS_ID, "pad_id": 0}
+    want = {"max_new_tokens": 7, "max_new_tokens_per_row": None, "eos_id": EOS_ID, "pad_id": 0}
     if beam_size > 1:
         want.update(beam_size=4, alpha=0.9)
     assert kwargs == want
+
+    # extra_len: each row at most its source's length (tokens up to EOS: 3, 2, 4; the padding row 0)
+    # + extra_len, within [1, max_new_tokens]
+    for extra, limits in [(2, [5, 4, 6, 2]), (4, [7, 6, 7, 4]), (0, [3, 2, 4, 1])]:
+        calls.clear()
+        evaluate.translate(model, None, [batch], WordTokenizer(), mesh, max_new_tokens=7,
+                           beam_size=beam_size, alpha=0.9, extra_len=extra)
+        assert calls[1][4]["max_new_tokens"] == 7
+        np.testing.assert_array_equal(calls[1][4]["max_new_tokens_per_row"], limits)

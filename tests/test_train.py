@@ -256,7 +256,10 @@ def test_bleu_references_are_not_cut_at_max_target_len(data_dir, tmp_path, monke
     def fake_translate(model, params, batches, tokenizer, mesh, **kwargs):
         refs = [tokenizer.decode([int(t) for t in row if t > 1]) for b in batches for row in b["targets"]]
         seen.append([r for r in refs if r])
+        settings.append(kwargs)
         return evaluate.Translations(seen[-1], seen[-1], seen[-1])
+
+    settings = []
 
     monkeypatch.setattr(evaluate, "translate", fake_translate)
     log = type("Log", (), {"message": lambda self, text: None})()
@@ -267,6 +270,11 @@ def test_bleu_references_are_not_cut_at_max_target_len(data_dir, tmp_path, monke
         out = loop._translation_eval(config, str(tmp_path), None, None, data, None, "test", log, 1)
         assert out["test_examples"] == 16
     assert seen[1] == seen[0] and max(len(r.split()) for r in seen[0]) > 5
+    # the decoding settings: decode_max_len (0: max_target_len) and decode_extra_len (-1: None)
+    assert [s["max_new_tokens"] for s in settings] == [64, 6] and settings[0]["extra_len"] is None
+    config.decode_max_len, config.decode_extra_len, config.beam_size, config.beam_alpha = 40, 50, 3, 0.7
+    loop._translation_eval(config, str(tmp_path), None, None, data, None, "test", log, 1)
+    assert settings[-1] == dict(max_new_tokens=40, beam_size=3, alpha=0.7, extra_len=50)
 
 
 def test_a_test_split_the_dataset_lacks_is_an_error_before_training(data_dir, tmp_path):
@@ -422,6 +430,7 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("dataset.max_eval_examples", -5, r"config.dataset.max_eval_examples=-5 must be an integer >= 0"),
         ("dataset.max_source_len", 0, r"config.dataset.max_source_len=0 must be an integer >= 1"),
         ("decode_max_len", -1, r"config.decode_max_len=-1 must be an integer >= 0"),
+        ("decode_extra_len", -2, r"config.decode_extra_len=-2 must be an integer >= -1"),
         ("dataset.batch_size", 0, r"config.dataset.batch_size=0 must be an integer >= 1"),
         ("optimizer.grad_accum_steps", 0, r"config.optimizer.grad_accum_steps=0 must be an integer >= 1"),
         ("optimizer.b2", 1.0, r"config.optimizer.b2=1.0 must be a number in \[0, 1\)"),

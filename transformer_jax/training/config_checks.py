@@ -47,6 +47,8 @@ def training_defaults() -> ml_collections.ConfigDict:
     c.beam_size = 1  # 1 = greedy decoding for BLEU
     c.beam_alpha = 0.6
     c.decode_max_len = 0  # 0 = dataset.max_target_len
+    # >= 0: each output also at most its source's length + this many tokens (the paper: 50); -1: off
+    c.decode_extra_len = -1
     c.num_printed_examples = 3
     c.compilation_cache = True
     c.compilation_cache_dir = ""
@@ -129,6 +131,7 @@ def _check_numbers(config) -> None:
     if config.max_checkpoints_to_keep is not None:  # None: keep every checkpoint
         _positive_int(config, "max_checkpoints_to_keep")
     _positive_int(config, "decode_max_len", 0)
+    _positive_int(config, "decode_extra_len", -1)
     _positive_int(ds, "max_eval_examples", 0, "config.dataset")  # 0 = all
     lengths = ("max_source_len", "max_target_len") if ds.name in TRANSLATION_DATASETS else ("max_len",)
     for key in lengths:

@@ -75,9 +75,18 @@ def _gather(x) -> np.ndarray:
 
 
 def decode_batch(
-    model, params, src, src_segment_ids, *, max_new_tokens: int, beam_size: int = 1, alpha: float = 0.6
+    model,
+    params,
+    src,
+    src_segment_ids,
+    *,
+    max_new_tokens: int,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    max_new_tokens_per_row=None,
 ) -> jax.Array:
-    """Output token ids [B, T] for a global source batch; beam_size 1 = greedy."""
+    """Output token ids [B, T] for a global source batch; beam_size 1 = greedy. Row b stops after
+    ``max_new_tokens_per_row[b]`` tokens when given (int [B], each in [1, T])."""
     cfg = model.config
     cache = encode_source(model, params, src, max_new_tokens + 1, src_segment_ids)
     batch = src.shape[0]
@@ -94,6 +103,7 @@ def decode_batch(
             max_new_tokens=max_new_tokens,
             beam_size=beam_size,
             alpha=alpha,
+            max_new_tokens_per_row=max_new_tokens_per_row,
             eos_id=cfg.eos_id,
             pad_id=cfg.pad_id or 0,
         )
@@ -105,6 +115,7 @@ def decode_batch(
         start,
         ones,
         max_new_tokens=max_new_tokens,
+        max_new_tokens_per_row=max_new_tokens_per_row,
         eos_id=cfg.eos_id,
         pad_id=cfg.pad_id or 0,
     ).tokens
@@ -120,13 +131,21 @@ def translate(
     max_new_tokens: int,
     beam_size: int = 1,
     alpha: float = 0.6,
+    extra_len: int | None = None,
 ) -> Translations:
     """Decodes every example of ``batches`` (host-local eval batches, one example per row);
-    the result holds all processes' examples, in order, on every process."""
+    the result holds all processes' examples, in order, on every process.
+
+    Each output has at most ``max_new_tokens`` tokens, and with ``extra_len`` at most its source's
+    length (its tokens up to and including EOS) + ``extra_len``: the paper's limit is + 50."""
     sources, references, hypotheses = [], [], []
     with parallel.sharding_context(mesh):
         for batch in batches:
             glob = to_global_batch({k: batch[k] for k in ("inputs", "inputs_segment_ids", "targets")}, mesh)
+            limits = None
+            if extra_len is not None:
+                source_len = jnp.sum(glob["inputs_segment_ids"] > 0, axis=1, dtype=jnp.int32)
+                limits = jnp.clip(source_len + extra_len, 1, max_new_tokens)
             # One example per row, right-padded: padding is inferred from pad ids.
             tokens = decode_batch(
                 model,
@@ -136,6 +155,7 @@ def translate(
                 max_new_tokens=max_new_tokens,
                 beam_size=beam_size,
                 alpha=alpha,
+                max_new_tokens_per_row=limits,
             )
             src, tgt, seg = (_gather(glob[k]) for k in ("inputs", "targets", "inputs_segment_ids"))
             real = seg[:, 0] > 0

@@ -100,6 +100,7 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
         max_new_tokens=config.decode_max_len or config.dataset.max_target_len,
         beam_size=config.beam_size,
         alpha=config.beam_alpha,
+        extra_len=config.decode_extra_len if config.decode_extra_len >= 0 else None,
     )
     out = {
         f"{split}_bleu": result.bleu(),
