@@ -133,6 +133,19 @@ def test_min_new_tokens_masks_eos():
     assert np.all(np.asarray(sampled.lengths) >= 3)
 
 
+def test_min_new_tokens_of_one_forbids_eos_as_the_first_token():
+    """min_new_tokens=1: the first token (chosen from the prefill's logits, step 0) may not be EOS;
+    the second may. Counting the prefill's token as step 1 let EOS through first."""
+    table = jnp.zeros((V, V)).at[:, EOS].set(8.0).at[:, 5].set(4.0)
+    out = generate(bigram_step, table, bigram_cache(1), jnp.array([[2]]), jnp.array([1]),
+                   max_new_tokens=3, min_new_tokens=1)
+    np.testing.assert_array_equal(out.tokens, [[5, EOS, PAD]])
+    assert int(out.lengths[0]) == 2
+    without_eos = np.delete(np.asarray(table[2]), EOS)  # token 5 is its index 4
+    expected = [jax.nn.log_softmax(without_eos)[4], jax.nn.log_softmax(table[5])[EOS]]
+    np.testing.assert_allclose(out.logprobs[0, :2], expected, rtol=1e-6)
+
+
 def test_greedy_takes_the_first_of_tied_maxima_and_logprobs_are_log_softmax():
     # Row t: ties at the maximum between tokens 3 and 7 (and 9 for odd t); large logits, so a
     # naive exp would overflow.
@@ -267,6 +280,25 @@ def test_top_p_alone_and_same_key_same_tokens():
         assert set(a[previous == t].tolist()) <= _allowed_top_p(np.asarray(table[t]), 1.0, 0.9), t
 
 
+@pytest.mark.parametrize("filters", [dict(top_k=3), dict(top_p=0.6), dict(top_k=5, top_p=0.7)])
+def test_sampled_logprobs_are_over_the_whole_vocabulary_whatever_the_filters(filters):
+    """logprobs are the log-softmax of the raw logits, before top-k and top-p as before the
+    temperature (GenerateOutput): not renormalised over the tokens the filters kept."""
+    table = history_params(1, rows=V, scale=1.0)
+    prompts = np.arange(16, dtype=np.int32)[:, None] % V
+    out = generate(bigram_step, table, bigram_cache(16), prompts, jnp.ones(16, jnp.int32), max_new_tokens=6,
+                   rng=jax.random.key(2), temperature=1.0, eos_id=None, **filters)
+    tokens = np.asarray(out.tokens)
+    previous = np.concatenate([prompts, tokens[:, :-1]], axis=1)
+    rows = np.asarray(table, np.float64)
+    full = rows - rows.max(1, keepdims=True)
+    full -= np.log(np.exp(full).sum(1, keepdims=True))
+    np.testing.assert_allclose(out.logprobs, full[previous, tokens], atol=1e-5)
+    # The filters do cut: over the kept tokens alone every log-probability would be >= 0.1 larger.
+    kept_mass = [np.exp(full[t])[_truncated_softmax(rows[t], 1.0, **filters) > 0].sum() for t in range(V)]
+    assert max(kept_mass) < 0.9, kept_mass
+
+
 RAGGED = [[5, 9, 2, 7, 3, 4], [6], [8, 2, 10, 4]]
 
 
@@ -344,6 +376,15 @@ def test_prompt_bucketing_shares_compilations():
         )
         np.testing.assert_array_equal(outputs[-1].tokens, exact.tokens)
     assert len(traces) == 2  # one prefill + one decode-step trace: a single compilation
+
+
+def test_padding_helpers_fill_the_right_with_pad_id():
+    tokens, lengths = decoding.pad_prompts([[5, 6, 7], [8]], pad_id=9, buckets=[2, 5])
+    np.testing.assert_array_equal(tokens, [[5, 6, 7, 9, 9], [8, 9, 9, 9, 9]])
+    np.testing.assert_array_equal(lengths, [3, 1])
+    assert tokens.dtype == np.int32
+    padded = decoding.pad_to_bucket(np.array([[3, 4, 5], [6, 7, 8]], np.int32), pad_id=2, buckets=[4, 6])
+    np.testing.assert_array_equal(padded, [[3, 4, 5, 2], [6, 7, 8, 2]])
 
 
 def test_repeated_calls_do_not_recompile():
@@ -450,6 +491,21 @@ def test_beam_search_beats_greedy():
     assert float(beams.logprobs[0, 0]) == pytest.approx(expected, abs=1e-4)
     assert float(beams.logprobs[0, 0]) > float(greedy.logprobs.sum()) + 0.5
     np.testing.assert_array_equal(beams.lengths[0], [2, 3])
+
+
+def test_pad_id_follows_eos_and_lengths_count_the_first_eos():
+    """pad_id fills each row after its EOS, in beam search too; a pad id equal to the EOS id
+    (GPT-2 style) leaves the lengths at the first EOS."""
+    start, one = jnp.array([[8]]), jnp.array([1])
+    for pad in (7, EOS):
+        out = generate(bigram_step, shift_table(), bigram_cache(1), start, one, max_new_tokens=6, pad_id=pad)
+        np.testing.assert_array_equal(out.tokens, [[9, 10, 0, EOS, pad, pad]])
+        assert out.lengths.tolist() == [4]
+    beams = beam_search(bigram_step, _peaked_table(), bigram_cache(1), jnp.array([[2]]), one,
+                        max_new_tokens=4, beam_size=2, alpha=0.0, pad_id=7)
+    np.testing.assert_array_equal(beams.lengths[0], [2, 3])
+    np.testing.assert_array_equal(beams.tokens[0, 0], [4, EOS, 7, 7])
+    assert beams.tokens[0, 1, 2] == EOS and beams.tokens[0, 1, 3] == 7
 
 
 def test_length_penalty_trades_length_for_probability():

@@ -361,6 +361,10 @@ def test_a_cache_too_small_or_for_another_batch_is_refused_before_it_corrupts_to
         with pytest.raises(ValueError, match="built for batch size 2, the prompts have 1 rows"):
             decode(LMStep(model), params, tj.init_cache(CONFIG, 2, 20), tokens, lengths,
                    max_new_tokens=STEPS, eos_id=None)
+        # The prefill writes the whole padded prompt: its width counts even when longer.
+        with pytest.raises(ValueError, match=r"padded to 8\) and max_new_tokens=3 need 8: .* >= 8"):
+            decode(LMStep(model), params, tj.init_cache(CONFIG, 1, 7), *pad_prompts([[5, 6]]),
+                   max_new_tokens=3, eos_id=None)
     with pytest.raises(ValueError, match="6 tokens do not fit in a KV cache of 4 positions"):
         model.apply({"params": params}, tokens, cache=tj.init_cache(CONFIG, 1, 4))
 
@@ -385,6 +389,13 @@ def test_learned_positions_past_max_len_are_refused_not_nan():
                    max_new_tokens=8, max_new_tokens_per_row=[4, 8], eos_id=None)
     np.testing.assert_array_equal(out.tokens[0, :4], ok.tokens[0, :4])
     assert np.isfinite(np.asarray(out.logprobs)).all() and out.lengths.tolist() == [4, 8]
+    # A row limit that reaches the table's last row exactly (8 + 5 - 1 = 12 positions) is allowed.
+    exact = generate(LMStep(model), params, tj.init_cache(config, 2, 16), both, jnp.asarray([8, 2]),
+                     max_new_tokens=8, max_new_tokens_per_row=[5, 8], eos_id=None)
+    np.testing.assert_array_equal(exact.tokens[0, :5], ok.tokens[0])
+    with pytest.raises(ValueError, match=r"reach position 12, "):
+        generate(LMStep(model), params, tj.init_cache(config, 2, 16), both, jnp.asarray([8, 2]),
+                 max_new_tokens=8, max_new_tokens_per_row=[6, 8], eos_id=None)
     # a source longer than the encoder's table, with or without segment ids (which skipped the check
     # and gave NaN cross-attention keys); and the helpers that initialise a model fit a short table
     seq2seq = tj.Transformer(config.replace(num_encoder_layers=1, max_len=8))
