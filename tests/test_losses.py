@@ -302,3 +302,12 @@ def test_a_step_with_a_finite_loss_but_non_finite_gradients_changes_nothing_but_
     np.testing.assert_array_equal(new.params["w"], params["w"])
     for got, old in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(state.opt_state)):
         np.testing.assert_array_equal(got, old)
+
+
+def test_perplexity_is_of_the_unsmoothed_nll_not_the_smoothed_loss():
+    # V=3, uniform prediction: nll = ln 3, so perplexity is 3 whatever the smoothing (the smoothed
+    # loss is 0.704, whose exp would be 2.02).
+    metrics = jax.jit(losses.compute_metrics, static_argnames=("label_smoothing",))
+    m = metrics(jnp.zeros((1, 2, 3)), jnp.array([[0, 2]]), label_smoothing=EPS)
+    np.testing.assert_allclose(m["perplexity"], 3.0, rtol=1e-6)
+    np.testing.assert_allclose(m["loss"], 0.7042150, rtol=1e-6)

@@ -1,5 +1,7 @@
 """Optimizer: paper Adam settings, masked weight decay, clipping, exact gradient accumulation."""
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -239,3 +241,42 @@ def test_config_dict_without_optional_fields():
     params = {"w": jnp.ones(3)}
     updates, _ = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
     np.testing.assert_allclose(updates["w"], -1e-3, rtol=1e-5)
+
+
+def test_adam_moments_use_b1_for_the_mean_and_b2_for_the_variance():
+    """Gradient 1 then 0: constant gradients cancel in the bias correction whatever b1 and b2 are,
+    so only a gradient that changes tells them apart (b1/b2 swapped gives -0.719, not -0.673)."""
+    tx = create_optimizer(_config(schedule="constant", learning_rate=1.0, warmup_steps=0), d_model=8)
+    params = {"w": jnp.zeros(())}
+    state = tx.init(params)
+    first, state = tx.update({"w": jnp.ones(())}, state, params)
+    second, _ = tx.update({"w": jnp.zeros(())}, state, params)
+    b1, b2 = 0.9, 0.98
+    m_hat = b1 * (1 - b1) / (1 - b1**2)
+    v_hat = b2 * (1 - b2) / (1 - b2**2)
+    np.testing.assert_allclose(first["w"], -1.0, rtol=1e-6)
+    np.testing.assert_allclose(second["w"], -m_hat / math.sqrt(v_hat), rtol=1e-5)
+    np.testing.assert_allclose(second["w"], -0.673294, rtol=1e-5)
+
+
+def test_adamw_with_decay_embeddings_false_leaves_embedding_tables_alone():
+    lr, wd = 1e-2, 0.1
+    config = _config(name="adamw", schedule="constant", learning_rate=lr, warmup_steps=0,
+                     weight_decay=wd, decay_embeddings=False)
+    tx = create_optimizer(config, d_model=4)
+    params = _params()
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    np.testing.assert_array_equal(updates["embed"]["embedding"], 0.0)
+    np.testing.assert_allclose(updates["layer_0"]["mlp"]["wi"]["kernel"], -lr * wd, rtol=1e-6)
+
+
+def test_micro_batches_are_strided_rows_in_key_order():
+    """Micro-batch i holds rows i, i + n, ... and gets the i-th key of jax.random.split(rng, n)."""
+    key = jax.random.key(3)
+
+    def fn(params, micro_batch, k):
+        return jax.random.uniform(k) * jnp.sum(micro_batch["row"])
+
+    got = accumulate_gradients(fn, None, {"row": jnp.arange(4.0)}, 2, key)
+    u0, u1 = (float(jax.random.uniform(k)) for k in jax.random.split(key, 2))
+    np.testing.assert_allclose(got, u0 * (0 + 2) + u1 * (1 + 3), rtol=1e-6)  # not rows 0,1 / 2,3

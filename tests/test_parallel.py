@@ -260,3 +260,18 @@ def test_processes_with_unequal_shares_of_the_batch_are_refused():
     rules_lib.check_process_pieces({0: {0, 4}, 1: {8, 12}}, mesh)  # equal and distinct: fine
     with pytest.raises(ConfigError, match=r"processes 0 and 1 hold the same rows of the batch \(row 4 on\)"):
         rules_lib.check_process_pieces({0: {0, 4}, 1: {4, 8}}, mesh)
+
+
+def test_any_non_divisible_dimension_is_replicated_not_only_the_vocabulary():
+    mesh = parallel.create_mesh(1, 4, 2)
+    boxed = {"wi": nn.Partitioned(jax.ShapeDtypeStruct((6, 16), jnp.float32), ("embed", "mlp"))}
+    assert parallel.logical_to_sharding(boxed, mesh)["wi"].spec == P(None, "tensor")  # 6 % 4
+
+
+def test_sharding_context_installs_the_rules_for_activation_constraints():
+    mesh = parallel.create_mesh(2, 2, 2)
+    with parallel.sharding_context(mesh):
+        assert tuple(nn.get_logical_axis_rules()) == parallel.DEFAULT_RULES
+        y = jax.jit(lambda x: nn.with_logical_constraint(x, ("batch", "length", "mlp")))(
+            jnp.zeros((8, 2, 4)))
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")), 3)

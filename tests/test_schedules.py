@@ -89,3 +89,13 @@ def test_create_schedule_errors():
     config.schedule = "linear"
     with pytest.raises(ValueError, match="optimizer.schedule='linear'"):
         schedules.create_schedule(config, 512)
+
+
+def test_paper_schedule_without_warmup_and_learning_rate_as_its_scale():
+    """warmup_steps=0 (allowed by the config) is read as 1, not 0^-1.5; learning_rate scales the
+    paper schedule when it comes from the config."""
+    lr = schedules.rsqrt_paper(512, 0)
+    np.testing.assert_allclose([float(lr(0)), float(lr(3))], [512**-0.5, 512**-0.5 * 0.5], rtol=1e-6)
+    config = default_optimizer_config()
+    config.learning_rate, config.warmup_steps = 2.0, 0
+    np.testing.assert_allclose(float(schedules.create_schedule(config, 512)(3)), 512**-0.5, rtol=1e-6)
