@@ -10,6 +10,7 @@ import tempfile
 
 import orbax.checkpoint as ocp
 import pytest
+from test_checkpoint import _tiny_state  # a three-number TrainState at a given step
 
 from configs import tiny
 from transformer_jax.config import ConfigError
@@ -331,16 +332,6 @@ def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt
     assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
     final = train_and_evaluate(tiny_config(data_dir, num_train_steps=12, resume_data_position=False), workdir)
     assert final["step"] == 12  # resumed from step 10, the pipeline started afresh
-
-
-def _tiny_state(step: int):
-    import jax
-    import jax.numpy as jnp
-
-    from transformer_jax.training.state import TrainState
-
-    params = {"w": jnp.full(3, float(step))}
-    return TrainState(step=jnp.int32(step), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
 
 
 def _save_tiny(workdir, step, data_iter=None, model_config=None):
