@@ -355,6 +355,32 @@ def test_user_files_and_bad_input(data_dir, tmp_path):
     assert data.train_size == 2
 
 
+def test_user_files_in_utf16_are_an_error_and_bad_lines_are_located(data_dir, tmp_path, caplog):
+    # Windows' "Unicode" is UTF-16: read as UTF-8 its lines are valid text with NULs in between,
+    # which used to become training pairs.
+    pairs = "hello world\tbonjour le monde\r\nthe cat\tle chat\r\n"
+    for encoding, name in (("utf-16", "UTF-16"), ("utf-32", "UTF-32")):
+        path = tmp_path / f"{encoding}.tsv"
+        path.write_bytes(pairs.encode(encoding))
+        with pytest.raises(DataError, match=f"{path}.* is {name}-encoded.*save it as UTF-8"):
+            inputs.build_datasets(_cfg("tsv", data_dir, train_files=[str(path)]),
+                                  str(tmp_path / "w"), shard=shard())
+    no_bom = tmp_path / "utf16le.txt"
+    no_bom.write_bytes(pairs.encode("utf-16-le"))
+    with pytest.raises(DataError, match="no usable lines"):
+        inputs.build_datasets(_cfg("text", data_dir, train_files=[str(no_bom)]),
+                              str(tmp_path / "w"), shard=shard())
+    # A UTF-8 byte-order mark is dropped, not kept in the first source; bad lines are counted
+    # with the file and line of the first of each kind.
+    bom = tmp_path / "bom.tsv"
+    bom.write_bytes(b"\xef\xbb\xbfcat\tchat\nno tab\ndog\tchien\nalso none\n\xff\tx\n")
+    with caplog.at_level("WARNING"):
+        lines = list(builders.read_lines([str(bom)], tsv=True))
+    assert lines == [("cat", "chat"), ("dog", "chien")]
+    assert f"no tab: 2 (first at {bom}:2)" in caplog.text
+    assert f"invalid UTF-8: 1 (first at {bom}:5)" in caplog.text
+
+
 def test_config_errors(data_dir, tmp_path):
     with pytest.raises(ValueError, match="Unknown dataset 'nope'"):
         inputs.default_dataset_config("nope")
@@ -363,6 +389,18 @@ def test_config_errors(data_dir, tmp_path):
     with pytest.raises(ValueError, match="Unknown dataset 'nope'"):
         inputs.build_datasets(cfg, str(tmp_path), shard=shard())
     with pytest.raises(ValueError, match="not found.*missing.txt"):
+        inputs.build_datasets(_cfg("text", data_dir, train_files=[str(tmp_path / "missing.txt")]),
+                              str(tmp_path), shard=shard())
+    # 'a.tsv,b.tsv' on the command line is one path: the error says how to give several.
+    (tmp_path / "a.txt").write_text("x\n")
+    for key in ("train", "eval"):
+        files = {f"{key}_files": [f"{tmp_path / 'a.txt'},{tmp_path / 'a.txt'}"]}
+        with pytest.raises(ValueError, match=rf"not found.*a.txt,.*a.txt; for several files give a "
+                                             rf"tuple, e.g. --config.dataset.{key}_files="):
+            inputs.build_datasets(_cfg("text", data_dir, **{"train_files": [str(tmp_path / "a.txt")],
+                                                            **files}),
+                                  str(tmp_path), shard=shard())
+    with pytest.raises(ValueError, match="not found.*missing.txt$"):  # no hint without a comma
         inputs.build_datasets(_cfg("text", data_dir, train_files=[str(tmp_path / "missing.txt")]),
                               str(tmp_path), shard=shard())
     with pytest.raises(ValueError, match="train_files"):

@@ -5,6 +5,7 @@ and generation (``encode_inputs`` and a tiny model: a clear ``GenerateError`` fo
 input, never a crash). ``TJ_FUZZ_EXAMPLES`` scales the number of examples (default CI size)."""
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from transformer_jax import presets
 from transformer_jax.data import builders, pipeline
 from transformer_jax.data import tokenizer as tk
+from transformer_jax.data.errors import DataError
 from transformer_jax.generate import DecodeOptions, GenerateError, Generator, encode_inputs, generate_texts
 from transformer_jax.params import build_model, dummy_inputs
 
@@ -108,10 +110,15 @@ LINE = st.one_of(
 def _expected(raw_lines, tsv):
     """What read_lines must yield: an independent restatement of its rules."""
     out, skipped = [], 0
-    for raw in raw_lines:
+    for i, raw in enumerate(raw_lines):
+        if i == 0 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is dropped
+            raw = raw[3:]
         try:
             line = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError:
+            skipped += 1
+            continue
+        if "\0" in line:  # NUL characters: not text
             skipped += 1
             continue
         fields = line.split("\t") if tsv else [line]
@@ -129,6 +136,10 @@ def test_user_files_with_garbage_lines(tok, tmp_path_factory, lines, tsv):
     data = b"\n".join(lines)
     path.write_bytes(data)
     raw_lines = _split_like_a_file(data)
+    if data.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")):  # UTF-16/32 mark
+        with pytest.raises(DataError, match=re.escape(str(path)) + " is UTF-(16|32)-encoded"):
+            list(builders.read_lines([str(path)], tsv=tsv))
+        return
     want, skipped = _expected(raw_lines, tsv)
     got = list(builders.read_lines([str(path)], tsv=tsv))
     assert got == want and len(got) + skipped == len(raw_lines)

@@ -238,6 +238,17 @@ def test_an_empty_input_file_is_an_error(capsys, tmp_path):
     assert f"--input_file='{tmp_path / 'in.txt'}' is empty" in err
 
 
+def test_input_file_gives_one_input_per_line(capsys, tmp_path):
+    # str.splitlines also breaks at form feeds, U+2028, U+0085, ...: those lines used to become
+    # two inputs, so out.txt had more lines than src.txt.
+    path = tmp_path / "in.txt"
+    path.write_bytes("\ufefffirst\r\na\x0cb\nc\u2028d\x85e\rlast\n".encode())
+    assert cli._read_file(str(path)) == ["first", "a\x0cb", "c\u2028d\x85e", "last"]
+    path.write_bytes(b"good\nalso good\nbad \xff byte\n")
+    err = cli_error(capsys, f"--workdir={tmp_path}", f"--input_file={path}")
+    assert "is not UTF-8 text (invalid start byte at line 3)" in err
+
+
 def test_step_flag_picks_the_checkpoint(capsys, tmp_path, monkeypatch):
     from transformer_jax.training import checkpoint
 

@@ -436,6 +436,13 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("optimizer.b2", 1.0, r"config.optimizer.b2=1.0 must be a number in \[0, 1\)"),
         ("optimizer.label_smoothing", 1.0, r"config.optimizer.label_smoothing=1.0 must be in \[0, 1\)"),
         ("beam_size", 0, r"config.beam_size=0 must be >= 1"),
+        # Refused by the tokenizer and the pipeline too, but only after the dataset is built and
+        # without naming the key.
+        ("dataset.vocab_size", 100, r"config.dataset.vocab_size=100 must be an integer >= 300"),
+        ("dataset.tokenizer_type", "wordpiece", r"config.dataset.tokenizer_type='wordpiece' is not"),
+        ("dataset.length_policy", "split", r"config.dataset.length_policy='split' is not one of "
+                                           r"\['truncate', 'drop'\] for dataset 'enfr_builtin'"),
+        ("dataset.length_policy", "cut", r"config.dataset.length_policy='cut' is not one of"),
     ],
 )
 def test_numeric_settings_out_of_range_are_named(key, value, message):

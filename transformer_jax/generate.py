@@ -402,13 +402,24 @@ def _read_inputs(prompts: Sequence[str], input_file: str | None) -> list[str]:
 
 
 def _read_file(input_file: str) -> list[str]:
+    """The lines of ``input_file``, one input each: split at line ends only (\\n, \\r\\n or
+    \\r), not at the other characters ``str.splitlines`` breaks at (form feed, U+2028, U+0085,
+    ...), which would give more outputs than input lines; a UTF-8 byte-order mark is dropped."""
     try:
-        with open(input_file, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(input_file, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise GenerateError(f"cannot read --input_file={input_file!r}: {e.strerror or e}") from e
+    data = data.removeprefix(b"\xef\xbb\xbf")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise GenerateError(f"--input_file={input_file!r} is not UTF-8 text ({e.reason})") from e
+        line = data[: e.start].count(b"\n") + 1
+        raise GenerateError(f"--input_file={input_file!r} is not UTF-8 text ({e.reason} at line "
+                            f"{line})") from e
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    if lines[-1] == "":  # the file's last line end, or an empty file
+        lines.pop()
     if not lines:
         raise GenerateError(f"--input_file={input_file!r} is empty")
     return lines

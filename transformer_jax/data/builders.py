@@ -214,43 +214,77 @@ def files_config(train_files: Sequence[str], eval_files: Sequence[str]) -> Files
     for tag, paths in (("train", train_files), ("eval", eval_files)):
         for p in paths:
             if not os.path.isfile(p):
-                raise DataError(f"Data file not found: {p}")
+                # A comma-separated list on the command line arrives as one path.
+                hint = (f"; for several files give a tuple, e.g. --config.dataset.{tag}_files="
+                        f"\"('a.tsv', 'b.tsv')\"" if "," in p else "")
+                raise DataError(f"Data file not found: {p}{hint}")
             st = os.stat(p)
             h.update(f"{tag}\0{p}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return FilesConfig(name="f" + h.hexdigest()[:16], train_files=train_files,
                        eval_files=eval_files)
 
 
+# Byte-order marks of the encodings a user file is most often saved in by mistake (Windows
+# "Unicode" is UTF-16 LE): read line by line as UTF-8, such a file would give lines of text
+# interleaved with NUL characters, which are valid UTF-8, instead of an error.
+_UTF16_32_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32",
+                  b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _check_encoding(path: str, head: bytes) -> None:
+    """A :class:`DataError` naming ``path`` if its first bytes mark it as UTF-16 or UTF-32."""
+    for bom, encoding in _UTF16_32_BOMS.items():  # UTF-32 LE first: it starts like UTF-16 LE
+        if head.startswith(bom):
+            raise DataError(f"Data file {path} is {encoding}-encoded (it starts with a "
+                            f"{encoding} byte-order mark); save it as UTF-8")
+
+
 def read_lines(paths: Sequence[str], *, tsv: bool) -> Iterator[tuple[str, ...]]:
     """Yields clean lines (or (source, target) pairs) from files; bad lines are skipped, counted
-    and reported once at the end with absl logging."""
+    and reported once at the end with absl logging, each kind with the file and line number of
+    its first case. A file in UTF-16 or UTF-32 (by its byte-order mark) is a :class:`DataError`;
+    a UTF-8 byte-order mark is dropped."""
     skipped: collections.Counter = collections.Counter()
+    first: dict[str, str] = {}  # kind -> 'path:line' of its first case
+
+    def skip(kind: str, path: str, number: int) -> None:
+        skipped[kind] += 1
+        first.setdefault(kind, f"{path}:{number}")
+
     for path in paths:
         with open(path, "rb") as f:
-            for raw in f:
+            for number, raw in enumerate(f, start=1):
+                if number == 1:
+                    _check_encoding(path, raw)
+                    raw = raw.removeprefix(_UTF8_BOM)
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError:
-                    skipped["invalid UTF-8"] += 1
+                    skip("invalid UTF-8", path, number)
+                    continue
+                if "\0" in line:  # never text; UTF-16 without a byte-order mark
+                    skip("NUL characters", path, number)
                     continue
                 line = line.rstrip("\r\n")
                 if not line.strip():
-                    skipped["empty or whitespace-only"] += 1
+                    skip("empty or whitespace-only", path, number)
                     continue
                 if not tsv:
                     yield (line,)
                     continue
                 fields = line.split("\t")
                 if len(fields) != 2:
-                    skipped["no tab" if len(fields) == 1 else "more than one tab"] += 1
+                    skip("no tab" if len(fields) == 1 else "more than one tab", path, number)
                     continue
                 if not fields[0].strip() or not fields[1].strip():
-                    skipped["empty source or target"] += 1
+                    skip("empty source or target", path, number)
                     continue
                 yield fields[0], fields[1]
     if skipped:
         logging.warning("Skipped %d lines of %s: %s", sum(skipped.values()), list(paths),
-                        dict(skipped))
+                        "; ".join(f"{kind}: {n} (first at {first[kind]})"
+                                  for kind, n in skipped.items()))
 
 
 class _FilesBuilder(_Builder, skip_registration=True):
@@ -350,9 +384,11 @@ def builtin_builder(name: str, data_dir: str, config: str | None = None,
         config = files_config(train_files, eval_files)  # checks that the files exist
         for tag, files in (("train_files", train_files), ("eval_files", eval_files)):
             if files and next(read_lines(files, tsv=name == "tsv"), None) is None:
-                raise DataError(f"dataset {name!r}: no usable lines in {tag} {list(files)} "
-                                f"(empty, whitespace-only, invalid UTF-8 or, for TSV, not "
-                                f"'source<TAB>target')")
+                raise DataError(f"dataset {name!r}: no usable lines in {tag} {list(files)}: "
+                                f"they are empty, or every line is whitespace-only, invalid "
+                                f"UTF-8, has NUL characters or, for TSV, is not "
+                                f"'source<TAB>target' (a warning counts the skipped lines and "
+                                f"names the first of each kind)")
         cls = TranslationFiles if name == "tsv" else TextFiles
         return prepare(cls(config=config, **kwargs))
     raise DataError(f"Unknown built-in dataset {name!r}")

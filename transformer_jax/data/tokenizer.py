@@ -44,6 +44,9 @@ CHECKPOINT_DIRNAME = "checkpoints"
 # SentencePiece's meta symbol for a space. Literal occurrences in the input are spelled with byte
 # pieces so that they do not come back as spaces.
 _SPACE_SYMBOL = "\u2581"
+# 256 byte-fallback pieces, the 4 special ids and room for a few merges.
+MIN_VOCAB_SIZE = 300
+TOKENIZER_TYPES = ("bpe", "unigram")
 # Bumped whenever the training settings below change, so that cached tokenizers are retrained.
 _SETTINGS_VERSION = 1
 
@@ -58,12 +61,12 @@ class TokenizerSettings:
     max_sentence_chars: int = 4096
 
     def __post_init__(self):
-        if self.model_type not in ("bpe", "unigram"):
+        if self.model_type not in TOKENIZER_TYPES:
             raise DataError(f"tokenizer model_type must be 'bpe' or 'unigram', got "
                             f"{self.model_type!r}")
-        if self.vocab_size < 300:
-            raise DataError(f"vocab_size must be >= 300 (256 byte pieces + specials), got "
-                            f"{self.vocab_size}")
+        if self.vocab_size < MIN_VOCAB_SIZE:
+            raise DataError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte pieces + specials), "
+                            f"got {self.vocab_size}")
 
 
 class Tokenizer:

@@ -14,6 +14,7 @@ from ml_collections import config_dict
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DATASET_NAMES
 from transformer_jax.data.inputs import LM_DATASETS, TRANSLATION_DATASETS
+from transformer_jax.data.tokenizer import MIN_VOCAB_SIZE, TOKENIZER_TYPES
 from transformer_jax.training.evaluate import EVAL_METRICS
 from transformer_jax.training.optimizer import OPTIMIZERS
 from transformer_jax.training.schedules import SCHEDULES
@@ -136,6 +137,21 @@ def _check_numbers(config) -> None:
     lengths = ("max_source_len", "max_target_len") if ds.name in TRANSLATION_DATASETS else ("max_len",)
     for key in lengths:
         _positive_int(ds, key, 1, "config.dataset")
+    _check_tokenizer_and_lengths(ds)
+
+
+def _check_tokenizer_and_lengths(ds) -> None:
+    """The dataset settings the tokenizer and the pipeline would otherwise refuse only after the
+    dataset is built, without naming the config key."""
+    _positive_int(ds, "vocab_size", MIN_VOCAB_SIZE, "config.dataset")  # byte pieces + specials
+    if ds.tokenizer_type not in TOKENIZER_TYPES:
+        raise ConfigError(f"config.dataset.tokenizer_type={ds.tokenizer_type!r} is not one of "
+                          f"{list(TOKENIZER_TYPES)}")
+    policies = ("truncate", "drop", "split") if ds.name in LM_DATASETS else ("truncate", "drop")
+    if ds.length_policy not in policies:
+        why = " ('split' cuts decoder-only documents)" if ds.length_policy == "split" else ""
+        raise ConfigError(f"config.dataset.length_policy={ds.length_policy!r} is not one of "
+                          f"{list(policies)} for dataset {ds.name!r}{why}")
 
 
 def _check_keep_best(config) -> None:
