@@ -1,11 +1,14 @@
 """ModelConfig validation, presets and parameter counts against the paper's Table 3."""
 
 import dataclasses
+import json
 
 import jax
+import numpy as np
 import pytest
 
 import transformer_jax as tj
+from transformer_jax.config import ConfigError
 
 
 def test_defaults_are_the_papers_base_model():
@@ -44,6 +47,19 @@ def test_bad_values_name_the_field(field, value):
 
     with pytest.raises(ConfigError, match=rf"ModelConfig\.{field}="):
         tj.ModelConfig(**{field: value})
+
+
+def test_numpy_scalars_are_taken_as_the_numbers_they_equal():
+    """A size computed with NumPy was refused: "vocab_size=np.int64(100): must be a positive integer"."""
+    c = tj.presets.tiny(vocab_size=np.int64(100), num_heads=np.int32(4), dropout_rate=np.float64(0.25),
+                        use_bias=np.bool_(False))
+    assert c == tj.presets.tiny(vocab_size=100, num_heads=4, dropout_rate=0.25, use_bias=False)
+    assert type(c.vocab_size) is int and type(c.use_bias) is bool
+    assert tj.ModelConfig.from_dict(json.loads(c.to_json())) == c  # JSON cannot write NumPy types
+    with pytest.raises(ConfigError, match=r"ModelConfig\.d_model=0: must be a positive integer"):
+        tj.presets.tiny(d_model=np.int64(0))
+    with pytest.raises(ConfigError, match=r"ModelConfig\.d_ff=True"):
+        tj.presets.tiny(d_ff=np.bool_(True))
 
 
 def test_head_dim_allows_indivisible_d_model():

@@ -269,6 +269,20 @@ def test_top_k_and_top_p_sample_the_renormalised_truncated_softmax(temperature, 
     assert chi2 < 30.0, (chi2, counts, np.round(draws * expected))  # <= 6 dof: P(chi2 > 30) < 1e-4
 
 
+def test_traced_top_p_of_one_keeps_every_token():
+    """A traced top_p compiles the filter in, and 1.0 must keep the whole vocabulary: with one
+    dominant token the float32 running sum reaches 1.0 before the tail, which the filter used to
+    drop (mass before token 1 = 1 + 2e-9 - 2e-9 rounds to 1.0, not < 1.0)."""
+    from transformer_jax.decoding.sampling import _top_p_mask
+
+    logits = jnp.asarray([[20.0, 0.0, 0.0, -1.0], [0.0, 1.0, 2.0, 3.0]])
+    kept = jax.jit(_top_p_mask)(logits, jnp.float32(1.0))
+    np.testing.assert_array_equal(kept, logits)
+    # Just below 1.0, the tail of the first row (mass 6e-9) goes; the second row keeps 4 tokens.
+    kept = jax.jit(_top_p_mask)(logits, jnp.float32(0.999))
+    assert (np.asarray(kept) > -1e29).sum(axis=-1).tolist() == [1, 4]
+
+
 def test_top_p_alone_and_same_key_same_tokens():
     table = history_params(4, rows=V)
     previous, a = _sample_bigram(table, seed=5, temperature=1.0, top_p=0.9)
@@ -383,6 +397,12 @@ def test_padding_helpers_fill_the_right_with_pad_id():
     np.testing.assert_array_equal(tokens, [[5, 6, 7, 9, 9], [8, 9, 9, 9, 9]])
     np.testing.assert_array_equal(lengths, [3, 1])
     assert tokens.dtype == np.int32
+    # a 2-D array of prompts: `not prompts` raised numpy's "truth value ... is ambiguous"
+    tokens, lengths = decoding.pad_prompts(np.array([[5, 6, 7], [8, 9, 4]]), pad_id=9, buckets=[4])
+    np.testing.assert_array_equal(tokens, [[5, 6, 7, 9], [8, 9, 4, 9]])
+    np.testing.assert_array_equal(lengths, [3, 3])
+    with pytest.raises(ValueError, match=r"a list of prompts, each a list of token ids"):
+        decoding.pad_prompts([5, 6, 7])  # one prompt, not a list of them: len() of an int
     padded = decoding.pad_to_bucket(np.array([[3, 4, 5], [6, 7, 8]], np.int32), pad_id=2, buckets=[4, 6])
     np.testing.assert_array_equal(padded, [[3, 4, 5, 2], [6, 7, 8, 2]])
 

@@ -306,9 +306,16 @@ def test_decoding_stops_at_the_models_own_eos_by_default(lm, seq2seq):
     explicit = beam_search(LMStep(tj.TransformerLM(own)), params, cache(own), prompt, lengths,
                            max_new_tokens=STEPS, beam_size=2, eos_id=first, pad_id=pad)
     np.testing.assert_array_equal(beams.tokens, explicit.tokens)
-    # through wrappers too; a step function with no model keeps 1 / 0; a model without pad_id gets 0
+    # through wrappers too; a step function with no model keeps 1 / 0; a model without pad_id pads
+    # with the EOS it stops at (as Hugging Face does), and with 0 only when it has no EOS either
     gpt2_like = tj.TransformerLM(CONFIG.replace(eos_id=50, pad_id=None))
-    assert resolve_special_ids(BanTokensStep(LMStep(gpt2_like), (3,)), "model", "model") == (50, 0)
+    assert resolve_special_ids(BanTokensStep(LMStep(gpt2_like), (3,)), "model", "model") == (50, 50)
+    assert resolve_special_ids(LMStep(gpt2_like), 7, "model") == (7, 7)
+    assert resolve_special_ids(LMStep(gpt2_like), None, "model") == (None, 0)
+    assert resolve_special_ids(LMStep(gpt2_like), "model", 3) == (50, 3)
+    gpt2_like = tj.TransformerLM(CONFIG.replace(eos_id=first, pad_id=None))
+    out = generate(LMStep(gpt2_like), params, cache(CONFIG), prompt, lengths, max_new_tokens=STEPS)
+    assert int(out.lengths[0]) == 1 and out.tokens[0].tolist() == [first] * STEPS
     assert resolve_special_ids(Seq2SeqStep(seq2seq[0]), "model", "model") == (CONFIG.eos_id, CONFIG.pad_id)
     assert resolve_special_ids(lambda *a: a, "model", "model") == (1, 0)
     with pytest.raises(ValueError, match="eos_id must be an integer, None or 'model'"):

@@ -250,6 +250,23 @@ def test_encoder_decoder_cache_equals_full_recomputation(variant):
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
 
 
+def test_encoder_decoder_refuses_a_cache_without_the_source():
+    """`tj.init_cache` builds a TransformerLM's cache (no cross-attention K/V). Given to the
+    encoder-decoder, each block's cross-attention attended over the new target tokens instead
+    of the source: logits that ignored the source (off by ~5 here), silently."""
+    cfg = config()
+    src, tgt = tokens(1, (2, 5)), tokens(2, (2, 3))
+    model, params = init_ed(cfg, src, tgt)
+    with pytest.raises(ValueError, match=r"holds the encoded source: build it with tj.encode_source"):
+        model.apply({"params": params}, src, tgt, cache=tj.init_cache(cfg, 2, 8))
+    step = tj.Seq2SeqStep(model)
+    with pytest.raises(ValueError, match=r"tj.init_cache builds a TransformerLM's cache"):
+        tj.decoding.generate(step, params, tj.init_cache(cfg, 2, 8), tgt[:, :1], jnp.ones(2, jnp.int32),
+                             max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"this decoder has cross-attention: pass memory"):
+        model.apply({"params": params}, tgt, method=lambda m, t: m.decoder(t))
+
+
 def test_bfloat16_compute_stays_close_to_float32():
     cfg32 = config(d_model=64, num_heads=4, d_ff=128)
     cfg16 = cfg32.replace(dtype="bfloat16")

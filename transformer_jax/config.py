@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 NORM_PLACEMENTS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -80,6 +81,12 @@ class ModelConfig:
     decoder_start_id: int = 2  # first decoder input token (Marian uses pad_id)
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            # NumPy scalars (a size computed with numpy, np.int64) as the Python numbers they
+            # equal: the checks below take int / float, and to_json cannot write NumPy types.
+            if isinstance(value, np.number | np.bool_):
+                object.__setattr__(self, field.name, value.item())
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if not isinstance(value, str):

@@ -248,7 +248,8 @@ def beam_search(
         depend on the longer limits of the rows batched with it). Traced: no recompilation.
       eos_id: ends a hypothesis; None: every hypothesis runs to its row's limit. Default: the
         model's ``eos_id`` (from ``step_fn.model.config``, as in `generate`), else 1.
-      pad_id: written after EOS. Default: the model's ``pad_id`` (0 if it has none).
+      pad_id: written after EOS. Default: the model's ``pad_id`` (if it has none, the EOS id, as
+        Hugging Face does; 0 without either).
 
     Returns:
       BeamOutput(tokens [B, K, T], scores [B, K], logprobs [B, K], lengths [B, K]), best first.

@@ -128,8 +128,11 @@ def pad_prompts(
     must hold P + max_new_tokens positions (padding is written to the cache during prefill, then
     overwritten).
     """
-    if not prompts:
+    if len(prompts) == 0:  # not `not prompts`: a 2-D array of prompts has no truth value
         raise ValueError("no prompts given")
+    if any(np.ndim(p) != 1 for p in prompts):
+        raise ValueError("pad_prompts takes a list of prompts, each a list of token ids "
+                         "(one prompt: pad_prompts([prompt]))")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() < 1:
         raise ValueError(f"empty prompt at index {int(lengths.argmin())}")
@@ -164,7 +167,8 @@ def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p
+    # top_p >= 1 keeps every token: in float32 the running sum can reach 1 before the tail.
+    keep = (mass_before < top_p) | (top_p >= 1.0)
     # The smallest logit still kept is the cut-off (keep[:, 0] is always true).
     cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits < cutoff, NEG_INF, logits)
@@ -424,6 +428,8 @@ def _row_limits(max_new_tokens_per_row, batch: int, max_new_tokens: int):
 
 # The default of `eos_id` / `pad_id`: the model's own (``ModelConfig.eos_id`` / ``pad_id``) when the
 # step function carries one (`LMStep`, `Seq2SeqStep` and wrappers with a ``step`` attribute), else 1 / 0.
+# A model without a pad id (GPT-2) pads finished rows with its EOS, as Hugging Face's generate does:
+# 0 is a real token there ('!'), so a row printed whole would end in '!!!!'.
 FROM_MODEL = "model"
 DEFAULT_EOS_ID, DEFAULT_PAD_ID = 1, 0
 
@@ -451,7 +457,12 @@ def resolve_special_ids(step_fn, eos_id, pad_id) -> tuple[int | None, int]:
     if isinstance(pad_id, str):
         if pad_id != FROM_MODEL:
             raise ValueError(f"pad_id must be an integer or {FROM_MODEL!r}, got {pad_id!r}")
-        pad_id = config.pad_id if config is not None and config.pad_id is not None else DEFAULT_PAD_ID
+        if config is None:
+            pad_id = DEFAULT_PAD_ID
+        elif config.pad_id is not None:
+            pad_id = config.pad_id
+        else:
+            pad_id = eos_id if eos_id is not None else DEFAULT_PAD_ID
     return (None if eos_id is None else int(eos_id)), int(pad_id)
 
 
@@ -499,7 +510,8 @@ def generate(
       eos_id: a row stops after emitting it (later tokens are ``pad_id``); None never stops.
         Default: the model's ``eos_id`` (`FROM_MODEL`: from ``step_fn.model.config``, so a
         checkpoint imported with its own ids stops at its own EOS), else 1.
-      pad_id: the token written after EOS. Default: the model's ``pad_id`` (0 if it has none).
+      pad_id: the token written after EOS. Default: the model's ``pad_id`` (if it has none, the EOS
+        id, as Hugging Face does; 0 without either).
 
     Returns:
       GenerateOutput(tokens [B, T], lengths [B], logprobs [B, T]).

@@ -301,6 +301,9 @@ class Decoder(_Stack):
                 raise ValueError("with a cache, positions follow cache.lengths and the source is the "
                                  "cache's: segment_ids, positions and memory cannot be given")
             return self._decode_cached(tokens, cache, num_valid, deterministic, last_only)
+        if self.cross_attention and memory is None:
+            # Without it, each block's cross-attention would attend over the target itself.
+            raise ValueError("this decoder has cross-attention: pass memory (the encoder output)")
         if last_only:
             raise ValueError("last_only=True needs a cache (it picks each row's last of num_valid tokens)")
         if positions is None:
@@ -329,6 +332,14 @@ class Decoder(_Stack):
         if cache.lengths.shape != (B,):
             raise ValueError(f"the KV cache is built for batch size {cache.lengths.shape[0]}, the "
                              f"tokens have {B} rows")
+        if self.cross_attention and cache.cross is None:
+            # A cache without the source's K/V would turn each block's cross-attention into an
+            # unmasked attention over the new target tokens: logits that ignore the source.
+            raise ValueError(
+                "an encoder-decoder decodes from a cache that holds the encoded source: build it "
+                "with tj.encode_source(model, params, src, max_length) or model.apply(variables, "
+                "src, max_length, method='init_cache'); tj.init_cache builds a TransformerLM's "
+                "cache, which has no cross-attention keys and values")
         lengths = cache.lengths
         positions = lengths[:, None] + jnp.arange(L)[None, :]
         self_mask = masks.cache_spec(lengths, L, cache.max_length)
