@@ -76,12 +76,16 @@ _define_config_flag()
 
 
 def _parse_flags(argv):
-    """absl's flag parsing (which reports bad flags on one line), with the same for the errors
-    ml_collections raises from the config file and its overrides."""
+    """absl's flag parsing, with one 'error: ...' line and status 2 for a bad flag or value (absl
+    alone prints 'FATAL Flags parsing error' and exits 1) and for the errors ml_collections
+    raises from the config file and its overrides."""
     try:
-        argv = app.parse_flags_with_usage(argv)
+        argv = flags.FLAGS(argv)
         flags.FLAGS.config.keys()  # a file that failed to load raises only when read
         return argv
+    except flags.Error as e:  # an unknown flag, or a value of the wrong type (--config.x=abc)
+        print(f"error: {e} (--helpshort lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(2)
     except Exception as e:  # noqa: BLE001 - anything from the user's config file: no traceback
         print(f"error: {_config_problem(e)}", file=sys.stderr, flush=True)
         sys.exit(2)

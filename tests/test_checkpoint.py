@@ -83,6 +83,30 @@ def test_restart_resumes_bit_for_bit_and_logs_each_step_once(data_dir, tmp_path,
     assert any(payload.endswith(marker) for payload in metrics.read_events(newest))
 
 
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(data_dir, tmp_path, reference):
+    """With no checkpoint left (killed before the first save completed), the rerun starts from step
+    0 and trains steps 1.. again: the killed run's records of them were kept, so each appeared twice
+    in metrics.jsonl, and TensorBoard got no restart marker."""
+    import glob
+    import json
+    import shutil
+
+    from transformer_jax.training import metrics
+
+    workdir = str(tmp_path / "w")
+    train_and_evaluate(tiny_config(data_dir, num_train_steps=5), workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "5"))  # as if killed while writing step 5
+    assert Checkpointer(workdir).latest_step() is None
+    train_and_evaluate(tiny_config(data_dir), workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        steps = [r["step"] for r in map(json.loads, f) if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))
+    assert train_losses(workdir) == reference[0]
+    newest = sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")))[-1]
+    marker = bytes([0x10, 1, 0x3A, 2, 0x08, 1])  # SessionLog START at step 1: earlier steps purged
+    assert any(payload.endswith(marker) for payload in metrics.read_events(newest))
+
+
 def _train_py(workdir, data_dir, steps=STEPS, extra=()):
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     args = [
@@ -163,13 +187,15 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(data_dir, tmp_path, re
 
 def test_a_stop_between_logging_steps_logs_the_steps_before_it(data_dir, tmp_path, reference, monkeypatch):
     """Logging every 4 steps, stopped after step 6: steps 5-6 are logged at the stop (they were
-    dropped, and the resume starts after them), and the resumed run logs 7-8 at step 8."""
+    dropped, and the resume starts after them), and the resumed run logs 7-8 at step 8. The figures
+    returned at the stop say which step their evaluation is of (4, not the stop's 6)."""
     from transformer_jax.training import checkpoint as ckpt_lib
 
     workdir = str(tmp_path / "w")
     monkeypatch.setattr(ckpt_lib.PreemptionFlag, "reached", lambda self, manager, step: step == 6)
-    train_and_evaluate(tiny_config(data_dir, log_every_steps=4), workdir)
+    final = train_and_evaluate(tiny_config(data_dir, log_every_steps=4, eval_every_steps=4), workdir)
     monkeypatch.undo()
+    assert final["step"] == 6 and final["eval_step"] == 4 and "eval_loss" in final
     assert sorted(train_losses(workdir)) == [4, 6] and Checkpointer(workdir).latest_step() == 6
     train_and_evaluate(tiny_config(data_dir, log_every_steps=4, num_train_steps=8), workdir)
     losses, each = train_losses(workdir), reference[0]  # the reference logs every step

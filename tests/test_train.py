@@ -246,6 +246,20 @@ def test_logging_evaluation_and_checkpoints_follow_their_periods_and_the_last_st
         assert ratio == pytest.approx(np.mean(per_step[first:step]), rel=1e-9), step
 
 
+def test_a_profile_window_past_the_last_step_still_writes_its_trace(data_dir, tmp_path):
+    """The trace is written only when stopped: a window reaching past num_train_steps (steps 1..10 of
+    a 3-step run) was never stopped and left DIR/profile without a trace; a window of 0 steps
+    stopped a trace not yet started (RuntimeError at that step), now a config error."""
+    workdir = str(tmp_path / "run")
+    config = tiny_config(data_dir, num_train_steps=3, profile_start_step=1, profile_num_steps=10)
+    train_and_evaluate(config, workdir)
+    written = [f for _, _, files in os.walk(os.path.join(workdir, "profile")) for f in files]
+    assert any(f.endswith(".xplane.pb") for f in written), written
+    config.profile_num_steps = 0
+    with pytest.raises(ConfigError, match=r"config.profile_num_steps=0 must be an integer >= 1"):
+        check_config(config)
+
+
 def test_bleu_references_are_not_cut_at_max_target_len(data_dir, tmp_path, monkeypatch):
     """BLEU and exact match compare with the whole reference, not the reference cut at the
     training targets' max_target_len (sacreBLEU scores the real text)."""
@@ -428,6 +442,7 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("optimizer.warmup_steps", -5, r"config.optimizer.warmup_steps=-5 must be an integer >= 0"),
         ("max_checkpoints_to_keep", 0, r"config.max_checkpoints_to_keep=0 must be an integer >= 1"),
         ("dataset.max_eval_examples", -5, r"config.dataset.max_eval_examples=-5 must be an integer >= 0"),
+        ("dataset.num_workers", -1, r"config.dataset.num_workers=-1 must be an integer >= 0"),
         ("dataset.max_source_len", 0, r"config.dataset.max_source_len=0 must be an integer >= 1"),
         ("decode_max_len", -1, r"config.decode_max_len=-1 must be an integer >= 0"),
         ("decode_extra_len", -2, r"config.decode_extra_len=-2 must be an integer >= -1"),
@@ -451,6 +466,24 @@ def test_numeric_settings_out_of_range_are_named(key, value, message):
     config = tiny.get_config()
     section, _, field = key.rpartition(".")
     (config[section] if section else config)[field] = value
+    with pytest.raises(ConfigError, match=message):
+        check_config(config)
+
+
+@pytest.mark.parametrize(
+    "section, key, message",
+    [
+        ("", "evaluate_every_steps", r"config.evaluate_every_steps .*did you mean config.eval_every_steps"),
+        ("optimizer", "learning_rat", r"config.optimizer.learning_rat .*config.optimizer.learning_rate"),
+        ("dataset", "batchsize", r"config.dataset.batchsize .*did you mean config.dataset.batch_size"),
+        ("mesh", "model", r"config.mesh.model is not a setting the training program reads"),
+    ],
+)
+def test_a_key_no_code_reads_is_named(section, key, message):
+    """A typo in a config file used to train silently with the default in its place (the model's own
+    fields were already checked by ModelConfig)."""
+    config = tiny.get_config()
+    (config[section] if section else config)[key] = 1
     with pytest.raises(ConfigError, match=message):
         check_config(config)
 
@@ -553,6 +586,12 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
         ("--config=" + str(tmp_path / "broken.py"),):
             f"error: reading --config failed (at {tmp_path / 'broken.py'}:2): "
             "NameError: name 'undefined_name' is not defined",
+        # a value of the wrong type, and a flag train.py does not have: absl alone exits 1
+        (tiny_py, "--config.num_train_steps=abc"):
+            "error: flag --config.num_train_steps=abc: invalid literal for int() with base 10: 'abc' "
+            "(--helpshort lists the flags)",
+        ("--wrkdir=x",): "error: Unknown command line flag 'wrkdir'. Did you mean: workdir ? "
+            "(--helpshort lists the flags)",
     }
     for flags, expected in cases.items():
         code, lines = _train_py_error(tmp_path, *flags)

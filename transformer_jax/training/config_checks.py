@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import types
@@ -134,6 +135,9 @@ def _check_numbers(config) -> None:
     _positive_int(config, "decode_max_len", 0)
     _positive_int(config, "decode_extra_len", -1)
     _positive_int(ds, "max_eval_examples", 0, "config.dataset")  # 0 = all
+    _positive_int(ds, "num_workers", 0, "config.dataset")  # 0 = in the main process
+    if config.profile_start_step >= 0:  # 0 steps would stop the trace before it started
+        _positive_int(config, "profile_num_steps")
     lengths = ("max_source_len", "max_target_len") if ds.name in TRANSLATION_DATASETS else ("max_len",)
     for key in lengths:
         _positive_int(ds, key, 1, "config.dataset")
@@ -174,6 +178,28 @@ def _check_keep_best(config) -> None:
             f"config.eval_every_steps={config.eval_every_steps}")
 
 
+def _check_unknown_keys(config) -> None:
+    """A key no code reads (a typo in a config file: ``optimizer.learning_rat``) would silently leave
+    the setting at its default; `ModelConfig` refuses its own unknown fields, this the others'."""
+    from transformer_jax.data import default_dataset_config
+    from transformer_jax.training.optimizer import default_optimizer_config
+
+    known = {
+        "": set(REQUIRED) | set(training_defaults()),
+        "dataset.": set(default_dataset_config()),
+        "optimizer.": set(default_optimizer_config()),
+        "mesh.": {"data", "fsdp", "tensor"},
+    }
+    for prefix, names in known.items():
+        section = config[prefix[:-1]] if prefix else config
+        if not hasattr(section, "keys"):
+            continue
+        for key in sorted(set(section.keys()) - names):
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            raise ConfigError(f"config.{prefix}{key} is not a setting the training program reads"
+                              + (f" (did you mean config.{prefix}{close[0]}?)" if close else ""))
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Raises ``ConfigError`` (a ValueError) naming the first bad key."""
     missing = [k for k in REQUIRED if k not in config]
@@ -187,6 +213,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"config is missing {unknown}; start configs from "
             "transformer_jax.training.config_checks.with_defaults"
         )
+    _check_unknown_keys(config)
     try:
         model = ModelConfig.from_dict(config.model.to_dict())
     except (ConfigError, TypeError) as e:

@@ -224,9 +224,10 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     preemption = ckpt_lib.PreemptionFlag()
 
     # --- the loop ---------------------------------------------------------------------------
-    history, tokens, skipped, summary, eval_metrics = [], 0, 0, {}, {}
-    last_log, pending = time.time(), None
+    history, tokens, skipped, summary, eval_metrics, evaluated_at = [], 0, 0, {}, {}, None
+    last_log, pending, tracing = time.time(), None, False
     profile_dir = os.path.join(workdir, "profile")
+    profile_end = config.profile_start_step + config.profile_num_steps
 
     def log_window(done: int) -> dict:
         summary = _summarise(history, tokens, time.time() - last_log, flops, peak)
@@ -239,6 +240,7 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
         for step in range(start_step, config.num_train_steps):
             if step == config.profile_start_step:
                 jax.profiler.start_trace(profile_dir)
+                tracing = True
             batch = next(data.train_iter)
             tokens += _non_pad_tokens(batch)
             state, step_metrics = train_step(state, to_global_batch(batch, mesh))
@@ -248,17 +250,15 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
                 skipped += _non_finite(config, pending[0], checkpointer, log)
             pending = (step, step_metrics)
             done = step + 1
-            profile_end = config.profile_start_step + config.profile_num_steps
-            if config.profile_start_step >= 0 and done == profile_end:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-                _say(f"Profiler trace of steps {config.profile_start_step}..{done - 1} in {profile_dir}")
+            if tracing and done == profile_end:
+                tracing = _stop_trace(state, config.profile_start_step, done, profile_dir)
             if done % config.log_every_steps == 0 or done == config.num_train_steps:
                 summary = log_window(done)
                 history, tokens, last_log = [], 0, time.time()
             evaluated = done % config.eval_every_steps == 0 or done == config.num_train_steps
             if evaluated:
                 eval_metrics = evaluate.evaluate_loss(eval_step, state.params, data.eval_batches, mesh)
+                evaluated_at = done
                 log.write(done, eval_metrics)
                 log.message(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
                 last_log = time.time()  # evaluation time does not count against tokens/s
@@ -277,9 +277,14 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
                             "checkpoint saved.")
                 break
 
+    if tracing:  # the window ran past the last step (or a stop): the trace is written only when stopped
+        _stop_trace(state, config.profile_start_step, done, profile_dir)
+
     # --- final evaluation -------------------------------------------------------------------
     checkpointer.wait()
     final = {**summary, **eval_metrics, "step": int(jax.device_get(state.step))}
+    if eval_metrics and evaluated_at != final["step"]:  # stopped between evaluations
+        final["eval_step"] = evaluated_at  # the step the evaluation figures are of
     if data.is_translation and final["step"] == config.num_train_steps and test_split:
         step, params = final["step"], state.params
         final.update(_translation_eval(config, workdir, model, params, data, mesh, test_split, log, step))
@@ -288,6 +293,14 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     checkpointer.close()
     log.close()
     return final
+
+
+def _stop_trace(state, first: int, done: int, profile_dir: str) -> bool:
+    """Ends the profiler trace of steps ``first..done - 1`` (written to disk only now); -> False."""
+    jax.block_until_ready(state)
+    jax.profiler.stop_trace()
+    _say(f"Profiler trace of steps {first}..{done - 1} in {profile_dir}")
+    return False
 
 
 def _non_finite(config, step: int, checkpointer, log) -> int:

@@ -211,11 +211,15 @@ class MetricsLogger:
             return
         os.makedirs(workdir, exist_ok=True)
         path = os.path.join(workdir, "metrics.jsonl")
-        if start_step > 0:  # resumed: steps after the checkpoint are trained (and logged) again
+        # Resumed, or started from step 0 over the records of a run killed before its first
+        # checkpoint: the steps after start_step are trained (and logged) again, so their old
+        # records go, or each would appear twice.
+        restarted = start_step > 0 or os.path.exists(path)
+        if restarted:
             _drop_records_after(path, start_step)
         self._jsonl = open(path, "a")  # noqa: SIM115
         self._events = EventWriter(os.path.join(workdir, "tensorboard"))
-        if start_step > 0:
+        if restarted:
             self._events.session_start(start_step)
         if use_wandb:
             self._wandb = _start_wandb(workdir, config)
