@@ -447,6 +447,46 @@ def test_not_a_checkpoint_directory(tmp_path):
         load_hf_checkpoint(tmp_path)
 
 
+def test_damaged_weight_files_are_named(tmp_path):
+    """A git-lfs pointer left by a clone without git-lfs, a file cut short by an interrupted
+    download, and a shard index naming absent files are ConversionErrors naming the file, not a
+    MemoryError, a numpy reshape error or a FileNotFoundError from deep in the reader."""
+    src = gpt2_checkpoint("gpt2_a")
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 45180\n"
+    with open(os.path.join(src, "model.safetensors"), "rb") as f:
+        whole = f.read()
+    cases = {
+        "model.safetensors": (pointer, "git-lfs pointer"),
+        "pytorch_model.bin": (pointer, "git-lfs pointer"),
+        "model.safetensors ": (whole[: len(whole) // 2], r"tensor '.*' .* cut short"),
+        "model.safetensors  ": (whole[:4], "not a safetensors file, or cut short"),
+    }
+    for n, (name, (data, message)) in enumerate(cases.items()):
+        directory = tmp_path / str(n)
+        directory.mkdir()
+        shutil.copy(os.path.join(src, "config.json"), directory / "config.json")
+        (directory / name.strip()).write_bytes(data)
+        with pytest.raises(ConversionError, match=rf"{name.strip()}: .*{message}"):
+            load_hf_checkpoint(directory)
+    directory = tmp_path / "shards"
+    directory.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), directory / "config.json")
+    shutil.copy(os.path.join(src, "model.safetensors"), directory / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"wte.weight": "model-00001-of-00002.safetensors",
+                            "wpe.weight": "model-00002-of-00002.safetensors"}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match=r"missing: \['model-00002-of-00002.safetensors'\]"):
+        load_hf_checkpoint(directory)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ConversionError, match="no 'weight_map'"):
+        load_hf_checkpoint(directory)
+
+
+def test_misspelt_override_is_not_called_a_trained_value():
+    with pytest.raises(ConversionError, match=r"\['dropuot_rate'\] is not a ModelConfig field"):
+        load_hf_config(gpt2_checkpoint("gpt2_a"), dropuot_rate=0.0)
+
+
 # ----------------------------------------------------------------------------- tokenizers
 
 TEXTS = ["the cold coffee", "Hello world, hello there!", "a great cat drank", "unseen ünïcode 🙂 text"]
@@ -517,3 +557,28 @@ def test_marian_tokenizer_takes_special_token_names_from_its_config(tmp_path):
         assert ours.encode_source(text) == ids
         padded = ids + [theirs.pad_token_id] * 2
         assert ours.decode(padded) == theirs.decode(padded, skip_special_tokens=True)
+
+
+def test_tokenizer_of_another_model_is_refused():
+    """Tokenizer files whose ids run past config.json's vocab_size belong to another model: a
+    jitted embedding lookup would not refuse those ids (transformers' would), so the outputs
+    would be silently wrong."""
+    for src in (gpt2_checkpoint("gpt2_a"), marian_checkpoint("marian_swish")):
+        directory = _copy_checkpoint(src, lambda c: c.update(vocab_size=40))
+        with pytest.raises(ConversionError, match=r"token ids up to \d+, but config.json has vocab_size=40"):
+            load_hf_tokenizer(directory)
+
+
+def test_gpt2_tokenizer_from_merges_keeps_endoftext_one_token(tmp_path):
+    """From vocab.json + merges.txt, '<|endoftext|>' inside a text is the EOS token, as in
+    transformers' GPT2Tokenizer (and in tokenizer.json), not seven byte-level pieces."""
+    import transformers
+
+    directory = gpt2_checkpoint("gpt2_a")
+    for name in ("vocab.json", "merges.txt", "config.json"):
+        shutil.copy(os.path.join(directory, name), tmp_path / name)
+    ours = load_hf_tokenizer(tmp_path)
+    slow = transformers.GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    text = "the cat<|endoftext|>the dog"
+    assert ours.encode(text) == slow(text).input_ids == load_hf_tokenizer(directory).encode(text)
+    assert ours.eos_id in ours.encode(text)

@@ -374,3 +374,20 @@ def test_real_process_prints_outputs_and_nothing_on_stderr(tmp_path):
     assert len(proc.stdout.splitlines()) == 1 and proc.stderr == ""
     proc = subprocess.run(command + ["--verbosity=0"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and "orbax" in proc.stderr  # on request, the library's logs are back
+
+
+def test_bad_words_ids_in_config_json_are_banned_without_a_generation_config(tmp_path):
+    """Checkpoints saved before generation_config.json existed (older opus-mt snapshots) keep
+    ``bad_words_ids=[[pad]]`` in config.json, and transformers' generate bans them from there."""
+    import shutil
+
+    src = marian_checkpoint("marian_swish")
+    for name in os.listdir(src):
+        if name != "generation_config.json":
+            shutil.copy(os.path.join(src, name), tmp_path / name)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    config["bad_words_ids"] = [[config["pad_token_id"]]]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cli.load_hf_generator(str(tmp_path)).banned_ids == (config["pad_token_id"],)
+    assert cli.load_hf_generator(src).banned_ids == ()  # its generation_config.json bans none

@@ -66,8 +66,11 @@ def read_config(directory: str) -> dict:
 
 
 def read_generation_config(directory: str) -> dict:
+    """Generation settings (``bad_words_ids``, ...) as transformers reads them: from
+    generation_config.json, or, in a checkpoint saved before that file existed (older opus-mt
+    snapshots keep ``bad_words_ids=[[pad]]`` in config.json), from config.json."""
     path = os.path.join(directory, GENERATION_CONFIG_FILENAME)
-    return read_json(path) if os.path.exists(path) else {}
+    return read_json(path) if os.path.exists(path) else read_config(directory)
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -95,11 +98,41 @@ def _numpy_dtype(name: str, path: str):
     return _SAFETENSORS_DTYPES[name]
 
 
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """{name: array} of one .safetensors file, memory-mapped (read-only, no copy until used)."""
+_LFS_POINTER = b"version https://git-lfs"
+
+
+def _check_not_lfs_pointer(path: str) -> None:
+    """A clone made without git-lfs leaves ~130-byte text pointers where the weights should be;
+    say so instead of failing to parse them."""
     with open(path, "rb") as f:
-        (header_size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_size))
+        if f.read(len(_LFS_POINTER)) == _LFS_POINTER:
+            raise ConversionError(
+                f"{path}: a git-lfs pointer file, not the weights (the repository was cloned "
+                "without git-lfs): run `git lfs pull` in that directory"
+            )
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """{name: array} of one .safetensors file, memory-mapped (read-only, no copy until used).
+
+    A file that is not safetensors, or is cut short (an interrupted download), is a
+    ConversionError naming it (and the tensor that does not fit), not a parse error from numpy.
+    """
+    _check_not_lfs_pointer(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (header_size,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
+        if 8 + header_size > size:
+            raise ConversionError(
+                f"{path}: not a safetensors file, or cut short ({size} bytes, its header "
+                "claims more); download it again")
+        try:
+            header = json.loads(f.read(header_size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{path}: not a safetensors file (its header is not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path}: not a safetensors file (its header is not a JSON object)")
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
     tensors = {}
     for name, info in header.items():
@@ -107,13 +140,19 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
             continue
         start, end = info["data_offsets"]
         dtype = np.dtype(_numpy_dtype(info["dtype"], path))
-        tensors[name] = data[start:end].view(dtype).reshape(info["shape"])
+        shape = tuple(info["shape"])
+        if end > len(data) or end - start != dtype.itemsize * int(np.prod(shape)):
+            raise ConversionError(
+                f"{path}: tensor {name!r} ({info['dtype']} {list(shape)}) needs bytes {start}-{end} of "
+                f"{len(data)}: the file is cut short or corrupt; download it again")
+        tensors[name] = data[start:end].view(dtype).reshape(shape)
     return tensors
 
 
 def read_torch_bin(path: str) -> dict[str, np.ndarray]:
     """{name: array} of a PyTorch pickle, loaded with ``weights_only=True`` (never arbitrary code)."""
     torch = require("torch")
+    _check_not_lfs_pointer(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises pickle.UnpicklingError (or RuntimeError) for unsafe pickles
@@ -137,8 +176,15 @@ def read_torch_bin(path: str) -> dict[str, np.ndarray]:
 
 def _sharded(directory: str, index_name: str, reader) -> dict[str, np.ndarray]:
     index = read_json(os.path.join(directory, index_name))
+    if not isinstance(index.get("weight_map"), dict):
+        raise ConversionError(f"{os.path.join(directory, index_name)}: no 'weight_map' of tensor -> file")
+    filenames = sorted(set(index["weight_map"].values()))
+    missing = [name for name in filenames if not os.path.exists(os.path.join(directory, name))]
+    if missing:  # an interrupted or partial download
+        raise ConversionError(
+            f"{directory!r}: weight files listed in {index_name} are missing: {missing}")
     tensors = {}
-    for filename in sorted(set(index["weight_map"].values())):
+    for filename in filenames:
         tensors.update(reader(os.path.join(directory, filename)))
     return tensors
 

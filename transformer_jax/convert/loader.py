@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from transformer_jax.config import ConfigError, ModelConfig
@@ -41,6 +42,10 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
         config = _converter(hf_config, directory).config_from_hf(hf_config)
     except ConfigError as e:
         raise ConversionError(f"{directory}: config.json does not give a valid ModelConfig: {e}") from e
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:  # a misspelt field is not one the checkpoint "was trained for"
+        raise ConversionError(f"{directory}: {unknown} is not a ModelConfig field "
+                              f"(overridable: {sorted(OVERRIDABLE_FIELDS)})")
     fixed = sorted(set(overrides) - set(OVERRIDABLE_FIELDS))
     if config.position != "learned" and "max_len" in overrides:
         fixed.remove("max_len")  # computed positions extend to any length

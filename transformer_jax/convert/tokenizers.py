@@ -27,6 +27,11 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
+    @property
+    def max_id(self) -> int:
+        """The largest token id the tokenizer can produce."""
+        raise NotImplementedError
+
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
@@ -68,7 +73,14 @@ class ByteLevelBPETokenizer(HFTokenizer):
         tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
+        eos = tok.id_to_token(eos_id) if eos_id is not None else None
+        if eos is not None:  # '<|endoftext|>' in a text is one token, as GPT2Tokenizer reads it
+            tok.add_special_tokens([eos])
         return cls(tok, eos_id)
+
+    @property
+    def max_id(self) -> int:
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
 
     @property
     def vocab_size(self) -> int:
@@ -127,6 +139,10 @@ class MarianSentencePieceTokenizer(HFTokenizer):
     def vocab_size(self) -> int:
         return len(self._vocab)
 
+    @property
+    def max_id(self) -> int:
+        return max(self._vocab.values(), default=-1)
+
     def encode(self, text: str) -> list[int]:
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:
@@ -146,15 +162,24 @@ def load_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     model_type; a directory without config.json is tried as GPT-2-style BPE files)."""
     directory = os.fspath(path)
     model_type = "gpt2"
-    eos_id = None
+    config = {}
     if os.path.exists(os.path.join(directory, "config.json")):
         config = read_config(directory)
         model_type = config.get("model_type")
-        eos_id = config.get("eos_token_id")
     if model_type == "gpt2":
-        return ByteLevelBPETokenizer.from_directory(directory, eos_id)
-    if model_type == "marian":
-        return MarianSentencePieceTokenizer.from_directory(directory)
-    raise ConversionError(
-        f"{directory}: no tokenizer for model_type {model_type!r}; supported: ['gpt2', 'marian']"
-    )
+        tokenizer = ByteLevelBPETokenizer.from_directory(directory, config.get("eos_token_id"))
+    elif model_type == "marian":
+        tokenizer = MarianSentencePieceTokenizer.from_directory(directory)
+    else:
+        raise ConversionError(
+            f"{directory}: no tokenizer for model_type {model_type!r}; supported: ['gpt2', 'marian']"
+        )
+    # Tokenizer files of another model give ids past the embedding table, which a jitted lookup
+    # does not refuse (it reads NaN or a clamped row): the output would be silently wrong.
+    vocab_size = config.get("vocab_size")
+    if isinstance(vocab_size, int) and tokenizer.max_id >= vocab_size:
+        raise ConversionError(
+            f"{directory}: the tokenizer files give token ids up to {tokenizer.max_id}, but config.json "
+            f"has vocab_size={vocab_size}: they belong to another model"
+        )
+    return tokenizer
