@@ -103,7 +103,11 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     from transformer_jax.training import USER_ERRORS, train_and_evaluate
 
-    parallel.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    try:
+        parallel.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    except USER_ERRORS as e:  # e.g. JAX_NUM_PROCESSES=two
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     config = flags.FLAGS.config
     if _PROFILE_START.value is not None:
         config.profile_start_step = _PROFILE_START.value

@@ -300,6 +300,26 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
         restore_for_inference(workdir, step=99)
 
 
+def test_a_damaged_average_is_caught_when_it_is_loaded(reference, tmp_path):
+    """The averaged step is sealed like a training step: a flipped byte in its array data is caught
+    (without a manifest, orbax read it as silently changed weights)."""
+    from transformer_jax.training import integrity
+
+    out = average_checkpoints(reference[1], last_k=2, output_workdir=str(tmp_path / "avg"))
+    directory = os.path.join(out, "checkpoints")
+    assert integrity.verify(directory, 20).status == "ok"
+    step_dir = integrity.step_dir(directory, 20)
+    data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params")) for f in fs]
+    biggest = max(data, key=os.path.getsize)
+    with open(biggest, "rb+") as f:
+        f.seek(os.path.getsize(biggest) // 10)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(integrity.CheckpointCorruptError, match=r"step 20: .*has changed"):
+        restore_for_inference(out)
+
+
 def test_average_names_a_step_removed_while_reading(reference, tmp_path, monkeypatch):
     """A run still training in the workdir deletes old steps: one that vanishes mid-read is named as
     removed, not called corrupt (with advice to move it away)."""

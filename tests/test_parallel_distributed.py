@@ -35,6 +35,18 @@ def test_detect_cluster(env, expected):
     assert distributed.detect_cluster(env) == expected
 
 
+def test_a_non_integer_process_count_names_its_variable(monkeypatch):
+    """int()'s bare "invalid literal for int() with base 10: 'two'" named nothing; train.py shows
+    this one as an 'error:' line with status 2."""
+    from transformer_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"environment variable JAX_NUM_PROCESSES='two' must be an integer"):
+        distributed.resolve_arguments(None, None, None, {"JAX_NUM_PROCESSES": "two"})
+    with pytest.raises(ConfigError, match=r"SLURM_NTASKS='4x' must be an integer"):
+        distributed.detect_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4x"})
+    assert distributed.resolve_arguments(None, None, None, {"JAX_PROCESS_ID": " 3 "}) == (None, None, 3)
+
+
 def test_single_process_is_a_no_op(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)

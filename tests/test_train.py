@@ -409,6 +409,7 @@ def test_window_throughput_counts_real_tokens_and_mfu_every_step_of_it(monkeypat
     [
         ("mesh.data", 3, "mesh.data"),
         ("dataset.batch_size", 12, "dataset.batch_size"),
+        ("dataset.eval_batch_size", 12, r"dataset.eval_batch_size=12 must be divisible by mesh.data"),
         ("model.num_heads", 5, "config.model"),
         ("optimizer.name", "sgd", "config.optimizer.name"),
         ("num_train_steps", 0, "config.num_train_steps"),

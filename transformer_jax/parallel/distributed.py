@@ -20,14 +20,21 @@ import jax
 from absl import logging
 from jax.experimental import multihost_utils
 
+from transformer_jax.config import ConfigError
+
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    """The integer in environment variable ``name`` (None if unset or empty); anything else is a
+    ``ConfigError`` naming the variable, not int()'s bare 'invalid literal'."""
     value = env.get(name, "").strip()
-    return int(value) if value else None
+    try:
+        return int(value) if value else None
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} must be an integer") from None
 
 
 def detect_cluster(env: Mapping[str, str] | None = None) -> str | None:

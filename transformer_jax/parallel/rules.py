@@ -156,8 +156,9 @@ def batch_shard_count(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:
 
 
 def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES,
-                          grad_accum_steps: int = 1):
-    """Fails early, naming ``dataset.batch_size``, if the global batch cannot be split evenly.
+                          grad_accum_steps: int = 1, key: str = "dataset.batch_size"):
+    """Fails early, naming the config ``key`` (``dataset.batch_size``, or ``dataset.eval_batch_size``
+    for the evaluation batches), if the global batch cannot be split evenly.
 
     The batch must divide over the batch mesh axes and over the processes (each process loads
     ``batch_size // jax.process_count()`` rows), and so must each of ``grad_accum_steps``
@@ -172,17 +173,17 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, rules: LogicalRules = DEF
     if batch_size % shards:
         sizes = " * ".join(str(mesh.shape[a]) for a in axes)
         raise ConfigError(
-            f"dataset.batch_size={batch_size} must be divisible by {split} = "
+            f"{key}={batch_size} must be divisible by {split} = "
             f"{sizes + ' = ' if len(axes) > 1 else ''}{shards} (the ways the batch is split)."
         )
     if (batch_size // grad_accum_steps) % shards:
         raise ConfigError(
-            f"dataset.batch_size={batch_size} / optimizer.grad_accum_steps={grad_accum_steps} = "
+            f"{key}={batch_size} / optimizer.grad_accum_steps={grad_accum_steps} = "
             f"{batch_size // grad_accum_steps} rows per micro-batch, which must be divisible by the "
             f"{shards} ways the batch is split ({split})")
     if batch_size % processes:
         raise ConfigError(
-            f"dataset.batch_size={batch_size} must be divisible by the number of processes "
+            f"{key}={batch_size} must be divisible by the number of processes "
             f"({processes}); each process loads an equal share of the global batch."
         )
     if processes > 1:

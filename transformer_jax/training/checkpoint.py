@@ -436,7 +436,8 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
     is fewer than ``last_k`` when the workdir holds fewer) with the config, tokenizer and one
     params-only checkpoint at the newest step, loadable by ``restore_for_inference`` and
     ``transformer_jax.generate``. Every step is verified against its manifest first; a damaged one
-    is a :class:`~transformer_jax.training.integrity.CheckpointCorruptError`. Returns its path.
+    is a :class:`~transformer_jax.training.integrity.CheckpointCorruptError`. The output step gets
+    its own manifest, so that damage to it is caught when it is loaded. Returns its path.
     """
     import shutil
 
@@ -500,5 +501,9 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
     out.save(steps[-1], args=ocp.args.Composite(params=ocp.args.StandardSave(average)), force=True)
     out.wait_until_finished()
     out.close()
+    # Sealed like every training step: without a manifest the average is restored "unsealed", on
+    # orbax's word alone, and a flipped byte in its array data loaded as silently changed weights.
+    if parallel.is_primary() and integrity.is_local(output_workdir):
+        integrity.write_manifest(checkpoint_dir(output_workdir), steps[-1], model_config)
     logging.info("Averaged steps %s of %s into %s", steps, workdir, output_workdir)
     return output_workdir

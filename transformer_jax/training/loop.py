@@ -145,7 +145,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     mesh = parallel.mesh_from_config(config.mesh) if mesh is None else mesh
     parallel.check_batch_divisible(config.dataset.batch_size, mesh,
                                    grad_accum_steps=config.optimizer.grad_accum_steps)
-    parallel.check_batch_divisible(config.dataset.eval_batch_size, mesh)
+    parallel.check_batch_divisible(config.dataset.eval_batch_size, mesh, key="dataset.eval_batch_size")
     model_cfg = ModelConfig.from_dict(config.model.to_dict())
     model = build_model(model_cfg)
     schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
