@@ -45,6 +45,8 @@ def test_minus_one_fills_the_remaining_devices(sizes, expected):
         ((-1, -1, 1), r"mesh.data and mesh.fsdp are both -1"),
         ((-1, 3, 1), r"mesh.data=-1.*does not divide the 8 available devices"),
         ((0, 1, 1), r"positive or -1"),
+        ((True, -1, 1), r"mesh.data=True must be an integer"),  # int() took it as 1
+        ((2, 2.5, -1), r"mesh.fsdp=2.5 must be an integer"),  # ... and 2.5 as 2
     ],
 )
 def test_bad_mesh_sizes_fail_with_the_config_keys(sizes, message):

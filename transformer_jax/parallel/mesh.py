@@ -12,6 +12,7 @@ How logical array dimensions map onto these axes lives in :mod:`transformer_jax.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,12 @@ def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> t
     Raises a ConfigError (a ValueError) naming the config keys (``mesh.data``, ``mesh.fsdp``,
     ``mesh.tensor``) and the device count, so a bad config fails before anything is compiled.
     """
-    sizes = {"data": int(data), "fsdp": int(fsdp), "tensor": int(tensor)}
+    raw = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for key, value in raw.items():  # int() would take True as 1 and 2.5 as 2
+        if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+            raise ConfigError(f"mesh.{key}={value!r} must be an integer (a size, or -1 to fill "
+                              f"with the remaining devices)")
+    sizes = {k: int(v) for k, v in raw.items()}
     shown = ", ".join(f"mesh.{k}={v}" for k, v in sizes.items())
     bad = [k for k, v in sizes.items() if v == 0 or v < -1]
     if bad:
