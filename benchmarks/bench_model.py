@@ -57,11 +57,11 @@ def model_flops(config, abstract_params, batch: int, source_len: int, target_len
     """FLOPs of one training step (see the module docstring)."""
     n_enc, n_dec = matmul_params(abstract_params, config)
     src_tokens, tgt_tokens = batch * source_len, batch * target_len
-    D = config.d_model
-    attention = 12 * config.num_decoder_layers * D * target_len * tgt_tokens  # decoder self
+    HK = config.num_heads * config.qk_dim  # the width of the scores' products (d_model in the paper)
+    attention = 12 * config.num_decoder_layers * HK * target_len * tgt_tokens  # decoder self
     if config.num_encoder_layers:
-        attention += 12 * config.num_encoder_layers * D * source_len * src_tokens  # encoder self
-        attention += 12 * config.num_decoder_layers * D * source_len * tgt_tokens  # cross
+        attention += 12 * config.num_encoder_layers * HK * source_len * src_tokens  # encoder self
+        attention += 12 * config.num_decoder_layers * HK * source_len * tgt_tokens  # cross
     return 6 * (n_enc * src_tokens + n_dec * tgt_tokens) + attention
 
 

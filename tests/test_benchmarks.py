@@ -256,6 +256,26 @@ def test_training_flops_count_the_matmuls_and_each_kind_of_attention():
     decoder_only = dict(decoder=abstract["decoder"], embed=abstract["embed"])
     config = tj.presets.tiny(num_encoder_layers=0)
     assert bench_model.model_flops(config, decoder_only, 2, 0, 6) == 6 * 8448 * 12 + 12 * 2 * 6 * 32 * 12
+    # the scores' products are H * d_k wide (4 heads of 24 = 96 here), not d_model: it was 32
+    wide = config.replace(head_dim=24)
+    assert bench_model.model_flops(wide, decoder_only, 2, 0, 6) == 6 * 8448 * 12 + 12 * 2 * 6 * 96 * 12
+
+
+def test_benchmark_and_training_loop_count_the_same_flops():
+    """The benchmarks' model FLOPs (from the parameters' own shapes) and the loop's logged MFU
+    numerator (from the config) agree, with grouped-query K/V, head_dim * heads != d_model and an
+    encoder-decoder with padded vocabulary."""
+    import transformer_jax as tj
+    from benchmarks import bench_model
+    from transformer_jax.training import metrics
+
+    for config in (tj.presets.tiny(num_kv_heads=1, head_dim=24, pad_vocab_multiple=48, vocab_size=100),
+                   tj.presets.tiny(num_encoder_layers=0, num_kv_heads=2, activation="swiglu")):
+        model = bench_model.build_model(config)
+        abstract = bench_model.abstract_state(model, config, bench_model.make_batch(config, 2, 8))
+        source = 8 if config.num_encoder_layers else 0
+        assert bench_model.model_flops(config, abstract, 2, source, 8) == metrics.train_flops_per_step(
+            config, 2, 8, source)
 
 
 def test_training_row_figures_from_the_step_time(monkeypatch):

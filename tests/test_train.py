@@ -246,6 +246,62 @@ def test_logging_evaluation_and_checkpoints_follow_their_periods_and_the_last_st
         assert ratio == pytest.approx(np.mean(per_step[first:step]), rel=1e-9), step
 
 
+def test_a_window_with_an_evaluation_in_it_times_its_steps_without_it(data_dir, tmp_path, monkeypatch):
+    """Logging every 3 steps, evaluating every 4 (not a multiple): the window of steps 4..6 holds an
+    evaluation. On a clock that moves 1 s per train step and 100 s per evaluation, every window ran
+    at 1 step/s; resetting the window's start after the evaluation timed steps 4..6 over 2 s (the
+    steps after it) and logged 1.5 steps/s, and tokens/s and MFU as much too high."""
+
+    class Clock:
+        now = 0.0
+
+        def time(self):
+            return self.now
+
+    clock = Clock()
+    to_global_batch, evaluate_loss = loop.to_global_batch, loop.evaluate.evaluate_loss
+
+    def one_step(*args, **kwargs):  # called once per train step
+        clock.now += 1.0
+        return to_global_batch(*args, **kwargs)
+
+    def slow_evaluation(*args, **kwargs):
+        result = evaluate_loss(*args, **kwargs)
+        clock.now += 100.0
+        return result
+
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(loop, "to_global_batch", one_step)
+    monkeypatch.setattr(loop.evaluate, "evaluate_loss", slow_evaluation)
+    workdir = str(tmp_path / "run")
+    config = tiny_config(data_dir, num_train_steps=7, log_every_steps=3, eval_every_steps=4,
+                         checkpoint_every_steps=7, test_split="", peak_tflops=1.0)
+    config.dataset.max_eval_examples = 16
+    train_and_evaluate(config, workdir)
+    logged = {r["step"]: r for r in read_jsonl(workdir) if "loss" in r}
+    assert sorted(logged) == [3, 6, 7]
+    for step in (3, 6, 7):
+        assert logged[step]["steps_per_sec"] == pytest.approx(1.0), step
+    assert logged[6]["mfu"] == pytest.approx(logged[3]["mfu"])
+
+
+def test_mfu_of_a_run_on_part_of_the_devices_divides_by_the_mesh_s_devices(data_dir, tmp_path):
+    """train_and_evaluate(mesh=...) over 1 of the 8 devices: the MFU is the model FLOPs per second
+    over that one device's peak; dividing by all 8 devices' peak logged it 8x too low."""
+    workdir = str(tmp_path / "run")
+    config = tiny_config(data_dir, num_train_steps=2, log_every_steps=2, eval_every_steps=2,
+                         checkpoint_every_steps=2, test_split="", peak_tflops=0.5)
+    config.dataset.max_eval_examples = 16
+    one = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
+    train_and_evaluate(config, workdir, mesh=one)
+    (record,) = [r for r in read_jsonl(workdir) if "loss" in r]
+    ds = config.dataset
+    flops = metrics.train_flops_per_step(ModelConfig.from_dict(config.model.to_dict()), ds.batch_size,
+                                         ds.max_target_len, ds.max_source_len)
+    assert jax.device_count() == 8
+    assert record["mfu"] == pytest.approx(flops * record["steps_per_sec"] / 0.5e12, rel=1e-6)
+
+
 def test_a_profile_window_past_the_last_step_still_writes_its_trace(data_dir, tmp_path):
     """The trace is written only when stopped: a window reaching past num_train_steps (steps 1..10 of
     a 3-step run) was never stopped and left DIR/profile without a trace; a window of 0 steps
@@ -330,6 +386,27 @@ def test_train_flops_count_every_matmul():
     assert metrics.train_flops_per_step(lm, 1, 3) == 6 * (456 + 120)
     # a gated feed-forward (three D x F matrices) adds 2*4*8 / 2 = 32 per token
     assert metrics.train_flops_per_step(lm.replace(activation="swiglu"), 1, 3) == 6 * (456 + 120 + 3 * 32)
+
+
+def test_train_flops_count_grouped_query_key_and_value_projections_at_their_size():
+    """The model above with num_kv_heads=1 (multi-query: k and v are D x 1*d_k = 4 x 2): per token
+    q, o 2*4*4 = 32 and k, v 2*4*2 = 16, 48 instead of 64. Encoder 5 source tokens save 16 each
+    (80), decoder self-attention 3 target tokens 48, cross-attention k, v of the 5 source tokens
+    80: 1792 - 208 = 1584. Counting k and v at the query heads' width gave 1792, an MFU 13% too
+    high here; the count agrees with the model's own kernel sizes."""
+    cfg = ModelConfig(vocab_size=10, d_model=4, num_heads=2, d_ff=8, num_encoder_layers=1,
+                      num_decoder_layers=1, num_kv_heads=1)
+    assert metrics.train_flops_per_step(cfg, 2, 3, 5) == 6 * 2 * 1584
+    lm = cfg.replace(num_encoder_layers=0)
+    assert metrics.train_flops_per_step(lm, 1, 3) == 6 * (456 - 48 + 120)
+    # the same from the model's kernels: per token its q, k, v, o parameters, feed-forward 2*4*8,
+    # QK^T and AV 2*3*4, output projection 4*10
+    model = build_model(lm)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), np.ones((1, 3), np.int32)))["params"]
+    attention = nn.meta.unbox(params)["decoder"]["layer_0"]["self_attention"]
+    kernels = sum(int(np.prod(p["kernel"].shape)) for p in attention.values())
+    assert kernels == 48
+    assert metrics.train_flops_per_step(lm, 1, 3) == 6 * 3 * (kernels + 2 * 4 * 8 + 2 * 3 * 4 + 4 * 10)
 
 
 def test_non_finite_values_reach_metrics_jsonl_but_not_tensorboard(tmp_path):

@@ -59,9 +59,10 @@ def _non_pad_tokens(batch) -> int:
     return int(sum(np.count_nonzero(batch[k]) for k in keys)) * jax.process_count()
 
 
-def _summarise(history: list, tokens: int, seconds: float, flops: float, peak) -> dict:
+def _summarise(history: list, tokens: int, seconds: float, flops: float, peak, num_devices=None) -> dict:
     """Means of the per-step metrics since the last log, plus throughput and MFU; the learning rate
-    is the logged step's own (a mean over a warm-up window is no step's rate).
+    is the logged step's own (a mean over a warm-up window is no step's rate). The MFU is against
+    ``peak`` TFLOP/s on each of ``num_devices`` (the mesh's; default every device).
 
     Non-finite (skipped) steps are left out of the means and counted in ``skipped``; a window of
     only such steps reports their (non-finite) means.
@@ -76,7 +77,7 @@ def _summarise(history: list, tokens: int, seconds: float, flops: float, peak) -
     out["tokens_per_sec"] = tokens / seconds
     out["steps_per_sec"] = len(history) / seconds
     if peak:
-        out["mfu"] = flops * len(history) / seconds / (peak * 1e12 * jax.device_count())
+        out["mfu"] = flops * len(history) / seconds / (peak * 1e12 * (num_devices or jax.device_count()))
     return out
 
 
@@ -230,7 +231,8 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     profile_end = config.profile_start_step + config.profile_num_steps
 
     def log_window(done: int) -> dict:
-        summary = _summarise(history, tokens, time.time() - last_log, flops, peak)
+        # The mesh's devices, not jax.device_count(): a `mesh` argument may cover some of them only.
+        summary = _summarise(history, tokens, time.time() - last_log, flops, peak, mesh.size)
         summary["skipped_steps"] = skipped
         log.write(done, summary)
         log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
@@ -257,11 +259,17 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
                 history, tokens, last_log = [], 0, time.time()
             evaluated = done % config.eval_every_steps == 0 or done == config.num_train_steps
             if evaluated:
+                jax.block_until_ready(state)  # the steps before it count as training time
+                eval_start = time.time()
                 eval_metrics = evaluate.evaluate_loss(eval_step, state.params, data.eval_batches, mesh)
                 evaluated_at = done
                 log.write(done, eval_metrics)
                 log.message(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
-                last_log = time.time()  # evaluation time does not count against tokens/s
+                # Evaluation time does not count against tokens/s and MFU. The window may hold steps
+                # from before the evaluation (eval_every_steps not a multiple of log_every_steps):
+                # move its start on by the evaluation's duration, not to now, which would divide all
+                # of its steps by the time of those after the evaluation only.
+                last_log += time.time() - eval_start
             stop = preemption.reached(checkpointer, done)
             if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps or stop:
                 if pending is not None and not bool(pending[1]["finite"]):

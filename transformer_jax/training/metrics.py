@@ -175,16 +175,20 @@ def peak_tflops_per_device(override: float = 0.0, dtype="bfloat16") -> float | N
 def train_flops_per_step(cfg: ModelConfig, batch_size: int, target_len: int, source_len: int = 0) -> float:
     """Model FLOPs of one training step over padded rows: 6 x multiply-adds (forward 2, backward 4).
 
-    Per token: projections ``4 D HK`` + feed-forward ``2 D F`` (x1.5 gated) per self-attention
-    layer, attention ``2 L HK``; cross-attention ``2 D HK`` (q, o) per target token plus ``2 D HK``
-    (k, v) per source token and ``2 S HK``; the output projection ``D V``, V with any padding rows
-    (``pad_vocab_multiple``), which the product computes (as `benchmarks/` counts them).
+    Per token: projections ``2 D HK`` (q, o) + ``2 D GK`` (k, v; G = ``num_kv_heads``, so
+    grouped-query attention's smaller k and v count at their size) + feed-forward ``2 D F`` (x1.5
+    gated) per self-attention layer, attention ``2 L HK``; cross-attention ``2 D HK`` (q, o) per
+    target token plus ``2 D GK`` (k, v) per source token and ``2 S HK``; the output projection
+    ``D V``, V with any padding rows (``pad_vocab_multiple``), which the product computes (as
+    `benchmarks/` counts them: the matmul parameters a token passes through).
     """
     d, hk, f = cfg.d_model, cfg.num_heads * cfg.qk_dim, cfg.d_ff
+    gk = cfg.kv_heads * cfg.qk_dim  # the width of the k and v projections
+    proj = 2 * d * hk + 2 * d * gk
     ff = 2 * d * f * (1.5 if cfg.activation in ("swiglu", "geglu") else 1.0)
-    enc = cfg.num_encoder_layers * source_len * (4 * d * hk + ff + 2 * source_len * hk)
-    dec_self = target_len * (4 * d * hk + ff + 2 * target_len * hk)
-    cross = (target_len * (2 * d * hk + 2 * source_len * hk) + source_len * 2 * d * hk) if source_len else 0
+    enc = cfg.num_encoder_layers * source_len * (proj + ff + 2 * source_len * hk)
+    dec_self = target_len * (proj + ff + 2 * target_len * hk)
+    cross = (target_len * (2 * d * hk + 2 * source_len * hk) + source_len * 2 * d * gk) if source_len else 0
     dec = cfg.num_decoder_layers * (dec_self + cross)
     return 6.0 * batch_size * (enc + dec + target_len * d * cfg.padded_vocab_size)
 
