@@ -150,6 +150,27 @@ def test_float16_runs_on_every_backend_under_jit_and_in_a_model():
     assert np.all(np.isfinite(logits))
 
 
+@pytest.mark.parametrize("shape", [(B, 1, 1, S), (B, H, 1, S)])
+def test_dense_masks_that_broadcast_over_queries(shape):
+    """`masks.key_padding_mask` gives [B, 1, 1, S], which the dense backends broadcast; the chunked
+    one cut a [cq, ck] tile out of its length-1 query axis and failed (so 'auto' crashed once a
+    sequence passed CHUNKED_THRESHOLD). Row 0 sees no key at all."""
+    mask = jax.random.bernoulli(jax.random.key(3), 0.6, shape).at[0].set(False)
+    q, k, v = qkv()
+
+    def both(fn):
+        return jax.jit(lambda q, k, v: (fn(q, k, v), jax.grad(loss(fn), (0, 1, 2))(q, k, v)))(q, k, v)
+
+    want, want_grads = both(lambda q, k, v: dot_product_attention(q, k, v, mask, impl="reference")[0])
+    for fn in (lambda q, k, v: chunked_attention(q, k, v, mask, q_chunk=4, kv_chunk=8),
+               lambda q, k, v: dot_product_attention(q, k, v, mask, impl="chunked")[0]):
+        got, got_grads = both(fn)
+        np.testing.assert_allclose(got, want, atol=2e-6)
+        np.testing.assert_array_equal(got[0], 0.0)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            np.testing.assert_allclose(g, w, atol=2e-5)
+
+
 def test_specs_materialize_to_the_literal_masks():
     seg = jnp.array([[1, 1, 2, 2, 0]])
     np.testing.assert_array_equal(

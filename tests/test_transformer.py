@@ -310,6 +310,32 @@ def test_a_prompt_that_fills_the_cache_exactly_is_accepted():
     np.testing.assert_array_equal(cache.lengths, 9)
 
 
+def test_positions_past_a_learned_position_table_are_refused():
+    """The full forward refuses more tokens than max_len; given positions (packed rows) or cached
+    tokens reaching position max_len gave NaN logits instead, for the whole row (its NaN keys and
+    values reach every query through 0 * NaN), and a cache kept them for every later step. Up to
+    the table's last row the cached call equals the full forward."""
+    cfg = config(position="learned", max_len=8, norm="pre", num_encoder_layers=1, num_decoder_layers=1)
+    t = tokens(6, (B, 9))
+    lm, params = init_lm(cfg, t[:, :8])
+    logits, cache = lm.apply({"params": params}, t[:, :8], cache=tj.init_cache(cfg, B, 12))
+    np.testing.assert_allclose(logits, japply(lm)({"params": params}, t[:, :8]), atol=1e-5)
+    past = r"reach position 8, past the learned position table's 8 rows \(ModelConfig.max_len\)"
+    with pytest.raises(ValueError, match="the cached tokens " + past):
+        lm.apply({"params": params}, t[:, 8:], cache=cache)
+    seg = jnp.ones((B, 3), jnp.int32)
+    pos = jnp.broadcast_to(jnp.array([6, 7, 8]), (B, 3))
+    with pytest.raises(ValueError, match="positions " + past):
+        lm.apply({"params": params}, t[:, :3], segment_ids=seg, positions=pos)
+    seq2seq = tj.Transformer(cfg)
+    # The check comes before any layer runs: parameter shapes are enough.
+    ed_params = jax.eval_shape(seq2seq.init, jax.random.key(0), t[:, :3], t[:, :3])
+    for name in ("src_positions", "tgt_positions"):
+        with pytest.raises(ValueError, match=f"{name} " + past):
+            seq2seq.apply(ed_params, t[:, :3], t[:, :3], src_segment_ids=seg, tgt_segment_ids=seg,
+                          **{"src_positions": pos - 1, "tgt_positions": pos - 1, name: pos})
+
+
 def _rope(x, positions, theta):
     """Pairs (k, k + K/2) of x [B, L, H, K] rotated by position * theta^(-2k/K)."""
     half = x.shape[-1] // 2

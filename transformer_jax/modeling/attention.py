@@ -199,7 +199,7 @@ def dot_product_attention(
 ):
     """Eq. 1: Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V.
 
-    q: [B, L, H, K]; k, v: [B, S, N, K] (N divides H); mask: bool [B, 1|H, L, S] (True = attend)
+    q: [B, L, H, K]; k, v: [B, S, N, K] (N divides H); mask: bool [B, 1|H, L|1, S] (True = attend)
     or a `masks.AttentionMask` (its ingredients; the dense backends materialise it, 'chunked' and
     'flash' compute it tile by tile). impl: 'auto' | 'reference' | 'xla' | 'cudnn' | 'chunked' |
     'flash' (see `resolve_impl`). A query that sees no key gets a zero output on every backend.

@@ -30,7 +30,8 @@ def chunked_attention(q, k, v, mask=None, *, q_chunk: int = 512, kv_chunk: int =
     """softmax(QK^T / sqrt(d_k)) V with O(L) memory.
 
     q: [B, L, H, K]; k, v: [B, S, N, K] (N divides H: grouped-query); mask: an `AttentionMask`, a
-    dense bool [B|1, 1|H, L, S] array (True = attend) or None. A query that sees no key gets zeros.
+    dense bool [B|1, 1|H, L|1, S] array (True = attend; `masks.key_padding_mask` gives [B, 1, 1, S])
+    or None. A query that sees no key gets zeros.
     Returns [B, L, H, K] in q's dtype. Lengths need not be multiples of the chunk sizes.
     """
     B, L, H, K = q.shape
@@ -51,12 +52,12 @@ def chunked_attention(q, k, v, mask=None, *, q_chunk: int = 512, kv_chunk: int =
 # ------------------------------------------------------------------------------------- tiling
 def _tile_mask(spec: AttentionMask, q0, cq, k0, ck, N):
     """The mask tile broadcastable to the logits tile [B, N, G, cq, ck] (None: nothing masked)."""
-    m = spec.chunk(q0, cq, k0, ck)  # [B|1, 1|H, cq, ck]
+    m = spec.chunk(q0, cq, k0, ck)  # [B|1, 1|H, cq|1, ck|1]
     if m is None:
         return None
     if m.shape[1] == 1:
         return m[:, :, None]
-    return m.reshape(m.shape[0], N, -1, cq, ck)
+    return m.reshape(m.shape[0], N, -1, *m.shape[2:])
 
 
 def _kv_range(spec: AttentionMask, q0, cq, ck, num_kv):

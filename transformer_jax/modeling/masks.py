@@ -78,7 +78,7 @@ class AttentionMask:
       q/kv_segment_ids [B, L] / [B, S] int: same packed example and the key is not padding (id 0)
       kv_valid         bool [B, S]: the key is a real token
       kv_lengths       int [B]: j < kv_lengths[b]
-      dense            bool [B|1, 1|H, L, S]: any other pattern (materialised by the caller)
+      dense            bool [B|1, 1|H, L|1, S|1]: any other pattern (materialised by the caller)
     Dense backends call `materialize()`; `chunk()` gives one [q0:q0+cq, k0:k0+ck] tile of it.
     """
 
@@ -117,8 +117,14 @@ class AttentionMask:
         if self.kv_limit is not None:
             parts.append(kv_idx[None, None, None, :] < self.kv_limit)
         if self.dense is not None:
-            tile = jax.lax.dynamic_slice_in_dim(self.dense, q_start, q_size, 2)
-            parts.append(jax.lax.dynamic_slice_in_dim(tile, kv_start, kv_size, 3))
+            # An axis of size 1 broadcasts (e.g. `key_padding_mask`'s [B, 1, 1, S], which the dense
+            # backends take as it is): there is nothing to cut from it.
+            tile = self.dense
+            if tile.shape[2] != 1:
+                tile = jax.lax.dynamic_slice_in_dim(tile, q_start, q_size, 2)
+            if tile.shape[3] != 1:
+                tile = jax.lax.dynamic_slice_in_dim(tile, kv_start, kv_size, 3)
+            parts.append(tile)
         return combine_masks(*parts)
 
     def materialize(self):
@@ -134,7 +140,7 @@ class AttentionMask:
         """The same mask for inputs padded at the end by `pad_q` queries and `pad_kv` keys: padded keys
         are hidden; padded queries see only padded keys (the caller cuts their rows off)."""
         def pad(x, axis, amount, value):
-            if x is None or amount == 0:
+            if x is None or amount == 0 or x.shape[axis] == 1:  # size 1: broadcast, nothing to pad
                 return x
             widths = [(0, 0)] * x.ndim
             widths[axis] = (0, amount)

@@ -146,6 +146,31 @@ def _check_learned_length(config: ModelConfig, length: int) -> None:
                          "(ModelConfig.max_len): positions past it would be NaN")
 
 
+def _check_learned_positions(config: ModelConfig, positions, what: str = "positions") -> None:
+    """Explicit positions (packed rows, or a cache's lengths[b] + i) must be rows of a learned table.
+    Past its end they look up NaN, and the NaN keys and values spread to every query of the row (a
+    masked key's weight is 0, but 0 * NaN is NaN; a cache keeps them for every later step). Checked
+    when the positions can be read (an eager call); inside jit `tj.generate` checks what it reaches."""
+    if config.position != "learned" or positions is None or not np.size(positions):
+        return
+    try:  # on the host: inside a trace even operations on a concrete array are staged
+        highest = int(np.max(np.asarray(positions)))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if highest >= config.max_len:
+        raise ValueError(f"{what} reach position {highest}, past the learned position table's "
+                         f"{config.max_len} rows (ModelConfig.max_len): positions past it would be NaN")
+
+
+def _host_end(lengths, num_tokens: int):
+    """lengths[b] + num_tokens - 1, the last position a cached call writes, as a NumPy array (None
+    inside a trace, where the lengths cannot be read)."""
+    try:
+        return np.asarray(lengths) + (num_tokens - 1)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def _as_tokens(name: str, tokens, vocab_size: int | None = None, **aligned):
     """``tokens`` as an integer [B, L] array; ``aligned`` arrays (segment ids, positions) must have
     its shape. Bad inputs are a ValueError naming the argument, not an error deep in a layer.
@@ -218,6 +243,8 @@ class Encoder(_Stack):
         if positions is None:
             _check_learned_length(self.config, tokens.shape[1])
             positions = default_positions(tokens, segment_ids)
+        else:
+            _check_learned_positions(self.config, positions, "src_positions")
         S = tokens.shape[1]
         if segment_ids is not None:
             mask = masks.bidirectional_spec(S, S, q_segment_ids=segment_ids,
@@ -309,6 +336,8 @@ class Decoder(_Stack):
         if positions is None:
             _check_learned_length(self.config, tokens.shape[1])
             positions = default_positions(tokens, segment_ids)
+        else:
+            _check_learned_positions(self.config, positions)
         L = tokens.shape[1]
         self_mask = masks.causal_spec(L, segment_ids)
         cross_mask = None
@@ -341,6 +370,7 @@ class Decoder(_Stack):
                 "src, max_length, method='init_cache'); tj.init_cache builds a TransformerLM's "
                 "cache, which has no cross-attention keys and values")
         lengths = cache.lengths
+        _check_learned_positions(self.config, _host_end(lengths, L), "the cached tokens")
         positions = lengths[:, None] + jnp.arange(L)[None, :]
         self_mask = masks.cache_spec(lengths, L, cache.max_length)
         cross_mask = None
@@ -400,6 +430,7 @@ class Transformer(nn.Module):
         tgt = _as_tokens("tgt", tgt, vocab, tgt_segment_ids=tgt_segment_ids, tgt_positions=tgt_positions)
         if src is not None and cache is None:
             src = _as_tokens("src", src, vocab, src_segment_ids=src_segment_ids, src_positions=src_positions)
+        _check_learned_positions(self.config, tgt_positions, "tgt_positions")
         if cache is not None:
             return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic,
                                 last_only=last_only)
