@@ -160,6 +160,17 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: the same code on any CPU")
     parser.add_argument("--out", default=None, help="JSON file (default: print only)")
     args = parser.parse_args()
+    if args.out:
+        # Checked before the run (minutes on an accelerator), not after it, where a bad path would
+        # lose every measurement: a missing folder is made (as run.py makes --out-dir), a path that
+        # cannot be written is refused before anything is measured.
+        folder = os.path.dirname(os.path.abspath(args.out))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--out {args.out}: {e}")
+        if os.path.isdir(args.out) or not os.access(folder, os.W_OK):
+            parser.error(f"--out {args.out}: not a writable file path")
     report = run(args.smoke)
     text = json.dumps(report, indent=1, default=str)
     if args.out:

@@ -250,6 +250,8 @@ def main():
     parser.add_argument("--batch", type=int, default=8, help="with --tensor-parallel")
     parser.add_argument("--steps", type=int, default=64, help="new tokens, with --tensor-parallel")
     args = parser.parse_args()
+    if args.steps < 2:  # lm_row times steps - 1 decoding steps: the prefill makes the first token
+        parser.error(f"--steps {args.steps}: at least 2 new tokens (the first comes from the prefill)")
     if args.tensor_parallel:
         config = gpt2_tensor_parallel_config(args.dtype, args.kernel_layout)
         row = tensor_parallel_row(config, args.batch, args.steps, args.tensor_parallel, args.repeats)

@@ -4,7 +4,7 @@
     python benchmarks/run.py                    # the full set (longer: more lengths and depths)
     python benchmarks/accelerator.py            # on a GPU/TPU: the accelerator-sized suite (its own script)
 
-Writes benchmarks/results/<date>.json and .md and prints the Markdown table. Workloads:
+Writes benchmarks/results/<date>-<HHMMSS>.json and .md and prints the Markdown table. Workloads:
   train     training step (fwd+bwd+Adam) tokens/s and MFU, GPT-2-small-shaped decoder and the paper's
             base encoder-decoder, batch 8 x 256 tokens on CPU, float32 and bfloat16
             (MFU formula: benchmarks/bench_model.py; peak = the measured matmul FLOP/s, same dtype)
@@ -41,6 +41,7 @@ import jax  # noqa: E402
 import transformer_jax as tj  # noqa: E402
 from benchmarks import bench_attention, bench_compile, bench_model, hardware  # noqa: E402
 
+SECTIONS = ("train", "decode", "attention", "compile")
 TARGETS = dict(mfu_gpt2_f32=0.55, bf16_speedup=1.5, decode_roofline=0.60, chunked_memory_ratio=1 / 8,
                chunked_slowdown=1.5, scan_compile_ratio=1.5)
 
@@ -274,11 +275,12 @@ def markdown(table, meta) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer lengths, depths and repeats")
-    parser.add_argument("--only", nargs="+", default=None,
-                        help="sections to run: train decode attention compile")
+    # choices: a misspelt section would otherwise run nothing and write an empty table
+    parser.add_argument("--only", nargs="+", default=None, choices=SECTIONS, metavar="SECTION",
+                        help=f"sections to run: {' '.join(SECTIONS)}")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
-    wanted = set(args.only or ("train", "decode", "attention", "compile"))
+    wanted = set(args.only or SECTIONS)
 
     meta = dict(hardware.describe(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 quick=args.quick, load_start=hardware.load())

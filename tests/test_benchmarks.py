@@ -439,3 +439,61 @@ def test_bench_train_script_counts_both_sides_and_every_device(monkeypatch, tmp_
     assert result["tokens_per_s"] == 2 * 8 * 8 / 0.25
     assert result["mfu"] == flops / 0.25 / (2e-6 * 1e12 * jax.device_count())
     assert result["model_tflops_per_s"] == flops / 0.25 / 1e12 and result["loss"] == 2.0
+
+
+def test_accelerator_checks_its_out_path_before_the_run(monkeypatch, tmp_path):
+    """--out is checked before anything is measured (a full run takes minutes on an accelerator):
+    a missing folder is made and the report lands in it; a path that cannot be a file is refused
+    with a usage error naming the flag, and the run never starts."""
+    import sys
+
+    import pytest
+
+    runs = []
+    monkeypatch.setattr(accelerator, "run", lambda smoke: runs.append(smoke) or dict(
+        meta=dict(smoke=smoke), summary=[]))
+    out = tmp_path / "new" / "folder" / "report.json"
+    monkeypatch.setattr(sys, "argv", ["accelerator.py", "--smoke", f"--out={out}"])
+    accelerator.main()
+    assert runs == [True] and json.loads(out.read_text())["meta"] == dict(smoke=True)
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad in (blocker / "report.json", tmp_path):  # under a regular file; a folder
+        monkeypatch.setattr(sys, "argv", ["accelerator.py", f"--out={bad}"])
+        with pytest.raises(SystemExit) as exit_info:
+            accelerator.main()
+        assert exit_info.value.code == 2
+    assert runs == [True]  # neither bad path started a run
+
+
+def test_run_refuses_an_unknown_section(monkeypatch, capsys):
+    """A misspelt --only section is a usage error, not a run that measures the hardware and writes
+    an empty table."""
+    import sys
+
+    import pytest
+
+    from benchmarks import hardware, run
+
+    monkeypatch.setattr(hardware, "measure", lambda **kwargs: pytest.fail("measured the hardware"))
+    monkeypatch.setattr(sys, "argv", ["run.py", "--quick", "--only", "train", "trian"])
+    with pytest.raises(SystemExit) as exit_info:
+        run.main()
+    assert exit_info.value.code == 2 and "'trian'" in capsys.readouterr().err
+
+
+def test_bench_decode_refuses_fewer_than_two_new_tokens(monkeypatch, capsys):
+    """A step's time is (generate - prefill) / (steps - 1), the first token coming from the prefill:
+    --steps 1 is a usage error naming the flag, not a ZeroDivisionError after compiling the model."""
+    import sys
+
+    import pytest
+
+    from benchmarks import bench_decode
+
+    monkeypatch.setattr(bench_decode, "tensor_parallel_row", lambda *a: pytest.fail("ran the row"))
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--tensor-parallel", "2", "--steps", "1"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_decode.main()
+    assert exit_info.value.code == 2 and "--steps 1" in capsys.readouterr().err
