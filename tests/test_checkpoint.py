@@ -284,14 +284,7 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
     with pytest.raises(ValueError, match=r"already holds a checkpoint at step 20 .*--output"):
         average_checkpoints(workdir, last_k=50)  # the same output again: not overwritten
     # a flipped byte in the newest step's parameters: refused, like any restore of it
-    step_dir = integrity.step_dir(os.path.join(workdir, "checkpoints"), 20)
-    params = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params")) for f in fs]
-    biggest = max(params, key=os.path.getsize)
-    with open(biggest, "rb+") as f:
-        f.seek(os.path.getsize(biggest) // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(_biggest_params_file(integrity.step_dir(os.path.join(workdir, "checkpoints"), 20)))
     with pytest.raises(integrity.CheckpointCorruptError, match=r"step 20 .* is corrupt: .*has changed.*"
                                                                r"Not averaging it"):
         average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / "bad"))
@@ -308,14 +301,7 @@ def test_a_damaged_average_is_caught_when_it_is_loaded(reference, tmp_path):
     out = average_checkpoints(reference[1], last_k=2, output_workdir=str(tmp_path / "avg"))
     directory = os.path.join(out, "checkpoints")
     assert integrity.verify(directory, 20).status == "ok"
-    step_dir = integrity.step_dir(directory, 20)
-    data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params")) for f in fs]
-    biggest = max(data, key=os.path.getsize)
-    with open(biggest, "rb+") as f:
-        f.seek(os.path.getsize(biggest) // 10)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(_biggest_params_file(integrity.step_dir(directory, 20)), at=0.1)
     with pytest.raises(integrity.CheckpointCorruptError, match=r"step 20: .*has changed"):
         restore_for_inference(out)
 
@@ -361,6 +347,21 @@ def test_average_cli(reference, tmp_path):
     # --verbosity, and no "read only" notice for the workdir opened read-only on purpose
     assert out.stdout.strip() == str(tmp_path / "avg3") and out.stderr.strip() == "", out.stderr[-3000:]
     assert restore_for_inference(str(tmp_path / "avg3")).step == 20
+
+
+def flip_byte(path, at=0.5):
+    """Flips the lowest bit of the byte at fraction ``at`` of the file (silent data damage)."""
+    with open(path, "rb+") as f:
+        f.seek(int(os.path.getsize(path) * at))
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _biggest_params_file(step_dir):
+    """The largest file of a checkpoint step's parameters (array data, not metadata)."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params")) for f in fs]
+    return max(files, key=os.path.getsize)
 
 
 def _tiny_state(step: int):

@@ -10,7 +10,7 @@ import tempfile
 
 import orbax.checkpoint as ocp
 import pytest
-from test_checkpoint import _tiny_state  # a three-number TrainState at a given step
+from test_checkpoint import _tiny_state, flip_byte  # a three-number TrainState at a given step
 
 from configs import tiny
 from transformer_jax.config import ConfigError
@@ -69,14 +69,6 @@ def cut_short(path):
 def write(path, text):
     with open(path, "w") as f:
         f.write(text)
-
-
-def flip_byte(path):
-    with open(path, "rb+") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_complete_checkpoints_verify(trained):
