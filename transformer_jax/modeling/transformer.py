@@ -146,29 +146,31 @@ def _check_learned_length(config: ModelConfig, length: int) -> None:
                          "(ModelConfig.max_len): positions past it would be NaN")
 
 
-def _check_learned_positions(config: ModelConfig, positions, what: str = "positions") -> None:
-    """Explicit positions (packed rows, or a cache's lengths[b] + i) must be rows of a learned table.
-    Past its end they look up NaN, and the NaN keys and values spread to every query of the row (a
-    masked key's weight is 0, but 0 * NaN is NaN; a cache keeps them for every later step). Checked
-    when the positions can be read (an eager call); inside jit `tj.generate` checks what it reaches."""
+def _on_host(x) -> np.ndarray | None:
+    """``x`` as a NumPy array, or None inside a trace, where its values cannot be read (even
+    operations on a concrete array are staged there, so the check runs on the host)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_learned_positions(config: ModelConfig, positions, what: str = "positions",
+                             offset: int = 0) -> None:
+    """Explicit positions (packed rows), or a cache's lengths with ``offset`` = new tokens - 1, must
+    be rows of a learned table. Past its end they look up NaN, and the NaN keys and values spread to
+    every query of the row (a masked key's weight is 0, but 0 * NaN is NaN; a cache keeps them for
+    every later step). Checked when the positions can be read (an eager call); inside jit
+    `tj.generate` checks what it reaches. Other position kinds read nothing."""
     if config.position != "learned" or positions is None or not np.size(positions):
         return
-    try:  # on the host: inside a trace even operations on a concrete array are staged
-        highest = int(np.max(np.asarray(positions)))
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    host = _on_host(positions)
+    if host is None:
         return
+    highest = int(host.max()) + offset
     if highest >= config.max_len:
         raise ValueError(f"{what} reach position {highest}, past the learned position table's "
                          f"{config.max_len} rows (ModelConfig.max_len): positions past it would be NaN")
-
-
-def _host_end(lengths, num_tokens: int):
-    """lengths[b] + num_tokens - 1, the last position a cached call writes, as a NumPy array (None
-    inside a trace, where the lengths cannot be read)."""
-    try:
-        return np.asarray(lengths) + (num_tokens - 1)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 def _as_tokens(name: str, tokens, vocab_size: int | None = None, **aligned):
@@ -185,9 +187,8 @@ def _as_tokens(name: str, tokens, vocab_size: int | None = None, **aligned):
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"{name} must be integer token ids, got {tokens.dtype}")
     if vocab_size is not None and tokens.size:
-        try:  # on the host: inside a trace even operations on a concrete array are staged
-            host = np.asarray(tokens)
-        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        host = _on_host(tokens)
+        if host is None:
             return _check_aligned(name, tokens, aligned)
         low, high = int(host.min()), int(host.max())
         if low < 0 or high >= vocab_size:
@@ -370,7 +371,7 @@ class Decoder(_Stack):
                 "src, max_length, method='init_cache'); tj.init_cache builds a TransformerLM's "
                 "cache, which has no cross-attention keys and values")
         lengths = cache.lengths
-        _check_learned_positions(self.config, _host_end(lengths, L), "the cached tokens")
+        _check_learned_positions(self.config, lengths, "the cached tokens", offset=L - 1)
         positions = lengths[:, None] + jnp.arange(L)[None, :]
         self_mask = masks.cache_spec(lengths, L, cache.max_length)
         cross_mask = None
