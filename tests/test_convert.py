@@ -519,7 +519,10 @@ def test_marian_tokenizer_matches_transformers():
         os.path.join(directory, "target.spm"),
         os.path.join(directory, "vocab.json"),
     )
-    for text in TEXTS[:3] + [">>fr<< the cat", "zzz qqq"]:
+    # Special tokens written in the text are single tokens, and the text between them is encoded
+    # piece by piece (a language code may follow one).
+    written = ["the cat </s> sat", "a  </s>  b<unk>", "<pad>", "</s>>>fr<< x", "", " "]
+    for text in TEXTS[:3] + [">>fr<< the cat", "zzz qqq"] + written:
         ids = theirs(text).input_ids
         assert ours.encode_source(text) == ids
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
@@ -552,7 +555,7 @@ def test_marian_tokenizer_takes_special_token_names_from_its_config(tmp_path):
     theirs = transformers.MarianTokenizer.from_pretrained(str(tmp_path))
     assert (ours.eos_id, ours.unk_id, ours.pad_id) == (
         theirs.eos_token_id, theirs.unk_token_id, theirs.pad_token_id) == (0, 1, len(vocab) - 1)
-    for text in ("the cold coffee", "zzz qqq"):
+    for text in ("the cold coffee", "zzz qqq", "the <EOS> cat</s>"):
         ids = theirs(text).input_ids
         assert ours.encode_source(text) == ids
         padded = ids + [theirs.pad_token_id] * 2

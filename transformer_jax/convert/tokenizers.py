@@ -13,6 +13,7 @@ the caller appends EOS to Marian sources (see `HFTokenizer.encode_source`).
 from __future__ import annotations
 
 import os
+import re
 
 from transformer_jax.convert.hf_files import ConversionError, read_config, read_json, require
 
@@ -97,7 +98,9 @@ class ByteLevelBPETokenizer(HFTokenizer):
 class MarianSentencePieceTokenizer(HFTokenizer):
     """source.spm / target.spm pieces <-> ids of vocab.json (pieces missing from it are <unk>).
 
-    A leading language code such as ``>>fr<<`` (multilingual opus-mt models) is one token.
+    A leading language code such as ``>>fr<<`` (multilingual opus-mt models) is one token, and so is
+    each special token written out in the text (``</s>``, ``<unk>``, ``<pad>``), as in transformers'
+    MarianTokenizer: the text is split at them and each piece between is encoded on its own.
     """
 
     def __init__(
@@ -114,6 +117,8 @@ class MarianSentencePieceTokenizer(HFTokenizer):
         self.eos_id = vocab.get(eos)
         self.pad_id = vocab.get(pad)
         self.special_ids = frozenset({self.eos_id, self.pad_id, self.unk_id} - {None})
+        written = sorted({t for t in (eos, unk, pad) if t in vocab}, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, written)) + ")")
 
     @classmethod
     def from_directory(cls, directory: str) -> MarianSentencePieceTokenizer:
@@ -144,6 +149,15 @@ class MarianSentencePieceTokenizer(HFTokenizer):
         return max(self._vocab.values(), default=-1)
 
     def encode(self, text: str) -> list[int]:
+        ids = []
+        for i, part in enumerate(self._split.split(text)):
+            if i % 2:  # a special token written out
+                ids.append(self._vocab[part])
+            elif part:
+                ids.extend(self._encode_plain(part))
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:
             code, text = [text[: end + 2]], text[end + 2 :]
