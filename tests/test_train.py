@@ -437,6 +437,13 @@ def test_mfu_peak_is_a_16_bit_figure_except_on_tpu(monkeypatch):
     assert metrics.peak_tflops_per_device(0.0, "float32") == 275.0
     monkeypatch.setattr(metrics.jax, "devices", lambda: device("cpu"))
     assert metrics.peak_tflops_per_device(0.0, "bfloat16") is None
+    # the longest matching name wins: a PCIe H100 is not the SXM part, a v5 lite (v5e) not a v5p
+    expected = {"NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0,
+                "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0, "TPU v5": 459.0,
+                "TPU v5 lite": 197.0, "TPU v6 lite": 918.0, "TPU v7x": None, "NVIDIA H1000": None}
+    for kind, peak in expected.items():
+        monkeypatch.setattr(metrics.jax, "devices", lambda kind=kind: device(kind))
+        assert metrics.peak_tflops_per_device(0.0, "bfloat16") == peak, kind
 
 
 def test_non_finite_stops_or_skips(data_dir, tmp_path):

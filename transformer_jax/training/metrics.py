@@ -143,14 +143,19 @@ def read_events(path: str) -> list[bytes]:
 
 # ------------------------------------------------------------------------------------ MFU
 
-PEAK_TFLOPS = {  # dense bf16 per device, from the vendors' data sheets
+PEAK_TFLOPS = {  # dense bf16 per device, from the vendors' data sheets; keys are device_kind prefixes
     "TPU v4": 275.0,
+    "TPU v5": 459.0,  # v5p reports itself as "TPU v5"
+    "TPU v5p": 459.0,
     "TPU v5 lite": 197.0,
     "TPU v5e": 197.0,
-    "TPU v5p": 459.0,
     "TPU v6 lite": 918.0,
-    "NVIDIA H100": 989.0,
+    "TPU v6e": 918.0,
+    "NVIDIA H100": 989.0,  # SXM ("NVIDIA H100 80GB HBM3")
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
     "NVIDIA H200": 989.0,
+    "NVIDIA GH200": 989.0,
     "NVIDIA A100": 312.0,
 }
 
@@ -166,10 +171,9 @@ def peak_tflops_per_device(override: float = 0.0, dtype="bfloat16") -> float | N
     kind = jax.devices()[0].device_kind
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) and not kind.startswith("TPU"):
         return None
-    for name, value in PEAK_TFLOPS.items():
-        if kind.startswith(name):
-            return value
-    return None
+    # The longest matching prefix: "NVIDIA H100 PCIe" is not the SXM part, "TPU v5 lite" not v5p.
+    names = [n for n in PEAK_TFLOPS if kind == n or kind[: len(n) + 1] in (n + " ", n + "-")]
+    return PEAK_TFLOPS[max(names, key=len)] if names else None
 
 
 def train_flops_per_step(cfg: ModelConfig, batch_size: int, target_len: int, source_len: int = 0) -> float:
