@@ -293,12 +293,20 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
         restore_for_inference(workdir, step=99)
 
 
-def test_a_damaged_average_is_caught_when_it_is_loaded(reference, tmp_path):
+def test_a_damaged_average_is_caught_when_it_is_loaded(reference, tmp_path, monkeypatch):
     """The averaged step is sealed like a training step: a flipped byte in its array data is caught
-    (without a manifest, orbax read it as silently changed weights)."""
+    (without a manifest, orbax read it as silently changed weights). In a multi-process run no
+    process returns before the seal is written."""
+    from transformer_jax import parallel
     from transformer_jax.training import integrity
 
+    # Every process waits for process 0's manifest before it returns (and may load the average).
+    events = []
+    write = integrity.write_manifest
+    monkeypatch.setattr(integrity, "write_manifest", lambda *a: (events.append("sealed"), write(*a))[1])
+    monkeypatch.setattr(parallel, "sync_global", events.append)
     out = average_checkpoints(reference[1], last_k=2, output_workdir=str(tmp_path / "avg"))
+    assert events[-2:] == ["sealed", "transformer_jax_average_sealed"]
     directory = os.path.join(out, "checkpoints")
     assert integrity.verify(directory, 20).status == "ok"
     flip_byte(_biggest_params_file(integrity.step_dir(directory, 20)), at=0.1)

@@ -505,5 +505,8 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
     # orbax's word alone, and a flipped byte in its array data loaded as silently changed weights.
     if parallel.is_primary() and integrity.is_local(output_workdir):
         integrity.write_manifest(checkpoint_dir(output_workdir), steps[-1], model_config)
+    # No process returns before the manifest is there: one that loaded the average at once would
+    # otherwise find it unsealed (restored on orbax's word alone, without the integrity check).
+    parallel.sync_global("transformer_jax_average_sealed")
     logging.info("Averaged steps %s of %s into %s", steps, workdir, output_workdir)
     return output_workdir
