@@ -63,6 +63,20 @@ def test_chunked_equals_reference_forward_and_gradients(name):
         np.testing.assert_allclose(g, w, atol=2e-5)
 
 
+def test_lengths_just_past_a_chunk_are_split_evenly():
+    """513 rows in chunks of at most 512 are two chunks of 264 (15 rows of padding), not two of 512
+    (511 rows of padding, twice the work); the result still equals the reference."""
+    from transformer_jax.modeling.chunked_attention import _even_chunk
+
+    assert [_even_chunk(n, 512, 8) for n in (7, 512, 513, 1000, 1025, 16384)] == [7, 512, 264, 504, 344, 512]
+    assert _even_chunk(13, 4, 8) == 4  # a granule larger than the chunk is not forced
+    q, k, v = qkv(heads=(2, 1), lengths=(520, 530))
+    spec = AttentionMask(520, 530, causal=True, causal_offset=jnp.array([10, 3]))
+    got = jax.jit(lambda q, k, v: chunked_attention(q, k, v, spec))(q, k, v)
+    want = dot_product_attention(q, k, v, spec.materialize(), impl="reference")[0]
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
 @pytest.mark.parametrize("name", MASKS)
 def test_xla_backend_equals_reference_forward_and_gradients(name):
     """jax.nn.dot_product_attention gets causal masks and key lengths as arguments, the rest dense."""

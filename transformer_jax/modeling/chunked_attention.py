@@ -37,7 +37,7 @@ def chunked_attention(q, k, v, mask=None, *, q_chunk: int = 512, kv_chunk: int =
     B, L, H, K = q.shape
     S, N = k.shape[1], k.shape[2]
     spec = as_attention_mask(mask, L, S)
-    cq, ck = min(q_chunk, L), min(kv_chunk, S)
+    cq, ck = _even_chunk(L, q_chunk, 8), _even_chunk(S, kv_chunk, 8)
     pad_q, pad_kv = -L % cq, -S % ck
     if pad_q or pad_kv:
         q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
@@ -50,6 +50,17 @@ def chunked_attention(q, k, v, mask=None, *, q_chunk: int = 512, kv_chunk: int =
 
 
 # ------------------------------------------------------------------------------------- tiling
+def _even_chunk(length: int, chunk: int, granule: int) -> int:
+    """The chunk size for `length` rows: at most `chunk`, in as few chunks as `chunk` allows, split
+    evenly and rounded up to a multiple of `granule` where that stays within `chunk`. The padding is
+    then under one granule per chunk: 513 rows in chunks of 512 are two of 264, not two of 512."""
+    if length <= chunk:
+        return length
+    count = -(-length // chunk)
+    even = -(-length // count)
+    return min(-(-even // granule) * granule, chunk)
+
+
 def _tile_mask(spec: AttentionMask, q0, cq, k0, ck, N):
     """The mask tile broadcastable to the logits tile [B, N, G, cq, ck] (None: nothing masked)."""
     m = spec.chunk(q0, cq, k0, ck)  # [B|1, 1|H, cq|1, ck|1]
