@@ -5,6 +5,7 @@ caught with a message saying what is wrong and how to proceed; nothing is loaded
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -292,7 +293,8 @@ def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
         train_and_evaluate(tiny_config(data_dir), str(blocker / "run"))
 
 
-def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt(workdir, data_dir):
+def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt(
+        workdir, data_dir, capsys):
     """The data iterator's saved position fits only a pipeline of the same shape. A run with
     another dataset.num_workers (0 against > 0: grain stores the two differently) or another
     process count gets a DataError naming the setting; before, the restore failed inside grain, every
@@ -324,6 +326,14 @@ def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt
     assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
     final = train_and_evaluate(tiny_config(data_dir, num_train_steps=12, resume_data_position=False), workdir)
     assert final["step"] == 12  # resumed from step 10, the pipeline started afresh
+    assert "changed since" not in capsys.readouterr().out
+    # Settings that change the batches, with the position restored: resumed, with a warning naming them
+    config = tiny_config(data_dir, num_train_steps=12)
+    config.dataset.max_source_len, config.dataset.seed = 30, 3
+    train_and_evaluate(config, workdir)
+    assert re.search(r"WARNING: dataset.max_source_len \(24 -> 30\), dataset.seed \(0 -> 3\) changed "
+                     r"since the checkpoints were written: .*config.resume_data_position=False",
+                     capsys.readouterr().out)
 
 
 def _save_tiny(workdir, step, data_iter=None, model_config=None):

@@ -39,6 +39,32 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
+# The dataset settings that decide which rows each training step gets. A resume that restores the
+# input position but changes one of them trains on other batches than an uninterrupted run would.
+DATA_STREAM_KEYS = (
+    "name", "builder_config", "train_files", "source_lang", "target_lang", "reverse", "vocab_size",
+    "tokenizer_type", "tokenizer_max_chars", "max_source_len", "max_target_len", "max_len",
+    "batch_size", "pack", "pack_bins", "length_policy", "seed",
+)
+
+
+def changed_data_settings(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
+    """'dataset.KEY (old -> new)' for each `DATA_STREAM_KEYS` setting that differs from the one in
+    ``DIR/config.json``, the config of the run that wrote the checkpoints ([] without one)."""
+    import json
+
+    try:
+        saved = ckpt_lib.load_config(workdir).get("dataset")
+    except ValueError:
+        return []
+    if saved is None:
+        return []
+    old = saved.to_dict()
+    new = json.loads(config.dataset.to_json_best_effort())  # tuples as lists, as config.json has them
+    return [f"dataset.{key} ({old[key]!r} -> {new[key]!r})" for key in DATA_STREAM_KEYS
+            if key in old and key in new and old[key] != new[key]]
+
+
 def _compile_steps(model, tx, schedule, settings, shardings, mesh):
     batch_sharding = parallel.batch_sharding(mesh)
     train = jax.jit(
@@ -187,6 +213,12 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
         state = checkpointer.restore(abstract, data.train_iter if exact else None)
         _say(f"Resumed from checkpoint {checkpointer.restored_step} in {checkpointer.directory}"
              + ("" if exact else " (the input pipeline starts afresh: resume_data_position=False)"))
+        changed = changed_data_settings(workdir, config) if exact else []
+        if changed:
+            _say(f"WARNING: {', '.join(changed)} changed since the checkpoints were written: the input "
+                 f"pipeline resumes at its saved position, but its batches are not the ones an "
+                 f"uninterrupted run would have trained on (config.resume_data_position=False "
+                 f"starts it afresh instead)")
     else:
         state, _ = create_train_state(model, tx, mesh, config.seed)
     # Written once the state is restored (or created): a resume refused above leaves the config the
