@@ -177,7 +177,9 @@ def test_fused_qkv_projection_equals_three_projections(variant, monkeypatch):
     gives the same outputs and parameter gradients as three separate products."""
     from transformer_jax.modeling import attention
 
-    cfg = config(**VARIANTS[variant])
+    # One layer of each stack holds every self-attention kind (encoder, decoder); two compiled
+    # gradients of it are the test's whole cost.
+    cfg = config(**VARIANTS[variant], num_encoder_layers=1, num_decoder_layers=1)
     src, tgt = tokens(1, (B, S)), tokens(2, (B, L))
     model, params = init_ed(cfg, src, tgt)
 
