@@ -75,7 +75,8 @@ def bench(lengths, impls=IMPLS, **kwargs) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS))
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS),
+                        choices=["reference", "xla", "chunked", "cudnn", "flash"])
     parser.add_argument("--memory-budget-gib", type=float, default=4.0)
     args = parser.parse_args()
     bench(args.lengths, args.impls, memory_budget=args.memory_budget_gib * 2**30)

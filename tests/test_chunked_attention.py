@@ -205,6 +205,10 @@ def test_auto_picks_chunked_for_long_sequences_and_flash_explains_itself():
     assert resolve_impl("auto", need_weights=True, q_length=16384, kv_length=16384) == "reference"
     with pytest.raises(NotImplementedError, match="chunked"):
         dot_product_attention(*qkv(), impl="flash")
+    # a misspelt name is refused with the choices, also where the weights would pick 'reference'
+    for weights in (False, True):
+        with pytest.raises(ValueError, match=r"attention impl 'flsh' is not one of \['auto', 'reference'"):
+            dot_product_attention(*qkv(), impl="flsh", return_weights=weights)
 
 
 def test_auto_on_gpu_takes_cudnn_only_for_inputs_it_supports(monkeypatch):

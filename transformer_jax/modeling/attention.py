@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.config import ATTENTION_IMPLS
 from transformer_jax.modeling import masks
 from transformer_jax.modeling.chunked_attention import chunked_attention
 from transformer_jax.modeling.matmul import contract, contract_transposed
@@ -125,6 +126,8 @@ def resolve_impl(impl: str, *, need_weights: bool = False, dropout_active: bool 
     `CHUNKED_THRESHOLD`. The reference path runs whenever attention weights or attention dropout
     are needed.
     """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl {impl!r} is not one of {list(ATTENTION_IMPLS)}")
     if need_weights or dropout_active:
         return "reference"
     if impl != "auto":
@@ -240,7 +243,7 @@ def dot_product_attention(
             deterministic=deterministic,
         )
         return out, (probs if return_weights else None)
-    raise NotImplementedError(f"attention_impl={impl!r} is not available in this build")
+    raise AssertionError(f"resolve_impl returned {impl!r}")  # it checks the name
 
 
 class Projection(nn.Module):
