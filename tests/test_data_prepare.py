@@ -12,7 +12,7 @@ def _builder(data_dir):
     return builders.EnfrBuiltin(config="small", data_dir=data_dir, file_format="array_record")
 
 
-def test_other_processes_wait_for_process_0(tmp_path, monkeypatch):
+def test_other_processes_wait_for_process_0(tmp_path, monkeypatch, capsys):
     data_dir = str(tmp_path)
     waiting = _builder(data_dir)  # made before the files exist, as on a second host
     assert not waiting.data_path.exists()
@@ -24,7 +24,12 @@ def test_other_processes_wait_for_process_0(tmp_path, monkeypatch):
     time.sleep(1.5)
     assert thread.is_alive() and not waiting.data_path.exists()  # still waiting, wrote nothing
     monkeypatch.setattr(jax, "process_index", lambda: 0)
+    capsys.readouterr()
     builders.prepare(_builder(data_dir))  # process 0 builds
+    # its own words, not TFDS's "Downloading and preparing dataset Unknown size (download: ...)"
+    out = capsys.readouterr().out
+    assert f"Preparing dataset enfr_builtin (small) in {data_dir}" in out and "nothing is downloaded" in out
+    assert "Downloading" not in out and f"Dataset enfr_builtin prepared in {data_dir}" in out
     thread.join(timeout=60)
     b = result["b"]
     assert b.info.splits["train"].num_examples > 0
