@@ -75,7 +75,7 @@ def test_gpt2_config_maps_every_option():
     assert same.embedding_dropout_rate is None and same.dropout_rate == 0.0
 
 
-def test_marian_config_maps_every_option():
+def test_marian_config_maps_every_option(caplog):
     config, _ = load_hf_checkpoint(marian_checkpoint("marian_swish"))
     pad = config.vocab_size - 1
     assert (config.norm, config.use_final_norm, config.position, config.sinusoidal_layout) == (
@@ -92,8 +92,10 @@ def test_marian_config_maps_every_option():
     # gets its own (before, both took `shared`, silently; logits parity below).
     untied = marian_checkpoint("marian_untied_output")
     assert load_hf_config(untied).share_embeddings
+    caplog.clear()
     config, params = load_hf_checkpoint(untied)
     assert not config.share_embeddings and {"source_embed", "target_embed"} <= set(params)
+    assert "not used" not in caplog.text  # `shared` is not read then, by transformers either
 
 
 def test_gpt2_layer_norm_epsilon_and_token_ids_are_carried_over(tmp_path):

@@ -159,7 +159,10 @@ def _embeddings(b: ParamBuilder, cfg: ModelConfig) -> None:
 
 def params_from_hf(tensors: dict, cfg: ModelConfig) -> dict:
     """Our `Transformer` parameters from Marian tensors (with or without the 'model.' prefix)."""
-    b = ParamBuilder(strip_prefix(tensors, "model."), cfg, ignore=_is_buffer)
+    # Stacks with their own tables leave `shared` unread, as transformers' forward pass does: not
+    # worth a warning that a tensor went unused.
+    unread = set() if cfg.share_embeddings else {"shared.weight"}
+    b = ParamBuilder(strip_prefix(tensors, "model."), cfg, ignore=lambda n: _is_buffer(n) or n in unread)
     _embeddings(b, cfg)
     for stack, count in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
         for i in range(count):
