@@ -560,3 +560,58 @@ def test_evaluation_reads_the_eval_split_and_max_eval_examples(tmp_path):
     got = [(data.tokenizer.decode(i), data.tokenizer.decode(t))
            for i, t in zip(b["inputs"][real], b["targets"][real])]
     assert got == want
+
+
+KILLED_TRAINER = '''
+import multiprocessing, os, signal, sys
+from absl import flags
+import grain
+from transformer_jax.data import pipeline, tokenizer as tk
+
+if __name__ == "__main__":
+    flags.FLAGS.mark_as_parsed()  # grain's worker pipeline reads its flags (train.py parses them)
+    source = [{"src": f"sentence {i}", "tgt": f"phrase {i}"} for i in range(40)]
+    tok = tk.Tokenizer.train([r["src"] for r in source] + [r["tgt"] for r in source],
+                             tk.TokenizerSettings(vocab_size=320))
+    it = pipeline.make_train_iterator(
+        source, tok, pipeline.Features({"inputs": "src", "targets": "tgt"}),
+        {"inputs": 16, "targets": 16}, 4, num_workers=1, shard=grain.sharding.ShardOptions(0, 1))
+    next(it)
+    print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would: no cleanup runs
+'''
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_workers_end_when_the_training_process_is_killed(tmp_path):
+    """A training process killed outright (SIGKILL, the OOM killer) runs no cleanup; before, its
+    grain workers waited forever on their full queue, holding their memory."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "killed_trainer.py"
+    script.write_text(KILLED_TRAINER)
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:  # not run(capture_output): the workers hold the pipe open
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err,
+                                text=True)
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        proc.wait(timeout=120)
+        proc.stdout.close()
+    assert proc.returncode == -9 and workers, log.read_text()[-2000:]
+    deadline = time.monotonic() + 30  # a bound on the wait, not a speed assertion (polls every 1 s)
+    while any(map(_running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in workers if _running(p)]
+    for pid in left:  # do not leave them behind for the rest of the test run
+        os.kill(pid, 9)
+    assert not left, f"worker processes {left} outlived the killed training process"

@@ -414,3 +414,31 @@ def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path):
     np.testing.assert_array_equal(state.params["w"], [3.0, 3.0, 3.0])
     assert integrity.verify(ckpt(workdir), 3, model).status == "ok"
     assert integrity.read_manifest(ckpt(workdir), 3)["model_config"] == model.to_dict()
+
+
+def test_position_saved_by_another_worker_count_is_an_error(tmp_path):
+    """grain stores one state per worker process (each reads its own slice i::num_workers of the
+    records): the keys are the same for 2 and 3 workers. Before, a checkpoint saved with
+    dataset.num_workers=2 resumed with 3 silently, the first two states restored into workers
+    reading other slices and the third starting at the beginning (records seen again)."""
+    from transformer_jax.data import DataError
+    from transformer_jax.training.checkpoint import _check_data_state
+
+    def position(workers):
+        return {"next_index_in_cycle": 0, "next_index_in_datasets": workers, "future_states": {},
+                "iterators_in_use_indices": list(range(workers)), "exhausted": [0] * workers,
+                "iterators_in_use_states": [{"parent": {"next_index": 7}}] * workers}
+
+    class Pipeline:  # the data iterator of a run with `workers` workers
+        def __init__(self, workers):
+            self.workers = workers
+
+        def get_state(self):
+            return position(self.workers)
+
+    os.makedirs(tmp_path / "data")
+    write(str(tmp_path / "data" / "process_0-of-1.json"), json.dumps(position(2)))
+    _check_data_state(str(tmp_path), 10, Pipeline(2))  # the same worker count: restored
+    with pytest.raises(DataError, match=r"step 10 .*dataset.num_workers=2, and this run has "
+                                        r"dataset.num_workers=3.*resume_data_position=False"):
+        _check_data_state(str(tmp_path), 10, Pipeline(3))

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -266,8 +268,27 @@ def make_train_iterator(
         it = it.map(PadToRow(lengths))
     it = it.batch(batch_size, drop_remainder=True)
     if num_workers > 0:
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers),
+                            worker_init_fn=exit_with_parent)
     return iter(it)
+
+
+def exit_with_parent(worker_index: int, worker_count: int, poll_s: float = 1.0) -> None:
+    """grain worker init: the worker ends itself once the training process is gone.
+
+    grain ends its workers when the training process exits (even at SIGTERM), but a process killed
+    outright (SIGKILL, the OOM killer) runs no cleanup, and its workers would wait forever on a
+    full queue, holding their memory. A daemon thread polls the parent's pid (a worker is
+    reparented when its parent dies)."""
+    del worker_index, worker_count
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)  # not sys.exit: a normal exit would wait on grain's threads
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def make_eval_batches(

@@ -258,8 +258,9 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
     """Raises a :class:`DataError` naming the setting when the input pipeline's saved position
     cannot be restored into ``data_iter``: it was saved by another number of processes, or by a
     pipeline of another shape (``dataset.num_workers`` 0 against > 0, which grain stores
-    differently). Otherwise the restore would fail inside grain, and the step would be taken for a
-    corrupt one."""
+    differently), or by another number of workers (restored silently otherwise, at a position
+    that is not the saved one). Otherwise the restore would fail inside grain, and the step would
+    be taken for a corrupt one."""
     index, count = jax.process_index(), jax.process_count()
     directory = os.path.join(step_path, "data")
     path = os.path.join(directory, f"process_{index}-of-{count}.json")
@@ -275,7 +276,8 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
             f"saved it, or set config.resume_data_position=False to start the input pipeline afresh.")
     try:
         with open(path) as f:
-            saved_keys = sorted(json.load(f))
+            saved = json.load(f)
+        saved_keys = sorted(saved)
     except (OSError, ValueError, TypeError):
         return  # unreadable: the restore reports it as corrupt
     try:
@@ -289,6 +291,21 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
             f"cannot take (saved state {saved_keys}, this pipeline's {sorted(wanted)}): it was "
             f"saved with dataset.num_workers {'> 0' if workers else '= 0'}, and grain stores the "
             f"two differently. Resume with that setting of dataset.num_workers, or set "
+            f"config.resume_data_position=False to start the input pipeline afresh.")
+    # grain interleaves one iterator per worker, each over its own slice (i::num_workers) of the
+    # records, and stores one state per worker. Another worker count has the same keys, but grain
+    # would restore the first states into workers reading other slices and start the rest from the
+    # beginning: a position that is not the saved one (records seen again), with no error.
+    saved_workers = saved.get("iterators_in_use_states") if isinstance(saved, dict) else None
+    wanted_workers = wanted.get("iterators_in_use_states") if isinstance(wanted, dict) else None
+    if (isinstance(saved_workers, list) and isinstance(wanted_workers, list)
+            and len(saved_workers) != len(wanted_workers)):
+        raise DataError(
+            f"Checkpoint step {step} holds the input pipeline's position for "
+            f"dataset.num_workers={len(saved_workers)}, and this run has "
+            f"dataset.num_workers={len(wanted_workers)}: each worker reads its own slice of the "
+            f"records, so the position of one worker count cannot be restored into another. Resume "
+            f"with dataset.num_workers={len(saved_workers)}, or set "
             f"config.resume_data_position=False to start the input pipeline afresh.")
 
 
