@@ -4,8 +4,9 @@ Each notebook runs in a fresh Jupyter kernel (nbclient, kernel 'python3': ipyker
 on this interpreter when no kernelspec is installed) with
 ``TJ_NOTEBOOK_SMALL=1``, the repository on ``PYTHONPATH`` and a temporary working directory shared
 by the notebooks of one session (so 02 reuses the model 01 trained, as a user's would). The kernels
-get one CPU device: the 8 simulated devices of conftest.py are removed from ``XLA_FLAGS``
-(04_scaling_out sets its own before importing jax). Outputs are never written back.
+get one CPU device and XLA's default optimisation: conftest.py's 8 simulated devices and lowered
+level are removed from ``XLA_FLAGS`` (04_scaling_out sets its own before importing jax).
+Outputs are never written back.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ CELL_TIMEOUT_S = 600
 
 def _kernel_env(tmp: pathlib.Path) -> dict[str, str]:
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    # as a user's kernel: one device, XLA's default optimisation (conftest.py lowers it for the
+    # compile-bound tests; the notebooks train and decode, which it would slow down)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if "device_count" not in f and "backend_optimization_level" not in f]
     env["XLA_FLAGS"] = " ".join(flags)
     env["TJ_NOTEBOOK_SMALL"] = "1"
     env["JAX_PLATFORMS"] = "cpu"
