@@ -582,6 +582,66 @@ if __name__ == "__main__":
 '''
 
 
+INTERRUPTED_TRAINER = '''
+import signal, sys, time
+from absl import flags
+import grain
+from transformer_jax.data import pipeline, tokenizer as tk
+
+if __name__ == "__main__":
+    flags.FLAGS.mark_as_parsed()
+    source = [{"src": f"sentence {i}", "tgt": f"phrase {i}"} for i in range(40)]
+    source[3]["tgt"] = " ".join(["phrase"] * 40)  # longer than 16 tokens: truncated, with a warning
+    tok = tk.Tokenizer.train([r["src"] for r in source] + [r["tgt"] for r in source],
+                             tk.TokenizerSettings(vocab_size=320))
+    it = pipeline.make_train_iterator(
+        source, tok, pipeline.Features({"inputs": "src", "targets": "tgt"}),
+        {"inputs": 16, "targets": 16}, 4, num_workers=1, shard=grain.sharding.ShardOptions(0, 1))
+    next(it)
+    print("READY", flush=True)
+    try:
+        time.sleep(120)
+    except KeyboardInterrupt:  # train.py's first Ctrl-C: save a checkpoint (reading on), then stop
+        pass
+    read = sum(len(next(it)["targets"]) for _ in range(30))  # more than the worker had queued
+    it.close()
+    del it  # as when train.py's training function returns (not at interpreter exit)
+    print("READ", read // 4, flush=True)
+'''
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups")
+def test_a_ctrl_c_leaves_the_input_workers_serving(tmp_path):
+    """A Ctrl-C in a terminal signals the whole process group. Before, the input workers died of
+    it (KeyboardInterrupt tracebacks on stderr) and the training process's next read failed with
+    "Worker process was terminated unexpectedly", while it was meant to save and stop cleanly.
+    Also: a worker's length warning names the worker (each reports its own)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "interrupted_trainer.py"
+    script.write_text(INTERRUPTED_TRAINER)
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:  # not run(capture_output): the workers hold the pipe open
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err,
+                                text=True, start_new_session=True)
+        try:
+            assert proc.stdout.readline().strip() == "READY"
+            os.killpg(proc.pid, signal.SIGINT)
+            out = proc.stdout.read()
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.stdout.close()
+    stderr = log.read_text()
+    assert proc.returncode == 0 and out.strip() == "READ 30", stderr[-2000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+    assert "Truncating train targets longer than 16 tokens" in stderr, stderr[-2000:]
+    assert "(input worker 0 of 1: reported once by each worker" in stderr, stderr[-2000:]
+
+
 def _running(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:

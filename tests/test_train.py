@@ -446,15 +446,29 @@ def test_mfu_peak_is_a_16_bit_figure_except_on_tpu(monkeypatch):
         assert metrics.peak_tflops_per_device(0.0, "bfloat16") == peak, kind
 
 
-def test_non_finite_stops_or_skips(data_dir, tmp_path):
+def test_non_finite_stops_or_skips(data_dir, tmp_path, monkeypatch):
+    """Also: the run closes its training input pipeline, whether it ends in an error or not (left
+    to garbage collection, input workers and their shared memory outlived it)."""
+    closed = []
+
+    def recording_build_datasets(*args, **kwargs):
+        data = build_datasets(*args, **kwargs)
+        close = data.train_iter.close
+        data.train_iter.close = lambda: (closed.append(len(closed)), close())
+        return data
+
+    monkeypatch.setattr(loop, "build_datasets", recording_build_datasets)
     config = tiny_config(
         data_dir, num_train_steps=8, log_every_steps=1, checkpoint_every_steps=2, inject_nan_at_step=5
     )
     config.optimizer.warmup_steps = 10  # a rising rate: the rate of each step differs
     with pytest.raises(FloatingPointError, match=r"step 5 .*Last good checkpoint: step 4"):
         train_and_evaluate(config, str(tmp_path / "stop"))
+    assert closed, "the input pipeline of a run that failed was left open"
+    closed.clear()
     config.skip_nonfinite = True
     final = train_and_evaluate(config, str(tmp_path / "skip"))
+    assert closed, "the input pipeline of a finished run was left open"
     records = [r for r in read_jsonl(str(tmp_path / "skip")) if "loss" in r]
     assert np.isnan(records[5]["loss"]) and np.isfinite(final["loss"]) and final["step"] == 8
     assert final["skipped_steps"] == 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -53,12 +54,16 @@ class Features:
 
 
 class LengthStats:
-    """Counts of examples cut or dropped by the length policy, in this process."""
+    """Counts of examples cut or dropped by the length policy, in this process.
+
+    With ``dataset.num_workers > 0`` the training examples are tokenised in the input workers, so
+    each worker counts (and reports) its own, and ``worker`` names it in the message."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}
         self._reported: set[str] = set()
+        self.worker = ""  # e.g. "input worker 1 of 2"; set in the worker processes
 
     def add(self, what: str, message: str) -> None:
         with self._lock:
@@ -66,8 +71,12 @@ class LengthStats:
             first = what not in self._reported
             self._reported.add(what)
         if first:  # once per kind of event and process; the totals stay in ``counts``
-            logging.warning("%s (reported once; further cases are only counted in "
-                            "transformer_jax.data.pipeline.LENGTH_STATS).", message)
+            if self.worker:
+                logging.warning("%s (%s: reported once by each worker; further cases are only "
+                                "counted in that worker process).", message, self.worker)
+            else:
+                logging.warning("%s (reported once; further cases are only counted in "
+                                "transformer_jax.data.pipeline.LENGTH_STATS).", message)
 
 
 LENGTH_STATS = LengthStats()
@@ -269,18 +278,25 @@ def make_train_iterator(
     it = it.batch(batch_size, drop_remainder=True)
     if num_workers > 0:
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers),
-                            worker_init_fn=exit_with_parent)
+                            worker_init_fn=init_input_worker)
     return iter(it)
 
 
-def exit_with_parent(worker_index: int, worker_count: int, poll_s: float = 1.0) -> None:
-    """grain worker init: the worker ends itself once the training process is gone.
+def init_input_worker(worker_index: int, worker_count: int, poll_s: float = 1.0) -> None:
+    """grain worker init: the worker names itself in length warnings, ignores Ctrl-C and ends
+    itself once the training process is gone.
+
+    A Ctrl-C in a terminal signals the whole process group. The training process answers the first
+    one by saving a checkpoint and stopping, and may still read batches until then; a worker that
+    died of the same KeyboardInterrupt printed its traceback and failed the next read. So workers
+    ignore SIGINT and leave the stopping to the training process.
 
     grain ends its workers when the training process exits (even at SIGTERM), but a process killed
     outright (SIGKILL, the OOM killer) runs no cleanup, and its workers would wait forever on a
     full queue, holding their memory. A daemon thread polls the parent's pid (a worker is
     reparented when its parent dies)."""
-    del worker_index, worker_count
+    LENGTH_STATS.worker = f"input worker {worker_index} of {worker_count}"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 
     def watch():
