@@ -20,7 +20,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import build_datasets
 from transformer_jax.params import build_model
-from transformer_jax.training import check_config, evaluate, loop, metrics, train_and_evaluate
+from transformer_jax.training import check_config, evaluate, loop, metrics, steps, train_and_evaluate
 from transformer_jax.training.checkpoint import Checkpointer
 from transformer_jax.training.optimizer import create_optimizer
 from transformer_jax.training.schedules import create_schedule
@@ -136,6 +136,7 @@ def test_train_and_eval_losses_and_gradient_norm_equal_the_paper_written_out(dat
     changed = jax.tree.map(lambda a, b: not np.allclose(a, b), params, nn.unbox(jax.device_get(new.params)))
     assert all(jax.tree.leaves(changed))
     assert m["num_tokens"] == np.count_nonzero(batches[0]["targets_segment_ids"])
+    assert m["real_tokens"] == m["num_tokens"] + np.count_nonzero(batches[0]["inputs_segment_ids"])
     np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-5)
     np.testing.assert_allclose(m["grad_norm"], float(optax_global_norm(grads)), rtol=1e-4)
     sums = [(jax.jit(lambda p, b=b: _paper_loss(model, p, b, eps)[0])(params), _paper_loss_count(b))
@@ -479,24 +480,23 @@ def test_non_finite_stops_or_skips(data_dir, tmp_path, monkeypatch):
 
 
 def test_log_window_leaves_out_skipped_steps():
-    step = lambda loss, finite, lr=0.1: {"loss": loss, "learning_rate": lr, "finite": float(finite)}
-    window = loop._summarise([step(2.0, 1, 0.1), step(np.nan, 0, 0.2), step(4.0, 1, 0.3)], 30, 1.0, 0.0, None)
+    step = lambda loss, finite, lr=0.1: {"loss": loss, "learning_rate": lr, "finite": float(finite),
+                                         "real_tokens": 10}
+    window = loop._summarise([step(2.0, 1, 0.1), step(np.nan, 0, 0.2), step(4.0, 1, 0.3)], 1.0, 0.0, None)
     assert (window["loss"], window["skipped"]) == (3.0, 1)
     assert window["learning_rate"] == pytest.approx(0.3)  # the logged step's rate, not a warm-up mean
-    only_skipped = loop._summarise([step(np.nan, 0)], 10, 1.0, 0.0, None)
+    assert window["tokens_per_sec"] == 30 and "real_tokens" not in window  # skipped steps ran
+    only_skipped = loop._summarise([step(np.nan, 0)], 1.0, 0.0, None)
     assert np.isnan(only_skipped["loss"]) and only_skipped["skipped"] == 1
 
 
-def test_window_throughput_counts_real_tokens_and_mfu_every_step_of_it(monkeypatch):
+def test_window_throughput_counts_real_tokens_and_mfu_every_step_of_it():
     batch = {"inputs_segment_ids": np.array([[1, 1, 2, 0], [1, 0, 0, 0]]),
              "targets_segment_ids": np.array([[1, 1, 1, 0], [0, 0, 0, 0]]),
              "targets": np.ones((2, 4), np.int32)}
-    assert loop._non_pad_tokens(batch) == 7  # 4 source and 3 target tokens; the padding is left out
-    monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
-    assert loop._non_pad_tokens(batch) == 14  # every process loads a batch of the same size
-    monkeypatch.undo()
-    step = {"loss": 1.0, "finite": 1.0}
-    window = loop._summarise([step, step], 30, 4.0, 1e12, 0.5)
+    assert int(steps.real_tokens(batch)) == 7  # 4 source and 3 target tokens; the padding is left out
+    step = {"loss": 1.0, "finite": 1.0, "real_tokens": 15}
+    window = loop._summarise([step, step], 4.0, 1e12, 0.5)
     assert (window["tokens_per_sec"], window["steps_per_sec"]) == (7.5, 0.5)
     # 2 steps of 1e12 FLOPs in 4 s, on 8 devices of 0.5 TFLOP/s: 0.5e12 / 4e12
     assert window["mfu"] == pytest.approx(0.125)

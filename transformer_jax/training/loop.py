@@ -80,27 +80,23 @@ def _compile_steps(model, tx, schedule, settings, shardings, mesh):
     return train, evaluate_fn
 
 
-def _non_pad_tokens(batch) -> int:
-    keys = [k for k in ("inputs_segment_ids", "targets_segment_ids") if k in batch]
-    return int(sum(np.count_nonzero(batch[k]) for k in keys)) * jax.process_count()
-
-
-def _summarise(history: list, tokens: int, seconds: float, flops: float, peak, num_devices=None) -> dict:
+def _summarise(history: list, seconds: float, flops: float, peak, num_devices=None) -> dict:
     """Means of the per-step metrics since the last log, plus throughput and MFU; the learning rate
-    is the logged step's own (a mean over a warm-up window is no step's rate). The MFU is against
-    ``peak`` TFLOP/s on each of ``num_devices`` (the mesh's; default every device).
+    is the logged step's own (a mean over a warm-up window is no step's rate). tokens/s counts each
+    step's ``real_tokens`` (source and target tokens that are not padding, over the global batch).
+    The MFU is against ``peak`` TFLOP/s on each of ``num_devices`` (the mesh's; default every device).
 
     Non-finite (skipped) steps are left out of the means and counted in ``skipped``; a window of
-    only such steps reports their (non-finite) means.
+    only such steps reports their (non-finite) means. Their tokens count: the step ran.
     """
     host = jax.device_get(history)
     finite = [h for h in host if bool(h["finite"])]
     kept = finite or host
-    out = {k: float(np.mean([h[k] for h in kept])) for k in host[0] if k != "finite"}
+    out = {k: float(np.mean([h[k] for h in kept])) for k in host[0] if k not in ("finite", "real_tokens")}
     if "learning_rate" in host[-1]:
         out["learning_rate"] = float(host[-1]["learning_rate"])
     out["skipped"] = len(host) - len(finite)
-    out["tokens_per_sec"] = tokens / seconds
+    out["tokens_per_sec"] = sum(int(h["real_tokens"]) for h in host) / seconds
     out["steps_per_sec"] = len(history) / seconds
     if peak:
         out["mfu"] = flops * len(history) / seconds / (peak * 1e12 * (num_devices or jax.device_count()))
@@ -276,14 +272,14 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
     preemption = ckpt_lib.PreemptionFlag()
 
     # --- the loop ---------------------------------------------------------------------------
-    history, tokens, skipped, summary, eval_metrics, evaluated_at = [], 0, 0, {}, {}, None
+    history, skipped, summary, eval_metrics, evaluated_at = [], 0, {}, {}, None
     last_log, pending, tracing = time.time(), None, False
     profile_dir = os.path.join(workdir, "profile")
     profile_end = config.profile_start_step + config.profile_num_steps
 
     def log_window(done: int) -> dict:
         # The mesh's devices, not jax.device_count(): a `mesh` argument may cover some of them only.
-        summary = _summarise(history, tokens, time.time() - last_log, flops, peak, mesh.size)
+        summary = _summarise(history, time.time() - last_log, flops, peak, mesh.size)
         summary["skipped_steps"] = skipped
         log.write(done, summary)
         log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
@@ -295,7 +291,6 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
                 jax.profiler.start_trace(profile_dir)
                 tracing = True
             batch = next(data.train_iter)
-            tokens += _non_pad_tokens(batch)
             state, step_metrics = train_step(state, to_global_batch(batch, mesh))
             history.append(step_metrics)
             checkpointer.seal()  # integrity manifest of a finished async save
@@ -307,7 +302,7 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
                 tracing = _stop_trace(state, config.profile_start_step, done, profile_dir)
             if done % config.log_every_steps == 0 or done == config.num_train_steps:
                 summary = log_window(done)
-                history, tokens, last_log = [], 0, time.time()
+                history, last_log = [], time.time()
             evaluated = done % config.eval_every_steps == 0 or done == config.num_train_steps
             if evaluated:
                 jax.block_until_ready(state)  # the steps before it count as training time

@@ -113,8 +113,18 @@ def train_step(
         grad_norm=optax.tree.norm(grads),
         learning_rate=schedule(state.step if count is None else count),
         finite=finite.astype(jnp.float32),
+        real_tokens=real_tokens(batch),
     )
     return new_state, metrics
+
+
+def real_tokens(batch: dict[str, jax.Array]) -> jax.Array:
+    """Source + target tokens that are not padding (segment id > 0) in the whole global batch.
+
+    Counted inside the step, over the global arrays, so that a multi-process run's tokens/s is the
+    sum of every process's rows and not process 0's count times the number of processes."""
+    keys = [k for k in ("inputs_segment_ids", "targets_segment_ids") if k in batch]
+    return sum(jnp.count_nonzero(batch[k]) for k in keys).astype(jnp.int32)
 
 
 def eval_step(params, batch: dict[str, jax.Array], *, model: nn.Module, settings: StepSettings):
