@@ -77,6 +77,20 @@ def test_first_fit_emits_the_fullest_row_when_every_row_is_open():
     assert real == [B, A + D, C]
 
 
+def test_a_row_full_in_one_feature_is_not_held_for_ever():
+    """Translation rows of 40 source and 10 target tokens, two open at most. A's row has 1 target
+    token left, so it takes no more examples; B-rows (15 + 3 tokens each) keep forming beside it.
+    Counting free tokens over both features, A's row (38 + 1 free) looked emptier than a B-row
+    (10 + 4) every time one had to leave, and A came out only when the stream ended: in the
+    endless training stream, never."""
+    A = {"inputs": [5] * 2, "targets": [5] * 9}
+    B = {"inputs": [6] * 15, "targets": [6] * 3}
+    ds = grain.MapDataset.source([A] + [B] * 60).to_iter_dataset()
+    rows = list(packing.FirstFitPackIterDataset(ds, {"inputs": 40, "targets": 10}, num_bins=2))
+    first_sources = [r["inputs"][r["inputs_segment_ids"] == 1].tolist() for r in rows]
+    assert first_sources.index(A["inputs"]) <= 1  # A's row leaves when the next one must
+
+
 def test_packing_keeps_every_token_and_pairs_segments(tok):
     examples = [pipeline.Tokenize(tok, TRANSLATION, LENGTHS).map(r) for r in SOURCE]
     ds = grain.MapDataset.source(examples).to_iter_dataset()
@@ -598,8 +612,8 @@ if __name__ == "__main__":
         source, tok, pipeline.Features({"inputs": "src", "targets": "tgt"}),
         {"inputs": 16, "targets": 16}, 4, num_workers=1, shard=grain.sharding.ShardOptions(0, 1))
     next(it)
-    print("READY", flush=True)
-    try:
+    try:  # (entered first: the signal may come as soon as READY is out)
+        print("READY", flush=True)
         time.sleep(120)
     except KeyboardInterrupt:  # train.py's first Ctrl-C: save a checkpoint (reading on), then stop
         pass
