@@ -211,6 +211,22 @@ def test_bad_input_is_a_clear_error(capsys, args, message):
     assert message in err and "Traceback" not in err
 
 
+def test_a_prompt_that_is_not_utf8_is_a_clear_error(capsys):
+    """Bytes that are not UTF-8 on the command line reach argv as lone surrogates; the GPT-2
+    tokenizer raised a TypeError on them (a traceback, exit code 1)."""
+    latin1 = b"caf\xe9".decode("utf-8", "surrogateescape")  # what Python makes of argv b"caf\xe9"
+    directory = gpt2_checkpoint("gpt2_a")
+    err = cli_error(capsys, f"--hf_checkpoint={directory}", "--prompt=a", f"--prompt={latin1}")
+    assert "error: --prompt number 2 is not UTF-8 text (byte 0xe9 at character 4)" in err
+    assert "Traceback" not in err
+
+
+def test_step_with_a_hugging_face_checkpoint_is_an_error(capsys, tmp_path):
+    """--step picks a workdir's checkpoint; with --hf_checkpoint it used to be ignored silently."""
+    err = cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a", "--step=3")
+    assert "--step applies only to --workdir" in err
+
+
 def test_truncate_keeps_the_start_of_a_source_and_the_end_of_a_prompt():
     """--truncate: a translation keeps the start of its source and the EOS; a continuation keeps
     its prefix and the tokens just before the ones it generates."""

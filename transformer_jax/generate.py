@@ -395,10 +395,25 @@ def _read_inputs(prompts: Sequence[str], input_file: str | None) -> list[str]:
     else:
         lines = _read_file(input_file)
     for i, text in enumerate(lines):
+        where = f"line {i + 1} of --input_file" if input_file else f"--prompt number {i + 1}"
         if not text.strip():
-            where = f"line {i + 1} of --input_file" if input_file else f"--prompt number {i + 1}"
             raise GenerateError(f"empty input ({where})")
+        if input_file is None:
+            _check_prompt_is_utf8(text, where)
     return lines
+
+
+def _check_prompt_is_utf8(text: str, where: str) -> None:
+    """Command-line bytes that are not UTF-8 (a prompt typed in a Latin-1 terminal, ``$(cat f)``
+    of a Latin-1 file) reach ``sys.argv`` as lone surrogates (Python's ``surrogateescape``), which
+    the Hugging Face tokenizers cannot encode (GPT-2: TypeError, Marian: RuntimeError, deep inside
+    them): named here, as an ``--input_file`` that is not UTF-8 is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise GenerateError(f"{where} is not UTF-8 text ({what} at character {e.start + 1})") from e
 
 
 def _read_file(input_file: str) -> list[str]:
@@ -429,6 +444,8 @@ def _check_flag_combinations(flag_values: flags.FlagValues) -> None:
     fv = flag_values
     if bool(fv.workdir) == bool(fv.hf_checkpoint):
         raise GenerateError("give exactly one of --workdir=DIR and --hf_checkpoint=DIR")
+    if fv["step"].present and fv.hf_checkpoint:  # it would be ignored: one set of weights there
+        raise GenerateError("--step applies only to --workdir (a Hugging Face checkpoint has one step)")
     groups = ((_SAMPLING_FLAGS, "sample"), (_BEAM_FLAGS, "beam"))
     for names, decoding in groups:
         given = [f"--{n}" for n in names if fv[n].present]
