@@ -25,6 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.dataset = default_dataset_config("enfr_builtin")
     c.dataset.builder_config = "small"
+    c.dataset.eval_split = "validation"  # periodic loss; the test split stays for test_split
     c.dataset.vocab_size = 320
     c.dataset.batch_size = 16
     c.dataset.eval_batch_size = 16
