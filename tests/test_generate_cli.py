@@ -227,6 +227,16 @@ def test_step_with_a_hugging_face_checkpoint_is_an_error(capsys, tmp_path):
     assert "--step applies only to --workdir" in err
 
 
+def test_a_too_long_prompt_counts_the_start_token_in_its_message():
+    """A decoder-only workdir model puts its start token before the prompt: a one-token prompt
+    with room for one was reported as "2 tokens, more than the 1" with no word of why."""
+    opts = cli.DecodeOptions()
+    with pytest.raises(cli.GenerateError, match=r"input 1 has 2 tokens with the start token, more than the 1"):
+        cli._fit_input([1, 7], 1, 0, opts, seq2seq=False, eos=1, prefix=(1,))
+    with pytest.raises(cli.GenerateError, match=r"input 1 has 2 tokens, more than the 1"):
+        cli._fit_input([5, 7], 1, 0, opts, seq2seq=False, eos=1)
+
+
 def test_truncate_keeps_the_start_of_a_source_and_the_end_of_a_prompt():
     """--truncate: a translation keeps the start of its source and the EOS; a continuation keeps
     its prefix and the tokens just before the ones it generates."""

@@ -212,7 +212,8 @@ def _fit_input(
         return ids
     if not opts.truncate:
         raise GenerateError(
-            f"input {index + 1} has {len(ids)} tokens, more than the {limit} this model allows "
+            f"input {index + 1} has {len(ids)} tokens{' with the start token' if prefix else ''}, "
+            f"more than the {limit} this model allows "
             "(its max_len, less the tokens to generate); shorten it or pass --truncate"
         )
     # Translation keeps the start of the source (and its EOS); continuation keeps the end.
