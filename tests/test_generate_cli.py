@@ -231,7 +231,7 @@ def test_a_too_long_prompt_counts_the_start_token_in_its_message():
     """A decoder-only workdir model puts its start token before the prompt: a one-token prompt
     with room for one was reported as "2 tokens, more than the 1" with no word of why."""
     opts = cli.DecodeOptions()
-    with pytest.raises(cli.GenerateError, match=r"input 1 has 2 tokens with the start token, more than the 1"):
+    with pytest.raises(cli.GenerateError, match=r"has 2 tokens with the start token, more than the 1"):
         cli._fit_input([1, 7], 1, 0, opts, seq2seq=False, eos=1, prefix=(1,))
     with pytest.raises(cli.GenerateError, match=r"input 1 has 2 tokens, more than the 1"):
         cli._fit_input([5, 7], 1, 0, opts, seq2seq=False, eos=1)
