@@ -304,6 +304,22 @@ def test_a_step_with_a_finite_loss_but_non_finite_gradients_changes_nothing_but_
         np.testing.assert_array_equal(got, old)
 
 
+def test_a_step_with_finite_gradients_but_a_non_finite_update_changes_nothing_but_the_step():
+    """Adam with eps = 0 turns a gradient that is exactly 0 (here w[0], which the logits ignore: as a
+    dead ReLU unit or an unused embedding row) into 0 / 0 = NaN. Loss and gradients are finite, so a
+    guard on them alone let the NaN into the parameters, reported the step as finite and checkpointed
+    it as good; the guard checks the update too."""
+    import optax
+
+    model = _BroadcastLM(lambda w: w.at[0].set(0.0))
+    state, new, metrics = _broadcast_lm_step(model, optax.adam(0.1, eps=0.0), np.arange(5))
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert float(metrics["finite"]) == 0.0 and int(new.step) == 8
+    np.testing.assert_array_equal(new.params["w"], state.params["w"])
+    for got, old in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(state.opt_state)):
+        np.testing.assert_array_equal(got, old)
+
+
 def test_perplexity_is_of_the_unsmoothed_nll_not_the_smoothed_loss():
     # V=3, uniform prediction: nll = ln 3, so perplexity is 3 whatever the smoothing (the smoothed
     # loss is 0.704, whose exp would be 2.02).

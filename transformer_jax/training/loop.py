@@ -361,12 +361,12 @@ def _stop_trace(state, first: int, done: int, profile_dir: str) -> bool:
 def _non_finite(config, step: int, checkpointer, log) -> int:
     """Skips (returns 1) or stops with the step number and the last good checkpoint."""
     if config.skip_nonfinite:
-        log.message(f"step {step}: non-finite loss or gradients; step skipped (state unchanged).")
+        log.message(f"step {step}: non-finite loss, gradients or update; step skipped (state unchanged).")
         return 1
     checkpointer.wait()
     last = checkpointer.latest_step()
     where = f"step {last} in {checkpointer.directory}" if last is not None else "none yet"
     raise FloatingPointError(
-        f"Non-finite loss or gradients at step {step} (0-based). Last good checkpoint: {where}. "
+        f"Non-finite loss, gradients or update at step {step} (0-based). Last good checkpoint: {where}. "
         "Lower the learning rate, enable optimizer.grad_clip_norm, or set config.skip_nonfinite=True."
     )

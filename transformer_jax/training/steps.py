@@ -100,7 +100,10 @@ def train_step(
     grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss_sum) & _all_finite(grads)
+    # The update too, not only its inputs: finite gradients can still give a non-finite update
+    # (Adam's 0 / (0 + eps) with eps = 0 where a gradient is exactly 0 -- a dead ReLU unit, an unused
+    # embedding row), which the guard let into the parameters and a checkpoint as a good step.
+    finite = jnp.isfinite(loss_sum) & _all_finite(grads) & _all_finite(updates)
     # A non-finite step changes nothing but the step counter (the loop stops or carries on).
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_state = state.replace(
