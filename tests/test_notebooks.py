@@ -54,6 +54,23 @@ def test_notebooks_exist():
     ], names
 
 
+def test_the_colab_install_asks_for_the_jax_this_library_needs_with_its_accelerator_plugin():
+    """On Colab each notebook installs the library with jax in pyproject.toml's range, and with the
+    GPU or TPU plugin where the runtime has one: installing the library alone replaced an older
+    Colab jax by a CPU-only one on a GPU runtime (the plugin stayed behind), without a word."""
+    import re
+    import tomllib
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    (jax_range,) = [d[len("jax"):] for d in deps if re.match(r"jax[<>=]", d)]
+    for path in NOTEBOOKS:
+        install = [line.strip() for cell in nbformat.read(path, as_version=4).cells
+                   for line in cell.source.splitlines() if line.strip().startswith("%pip install")]
+        assert install == ["%pip install -q git+https://github.com/transformer-jax/transformer_jax "
+                           f'"jax{{accel}}{jax_range}"'], (path.name, install)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path: pathlib.Path, workdir: pathlib.Path, monkeypatch):
