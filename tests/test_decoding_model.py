@@ -440,3 +440,13 @@ def test_model_level_misuse_is_refused_or_nan_not_silently_wrong(lm, seq2seq):
     real = np.asarray(by_pad.source_mask)[:, None, :, None]
     for a, b in zip(jax.tree.leaves(by_pad.cross), jax.tree.leaves(by_segment.cross), strict=True):
         np.testing.assert_allclose(np.where(real, a, 0), np.where(real, b, 0), atol=1e-5)
+
+
+def test_step_function_of_the_other_model_kind_is_an_error_naming_the_right_one():
+    """LMStep(Transformer) failed inside generate's jit with `__call__() missing 'tgt'`."""
+    seq2seq, lm = tj.Transformer(CONFIG), tj.TransformerLM(CONFIG.replace(num_encoder_layers=0))
+    with pytest.raises(TypeError, match=r"for a Transformer use tj\.Seq2SeqStep\(model\)"):
+        tj.LMStep(seq2seq)
+    with pytest.raises(TypeError, match=r"for a TransformerLM use tj\.LMStep\(model\)"):
+        tj.Seq2SeqStep(lm)
+    assert tj.LMStep(lm) == tj.LMStep(lm) and tj.Seq2SeqStep(seq2seq).model is seq2seq

@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import transformer_jax as tj
 from transformer_jax.modeling import apply_rope, sinusoidal_encoding
@@ -60,3 +61,19 @@ def test_rope_depends_only_on_relative_position():
     assert math.isclose(score(3, 1), score(10, 8), rel_tol=1e-4)
     assert math.isclose(score(0, 0), float(jnp.sum(q * k)), rel_tol=1e-5)
     assert not math.isclose(score(3, 1), score(3, 2), rel_tol=1e-3)
+
+
+def test_rope_attention_without_positions_is_an_error_naming_them():
+    """MultiHeadAttention with rope_theta called without q_positions failed on `None.astype`."""
+    from transformer_jax.modeling import MultiHeadAttention
+
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    mha = MultiHeadAttention(d_model=16, num_heads=4, head_dim=4, num_kv_heads=2, rope_theta=1e4)
+    with pytest.raises(ValueError, match="pass q_positions"):
+        mha.init(jax.random.key(1), x)
+    positions = jnp.arange(5)[None]
+    variables = mha.init(jax.random.key(1), x, q_positions=positions)
+    out, _ = mha.apply(variables, x, q_positions=positions)
+    assert out.shape == (2, 5, 16)
+    with pytest.raises(ValueError, match=r"need positions int \[B, L\].*got \(5,\)"):
+        apply_rope(jnp.ones((2, 5, 4, 4)), jnp.arange(5))

@@ -113,6 +113,23 @@ def test_packed_rows_equal_separate_examples():
     np.testing.assert_allclose(out[:, 4:], japply(lm)({"params": params}, b), atol=1e-5)
 
 
+def test_packed_rows_without_positions_name_the_missing_argument():
+    """An encoder-decoder has src_positions and tgt_positions: the error said only "positions"."""
+    model = tj.Transformer(config())
+    src, tgt = tokens(0, (1, 6)), tokens(1, (1, 4))
+    src_seg, tgt_seg = jnp.array([[1, 1, 1, 2, 2, 0]]), jnp.array([[1, 1, 2, 2]])
+    src_pos, tgt_pos = jnp.array([[0, 1, 2, 0, 1, 0]]), jnp.array([[0, 1, 0, 1]])
+    params = model.init(jax.random.key(0), src, tgt)["params"]
+    packed = dict(src_segment_ids=src_seg, tgt_segment_ids=tgt_seg)
+    with pytest.raises(ValueError, match="pass src_positions"):
+        model.apply({"params": params}, src, tgt, **packed, tgt_positions=tgt_pos)
+    with pytest.raises(ValueError, match="pass tgt_positions"):
+        model.apply({"params": params}, src, tgt, **packed, src_positions=src_pos)
+    lm, lm_params = init_lm(config(), tgt)
+    with pytest.raises(ValueError, match="pass positions"):
+        lm.apply({"params": lm_params}, tgt, segment_ids=tgt_seg)
+
+
 def test_fully_masked_rows_give_zeros_not_nan():
     q = jax.random.normal(jax.random.key(0), (2, 3, 4, 5))
     k = jax.random.normal(jax.random.key(1), (2, 7, 4, 5))
@@ -124,6 +141,27 @@ def test_fully_masked_rows_give_zeros_not_nan():
     _, probs = dot_product_attention(q, k, k, mask, impl="reference", return_weights=True)
     np.testing.assert_array_equal(probs[0, :, 1], 0.0)
     np.testing.assert_allclose(probs[1].sum(-1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "chunked"])
+def test_mask_or_shapes_that_do_not_fit_are_an_error_naming_them(impl):
+    """An additive 0/-inf mask (PyTorch's convention) read as a boolean attends exactly to the
+    masked keys: 'reference' and 'chunked' gave wrong outputs silently, 'xla' a JAX error."""
+    q = jax.random.normal(jax.random.key(0), (2, 3, 4, 5))
+    k = jax.random.normal(jax.random.key(1), (2, 7, 4, 5))
+    valid = jnp.ones((2, 7), bool).at[0, 4:].set(False)
+    additive = jnp.where(valid, 0.0, -jnp.inf)[:, None, None, :]
+    with pytest.raises(ValueError, match="mask must be bool"):
+        dot_product_attention(q, k, k, additive, impl=impl)
+    with pytest.raises(ValueError, match=re.escape("mask has shape (2, 7); it must broadcast to")):
+        dot_product_attention(q, k, k, valid, impl=impl)
+    with pytest.raises(ValueError, match="does not fit k"):  # 3 key/value heads for 4 query heads
+        dot_product_attention(q, k[:, :, :3], k[:, :, :3], impl=impl)
+    with pytest.raises(ValueError, match="does not fit k"):  # a key batch of 1: 'xla' refused it
+        dot_product_attention(q, k[:1], k[:1], impl=impl)
+    out, _ = dot_product_attention(q, k, k, valid[:, None, None, :], impl=impl)  # [B, 1, 1, S]
+    ref, _ = dot_product_attention(q[:1], k[:1, :4], k[:1, :4], impl="reference")
+    np.testing.assert_allclose(out[:1], ref, atol=1e-5)
 
 
 def test_backends_agree():

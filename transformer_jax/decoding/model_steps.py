@@ -29,6 +29,16 @@ import jax
 import jax.numpy as jnp
 
 
+def _check_kind(step, drives: str, wrong: str, right: str) -> None:
+    """The two step functions call their model differently (``apply(tokens)`` against
+    ``apply(src, tgt)``): swapped, the call fails inside the decoder's jit with a TypeError about
+    `__call__`'s arguments. Said here, at construction, instead."""
+    from transformer_jax import modeling  # model_steps is the one decoding file that knows them
+
+    if isinstance(step.model, getattr(modeling, wrong)):
+        raise TypeError(f"{type(step).__name__} drives a {drives}; for a {wrong} use tj.{right}(model)")
+
+
 @dataclasses.dataclass(frozen=True)
 class LMStep:
     """``step_fn`` for `TransformerLM`: ``params`` is the module's 'params' collection and the
@@ -36,6 +46,9 @@ class LMStep:
     only ([B, 1, V]), so a prompt prefill does not compute a [B, P, V] array."""
 
     model: nn.Module
+
+    def __post_init__(self):
+        _check_kind(self, "TransformerLM", "Transformer", "Seq2SeqStep")
 
     def __call__(self, params, tokens, cache, num_valid):
         return self.model.apply({"params": params}, tokens, cache=cache, num_valid=num_valid,
@@ -48,6 +61,9 @@ class Seq2SeqStep:
     the encoded source, so each step runs the decoder only."""
 
     model: nn.Module
+
+    def __post_init__(self):
+        _check_kind(self, "Transformer", "TransformerLM", "LMStep")
 
     def __call__(self, params, tokens, cache, num_valid):
         return self.model.apply({"params": params}, None, tokens, cache=cache, num_valid=num_valid,

@@ -29,6 +29,15 @@ def apply_rope(x, positions, theta: float = 10000.0):
 
     Rotates pairs (k, k + K/2) ("rotate half" layout), so <q_m, k_n> depends only on m - n.
     """
+    # A module with `rope_theta` set and no positions (MultiHeadAttention's q_positions /
+    # kv_positions, TransformerBlock's positions) would otherwise fail on `None.astype`.
+    if positions is None or jnp.ndim(positions) != 2:
+        got = None if positions is None else jnp.shape(positions)
+        raise ValueError(f"rotary positions (rope_theta set) need positions int [B, L] for the "
+                         f"{x.shape} queries/keys, got {got}: pass q_positions (and kv_positions "
+                         "for cross-attention), e.g. jnp.arange(L)[None]")
+    if x.shape[-1] % 2:
+        raise ValueError(f"rotary positions need an even head_dim, got {x.shape[-1]}")
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, L, 1, K/2]

@@ -215,9 +215,12 @@ def segment_positions(segment_ids):
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-def default_positions(tokens, segment_ids=None):
+def default_positions(tokens, segment_ids=None, name: str = "positions"):
+    """[B, L] positions 0..L-1; packed rows must pass their own, named by ``name`` (an encoder-
+    decoder has two sets, and the error says which one is missing)."""
     if segment_ids is not None:
-        raise ValueError("packed inputs (segment_ids given) need their positions too")
+        raise ValueError(f"packed inputs (segment ids given) need their positions too: pass {name} "
+                         "(int [B, L], counted from each segment's start)")
     return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
 
@@ -243,7 +246,7 @@ class Encoder(_Stack):
                             src_positions=positions)
         if positions is None:
             _check_learned_length(self.config, tokens.shape[1])
-            positions = default_positions(tokens, segment_ids)
+            positions = default_positions(tokens, segment_ids, "src_positions")
         else:
             _check_learned_positions(self.config, positions, "src_positions")
         S = tokens.shape[1]
@@ -336,7 +339,8 @@ class Decoder(_Stack):
             raise ValueError("last_only=True needs a cache (it picks each row's last of num_valid tokens)")
         if positions is None:
             _check_learned_length(self.config, tokens.shape[1])
-            positions = default_positions(tokens, segment_ids)
+            name = "tgt_positions" if self.cross_attention else "positions"
+            positions = default_positions(tokens, segment_ids, name)
         else:
             _check_learned_positions(self.config, positions)
         L = tokens.shape[1]
