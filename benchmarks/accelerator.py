@@ -21,7 +21,12 @@ downloaded. One run measures the device's own limits and each workload against t
   attention  causal attention, batch 1, 16 heads of 64, bf16, at 4k / 16k / 32k tokens for the
              platform's fused kernel, XLA's and the chunked one: forward ms and peak memory
 
-Each section is guarded: an error is recorded in the JSON and the next section still runs.
+Each section, and each row of the decode and attention sections, is guarded: an error is recorded in
+the JSON and the next row still runs. With --out the file is rewritten (atomically) after every row,
+so a run killed at a time limit keeps everything measured before it; no row starts after --budget-s
+(default 420 s, for a 10-minute limit), and `--only` runs only some sections (a rerun). Nothing here
+imports the data stack (grain, tensorflow-datasets, ml_collections): a machine with only jax, flax
+and optax runs it.
 `--smoke` shrinks every size (a 2-layer model, 256 tokens) so the whole path runs on CPU in under a
 minute; tests/test_benchmarks.py runs it.
 """
@@ -33,6 +38,8 @@ import datetime
 import json
 import os
 import sys
+import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,7 +48,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import transformer_jax as tj  # noqa: E402
 from benchmarks import bench_attention, bench_decode, bench_model, hardware  # noqa: E402
-from benchmarks.run import section  # noqa: E402
+
+SECTIONS = ("train", "decode", "attention")
 
 TARGETS = dict(train_mfu=0.45, decode_b1_roofline=0.60)
 
@@ -86,42 +94,55 @@ def train_section(sizes: dict, platform: str, limits: dict) -> list[dict]:
     return [dict(row, attention_impl=config.attention_impl)]
 
 
-def decode_section(sizes: dict, platform: str, limits: dict) -> list[dict]:
+def decode_section(sizes: dict, platform: str, limits: dict):
+    """Yields one row per batch size (an error row if that batch size fails)."""
     # Decoding attends one query over the cache: XLA reads the heads-first [B, N, S, K] cache in
     # place, where the cuDNN call takes [B, S, N, K] and would copy every layer's cache each step.
     config = model_config(sizes, platform, "decode_model", param_dtype="bfloat16",
                           scan_layers=False, remat="none", attention_impl="xla")
     model = tj.TransformerLM(config)
     params = bench_decode.random_params(model, jnp.ones((1, 8), jnp.int32), dtype=jnp.bfloat16)
-    rows = []
     for batch in (1, 8):
-        prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3,
-                                    config.vocab_size)
-        lengths = jnp.full((batch,), bench_decode.PROMPT, jnp.int32)
-        row = bench_decode.lm_row(config, model, params, prompt, lengths, sizes["new_tokens"],
-                                  limits["bandwidth_bytes_s"], 3)
-        rows.append(dict(row, model="accelerator_decoder", weights="bfloat16"))
-    return rows
+        try:
+            prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3,
+                                        config.vocab_size)
+            lengths = jnp.full((batch,), bench_decode.PROMPT, jnp.int32)
+            row = bench_decode.lm_row(config, model, params, prompt, lengths, sizes["new_tokens"],
+                                      limits["bandwidth_bytes_s"], 3)
+        except Exception as e:  # batch 8 may still run where batch 1 failed, and the other way
+            row = dict(batch=batch, error=f"{type(e).__name__}: {e}")
+        yield dict(row, model="accelerator_decoder", weights="bfloat16")
 
 
-def attention_section(sizes: dict, platform: str) -> list[dict]:
+def attention_section(sizes: dict, platform: str):
+    """Yields one row per (length, backend); a backend that fails at one length (out of memory in
+    XLA's autotuning of a 32k x 32k product, say) is an error row, and the others still run."""
     impls = dict.fromkeys((fused_attention_impl(platform), "xla", "chunked"))
-    rows = []
     for length in sizes["attention_lengths"]:
         for impl in impls:
-            rows.append(bench_attention.bench_one(impl, length, heads=sizes["attention_heads"],
-                                                  dtype="bfloat16", memory_budget=32 * 2**30))
-    return rows
+            try:
+                yield bench_attention.bench_one(impl, length, heads=sizes["attention_heads"],
+                                                dtype="bfloat16", memory_budget=32 * 2**30)
+            except Exception as e:
+                yield dict(impl=impl, length=length, error=f"{type(e).__name__}: {e}")
+
+
+def _measured(row: dict, *keys: str) -> bool:
+    return "error" not in row and all(key in row for key in keys)
 
 
 def summary(results: dict, limits: dict) -> list[dict]:
     """One line per target: measured ratio, target, met."""
     lines = []
     for train in results.get("train", {}).get("rows") or []:
+        if not _measured(train, "mfu"):
+            continue
         lines.append(dict(workload="train ~350M decoder bf16", tokens_per_s=train["tokens_per_s"],
                           ratio=train["mfu"], target=TARGETS["train_mfu"],
                           met=train["mfu"] >= TARGETS["train_mfu"]))
     for row in results.get("decode", {}).get("rows") or []:
+        if not _measured(row, "roofline_frac"):
+            continue
         target = TARGETS["decode_b1_roofline"] if row["batch"] == 1 else None
         lines.append(dict(workload=f"decode batch {row['batch']}", tokens_per_s=row["decode_tok_s"],
                           ratio=row["roofline_frac"], target=target,
@@ -129,36 +150,113 @@ def summary(results: dict, limits: dict) -> list[dict]:
     return lines
 
 
-def run(smoke: bool = False) -> dict:
+def section(name: str, rows, results: dict, save, deadline: float | None = None) -> None:
+    """Runs one section, recording each row as it comes (rows() is a list or a generator) and
+    saving the report after it: an error, or the run killed at its time limit, keeps every row
+    measured before it. A failing section is recorded; the next one still runs. Past `deadline`
+    (time.monotonic()) no further row is started."""
+    print(f"== {name}", flush=True)
+    start = time.perf_counter()
+    entry = results[name] = dict(rows=[])
+    over = lambda: deadline is not None and time.monotonic() > deadline
+    try:
+        iterator = iter(rows()) if not over() else iter(())
+        while not over():
+            try:
+                row = next(iterator)
+            except StopIteration:
+                break
+            entry["rows"].append(row)
+            entry["seconds"] = round(time.perf_counter() - start, 1)
+            print(json.dumps(row, default=str), flush=True)
+            save()
+        else:
+            entry["skipped"] = "time budget spent (--budget-s): later rows not run"
+            print(entry["skipped"], flush=True)
+    except Exception as e:
+        entry.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        print(entry["error"], flush=True)
+    entry["seconds"] = round(time.perf_counter() - start, 1)
+    save()
+
+
+def _hardware(sizes: dict, meta: dict, key: str) -> dict | None:
+    """measure_hardware, its failure recorded in meta[key] rather than ending the run."""
+    try:
+        meta[key] = measure_hardware(sizes)
+    except Exception as e:
+        meta[key] = dict(error=f"{type(e).__name__}: {e}")
+        print(f"== hardware: {meta[key]['error']}", flush=True)
+    return None if "error" in meta[key] else meta[key]
+
+
+def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | None = None) -> dict:
+    """The whole suite; `save(report)` (if given) is called with the report so far after every
+    row, so that a run cut short leaves what it measured. After `budget_s` seconds no new row is
+    started: the end reading of the limits and the summary are still made."""
+    deadline = None if not budget_s else time.monotonic() + budget_s
     sizes = SMOKE if smoke else FULL
     platform = jax.default_backend()
     device = jax.devices()[0]
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 platform=platform, device_kind=str(device.device_kind),
                 device_count=jax.device_count(), jax=jax.__version__, smoke=smoke)
-    first = measure_hardware(sizes)
     results = {}
-    section("train", lambda: train_section(sizes, platform, first), results)
-    section("decode", lambda: decode_section(sizes, platform, first), results)
-    section("attention", lambda: attention_section(sizes, platform), results)
-    last = measure_hardware(sizes)
-    limits = {k: max(first[k], last[k]) for k in first}
-    # Ratios against the higher of the two measurements of each limit (conservative).
-    for train in results["train"].get("rows") or []:
-        train["mfu"] = round(train["achieved_tflops"] * 1e12 / limits["peak_bf16_flops"], 3)
-    for row in results["decode"].get("rows") or []:
-        row["roofline_frac"] = round(row["bytes_per_step"] / limits["bandwidth_bytes_s"]
-                                     / row["decode_step_s"], 3)
-    meta.update(peak_bf16_tflops=round(limits["peak_bf16_flops"] / 1e12, 2),
-                bandwidth_gb_s=round(limits["bandwidth_bytes_s"] / 1e9, 1),
-                hardware_start=first, hardware_end=last)
-    return dict(meta=meta, targets=TARGETS, results=results, summary=summary(results, limits))
+    report = dict(meta=meta, targets=TARGETS, results=results, summary=[])
+
+    def checkpoint():  # the summary so far: ratios against the start reading until the end one
+        report["summary"] = summary(results, {})
+        if save:
+            save(report)
+
+    # Until the end reading exists, rows are set against the start reading (NaN if it failed: a
+    # train row then falls back to bench_train's own peak measurement).
+    first = _hardware(sizes, meta, "hardware_start")
+    checkpoint()
+    start = first or dict(peak_bf16_flops=None, bandwidth_bytes_s=float("nan"))
+    runners = dict(train=lambda: train_section(sizes, platform, start),
+                   decode=lambda: decode_section(sizes, platform, start),
+                   attention=lambda: attention_section(sizes, platform))
+    for name in sections:
+        section(name, runners[name], results, checkpoint, deadline)
+    last = _hardware(sizes, meta, "hardware_end")
+    readings = [r for r in (first, last) if r is not None]
+    if readings:
+        limits = {k: max(r[k] for r in readings) for k in readings[0]}
+        # Ratios against the higher of the two measurements of each limit (conservative).
+        for train in results.get("train", {}).get("rows") or []:
+            if _measured(train, "achieved_tflops"):
+                train["mfu"] = round(train["achieved_tflops"] * 1e12 / limits["peak_bf16_flops"], 3)
+        for row in results.get("decode", {}).get("rows") or []:
+            if _measured(row, "bytes_per_step", "decode_step_s"):
+                row["roofline_frac"] = round(row["bytes_per_step"] / limits["bandwidth_bytes_s"]
+                                             / row["decode_step_s"], 3)
+        meta.update(peak_bf16_tflops=round(limits["peak_bf16_flops"] / 1e12, 2),
+                    bandwidth_gb_s=round(limits["bandwidth_bytes_s"] / 1e9, 1))
+    checkpoint()
+    return report
+
+
+def write_json(path: str, report: dict) -> None:
+    """Writes the report to a temporary file beside `path` and renames it over `path`: a run killed
+    mid-write leaves the previous complete report, never half a file."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        f.write(json.dumps(report, indent=1, default=str))
+    os.replace(partial, path)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: the same code on any CPU")
-    parser.add_argument("--out", default=None, help="JSON file (default: print only)")
+    parser.add_argument("--out", default=None,
+                        help="JSON file (default: print only), rewritten after every row")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="run only these sections (the hardware limits are always measured)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="start no new row after this many seconds of the run (0: no limit), so "
+                             "that the row in flight, the end reading of the limits and the summary "
+                             "still fit in a 10-minute limit")
     args = parser.parse_args()
     if args.out:
         # Checked before the run (minutes on an accelerator), not after it, where a bad path would
@@ -171,11 +269,10 @@ def main():
             parser.error(f"--out {args.out}: {e}")
         if os.path.isdir(args.out) or not os.access(folder, os.W_OK):
             parser.error(f"--out {args.out}: not a writable file path")
-    report = run(args.smoke)
-    text = json.dumps(report, indent=1, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    save = (lambda report: write_json(args.out, report)) if args.out else None
+    report = run(args.smoke, save=save, sections=tuple(args.only), budget_s=args.budget_s)
+    if save:
+        save(report)
     print(json.dumps(dict(meta=report["meta"], summary=report["summary"]), indent=1, default=str))
 
 

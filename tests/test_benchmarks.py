@@ -5,16 +5,47 @@ import json
 import math
 
 import jax
+import pytest
 
 from benchmarks import accelerator
 
+# The packages of requirements.txt that an accelerator machine with jax, flax, optax, orbax and
+# sentencepiece need not have (and frameworks nothing here uses).
+NOT_ON_ACCELERATOR = ("grain", "tensorflow_datasets", "array_record", "ml_collections", "tqdm",
+                      "sacrebleu", "tensorflow", "torch", "transformers")
+_BLOCKED_RUN = """
+import importlib.abc, runpy, sys
 
-def test_accelerator_script_smoke_run_reports_every_section():
-    report = accelerator.run(smoke=True)
-    json.dumps(report, default=str)  # the file it writes
+class Missing(importlib.abc.MetaPathFinder):  # as if these were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, Missing())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_accelerator_script_smoke_run_reports_every_section(tmp_path):
+    """The script itself, as it runs on the accelerator machine (which has no data stack: grain,
+    tensorflow-datasets, ml_collections, ...): every section measured, the report in --out."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_RUN.format(blocked=set(NOT_ON_ACCELERATOR)),
+         os.path.join(repo, "benchmarks", "accelerator.py"), "--smoke", f"--out={out}"],
+        env={**os.environ, "PYTHONPATH": repo}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
     results = report["results"]
     for name in ("train", "decode", "attention"):
         assert "error" not in results[name], results[name].get("traceback")
+        assert all("error" not in row for row in results[name]["rows"]), results[name]["rows"]
     [train] = results["train"]["rows"]
     assert train["attention_impl"] == accelerator.fused_attention_impl(report["meta"]["platform"])
     assert 0 < train["mfu"] < 1 and train["tokens_per_s"] > 0 and math.isfinite(train["loss"])
@@ -450,7 +481,7 @@ def test_accelerator_checks_its_out_path_before_the_run(monkeypatch, tmp_path):
     import pytest
 
     runs = []
-    monkeypatch.setattr(accelerator, "run", lambda smoke: runs.append(smoke) or dict(
+    monkeypatch.setattr(accelerator, "run", lambda smoke, **kwargs: runs.append(smoke) or dict(
         meta=dict(smoke=smoke), summary=[]))
     out = tmp_path / "new" / "folder" / "report.json"
     monkeypatch.setattr(sys, "argv", ["accelerator.py", "--smoke", f"--out={out}"])
@@ -497,3 +528,88 @@ def test_bench_decode_refuses_fewer_than_two_new_tokens(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_decode.main()
     assert exit_info.value.code == 2 and "--steps 1" in capsys.readouterr().err
+
+
+def test_accelerator_keeps_every_row_measured_before_a_failure_or_a_kill(monkeypatch, tmp_path):
+    """The accelerator run is one chance: --out is rewritten after every row, so a run killed at its
+    time limit leaves the rows measured so far; a failing row (a backend out of memory at 32k) or a
+    failing section is recorded and the rest still runs."""
+    import sys
+
+    import pytest
+
+    from benchmarks import bench_attention
+
+    monkeypatch.setattr(accelerator, "measure_hardware", lambda sizes: dict(
+        peak_bf16_flops=1.0e15, bandwidth_bytes_s=4.0e12))
+    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits: [
+        dict(tokens_per_s=1000.0, achieved_tflops=460.0, mfu=0.46)])
+
+    def decode(sizes, platform, limits):
+        yield dict(batch=1, decode_tok_s=1000.0, bytes_per_step=2.6e9, decode_step_s=0.001,
+                   roofline_frac=0.65)
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    def bench_one(impl, length, **kwargs):
+        if impl == "xla":
+            raise RuntimeError("RESOURCE_EXHAUSTED: autotuning")
+        return dict(impl=impl, length=length, forward_ms=1.0)
+
+    monkeypatch.setattr(accelerator, "decode_section", decode)
+    monkeypatch.setattr(bench_attention, "bench_one", bench_one)
+    snapshots = []
+    report = accelerator.run(smoke=True, save=lambda r: snapshots.append(json.loads(json.dumps(r))))
+    results = report["results"]
+    assert results["decode"]["error"] == "RuntimeError: RESOURCE_EXHAUSTED: out of memory"
+    assert [row["batch"] for row in results["decode"]["rows"]] == [1]  # kept
+    attention = results["attention"]["rows"]
+    assert [(row["impl"], "error" in row) for row in attention] == [("xla", True), ("chunked", False)]
+    assert [line["workload"] for line in report["summary"]] == ["train ~350M decoder bf16",
+                                                                 "decode batch 1"]
+    # saved as each row came: the decode row is in the file before the attention section starts
+    first_decode = next(s for s in snapshots if s["results"].get("decode", {}).get("rows"))
+    assert "attention" not in first_decode["results"]
+    assert first_decode["results"]["train"]["rows"][0]["tokens_per_s"] == 1000.0
+
+    # main: the file holds the last saved report when the run dies (SIGKILL is not catchable; a
+    # SystemExit from inside the run stands for it), and no half-written file is left
+    def killed(smoke, save, sections, budget_s):
+        save(dict(meta=dict(smoke=smoke), results=dict(train=dict(rows=[dict(step_ms=1.0)]))))
+        raise SystemExit(137)
+
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(accelerator, "run", killed)
+    monkeypatch.setattr(sys, "argv", ["accelerator.py", "--smoke", f"--out={out}"])
+    with pytest.raises(SystemExit):
+        accelerator.main()
+    assert json.loads(out.read_text())["results"]["train"]["rows"] == [dict(step_ms=1.0)]
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_accelerator_starts_no_row_after_its_time_budget(monkeypatch):
+    """Past --budget-s no new row starts (a 10-minute limit would kill it and the end reading), but
+    the end reading and the summary are still made."""
+    import types
+
+    now = [0.0]
+    monkeypatch.setattr(accelerator, "time", types.SimpleNamespace(
+        monotonic=lambda: now[0], perf_counter=lambda: now[0]))
+    readings = []
+    monkeypatch.setattr(accelerator, "measure_hardware", lambda sizes: readings.append(1) or dict(
+        peak_bf16_flops=1.0e15, bandwidth_bytes_s=4.0e12))
+    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits: [
+        dict(tokens_per_s=1000.0, achieved_tflops=460.0, mfu=0.46)])
+
+    def decode(sizes, platform, limits):
+        for batch in (1, 8):
+            now[0] += 300.0  # each row takes 5 minutes
+            yield dict(batch=batch, decode_tok_s=1000.0, bytes_per_step=2.6e9, decode_step_s=0.001)
+
+    monkeypatch.setattr(accelerator, "decode_section", decode)
+    monkeypatch.setattr(accelerator, "attention_section", lambda sizes, platform: pytest.fail("ran"))
+    report = accelerator.run(smoke=True, budget_s=420.0)
+    results = report["results"]
+    assert [row["batch"] for row in results["decode"]["rows"]] == [1, 8]  # batch 8 began at 300 s
+    assert "skipped" in results["attention"]
+    assert results["attention"]["rows"] == [] and len(readings) == 2
+    assert [line["ratio"] for line in report["summary"]] == [0.46, 0.65, 0.65]
