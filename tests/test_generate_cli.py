@@ -254,6 +254,31 @@ def test_truncate_keeps_the_start_of_a_source_and_the_end_of_a_prompt():
     assert cli.encode_inputs(translation, [text], opts) == [[10, 11, 12, 13, 14, 15, 16, 1]]
 
 
+def test_max_new_tokens_leaving_only_the_start_token_is_an_error():
+    """A workdir LM's start token takes a position: with max_len - 1 new tokens, --truncate cut
+    every prompt to the start token alone and continued from nothing, without a word."""
+    import transformer_jax as tj
+
+    class Numbers:
+        def encode(self, text):
+            return [int(w) for w in text.split()]
+
+    cfg = tj.presets.tiny(num_encoder_layers=0, max_len=8)
+    lm = cli.Generator(cfg, None, Numbers(), prompt_prefix=(2,))
+    for truncate in (False, True):
+        opts = cli.DecodeOptions(max_new_tokens=7, truncate=truncate)
+        with pytest.raises(cli.GenerateError, match=r"--max_new_tokens=7 leaves no room for a prompt "
+                                                    r"within the model's 8 positions \(1 of them"):
+            cli.encode_inputs(lm, ["10 11 12"], opts)
+    # One position left for the prompt itself: it keeps its last token.
+    one_left = cli.DecodeOptions(max_new_tokens=6, truncate=True)
+    assert cli.encode_inputs(lm, ["10 11 12"], one_left) == [[2, 12]]
+    # Without a start token (a GPT-2 checkpoint) max_len - 1 new tokens still leave one prompt token.
+    gpt2_like = cli.Generator(cfg, None, Numbers())
+    no_start = cli.DecodeOptions(max_new_tokens=7, truncate=True)
+    assert cli.encode_inputs(gpt2_like, ["10 11 12"], no_start) == [[12]]
+
+
 def test_newlines_inside_an_output_are_written_as_backslash_n():
     assert cli._escape_newlines("a\nb\r\nc\rd") == "a\\nb\\nc\\nd"
 

@@ -229,9 +229,14 @@ def encode_inputs(gen: Generator, texts: Sequence[str], opts: DecodeOptions) -> 
         limit = max_len
     else:
         new = opts.max_new_tokens or 1
-        if new >= max_len:
+        # The start token takes a position too: with only it left, --truncate would cut every
+        # prompt down to the start token alone and continue from nothing, silently.
+        start = len(gen.prompt_prefix)
+        if new + start >= max_len:
+            held = f" ({start} of them for the start token)" if start else ""
             raise GenerateError(
-                f"--max_new_tokens={new} leaves no room for a prompt within the model's {max_len} positions"
+                f"--max_new_tokens={new} leaves no room for a prompt within the model's {max_len} "
+                f"positions{held}"
             )
         limit = max_len - new
     if opts.max_new_tokens is not None and gen.is_seq2seq and opts.max_new_tokens > max_len:
