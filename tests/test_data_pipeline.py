@@ -369,6 +369,18 @@ def test_user_files_and_bad_input(data_dir, tmp_path):
     assert data.train_size == 2
 
 
+def test_without_eval_files_the_warning_counts_the_examples_evaluated(data_dir, tmp_path, caplog):
+    """No eval_files: up to 1,000 training examples are evaluated, and at most max_eval_examples;
+    the warning said 'evaluating on 300 training examples' where 32 were."""
+    txt = tmp_path / "mono.txt"
+    txt.write_text("".join(f"line number {i}\n" for i in range(300)))
+    with caplog.at_level("WARNING"):
+        data = inputs.build_datasets(_cfg("text", data_dir, train_files=[str(txt)], max_eval_examples=32),
+                                     str(tmp_path / "w"), shard=shard())
+    assert "has no eval_files: evaluating on 32 training examples" in caplog.text
+    assert data.eval_size == 32 and data.train_size == 300
+
+
 def test_user_files_in_utf16_are_an_error_and_bad_lines_are_located(data_dir, tmp_path, caplog):
     # Windows' "Unicode" is UTF-16: read as UTF-8 its lines are valid text with NULs in between,
     # which used to become training pairs.

@@ -192,7 +192,8 @@ def build_datasets(cfg: ml_collections.ConfigDict, workdir: str, *,
     train_source = builders.data_source(builder, train_split)
     if eval_split not in builder.info.splits and cfg.name in ("tsv", "text"):
         # No eval_files: evaluate on (up to 1,000 of) the training examples, and say so.
-        eval_source = [train_source[i] for i in range(min(1000, len(train_source)))]
+        n = min(1000, len(train_source), cfg.max_eval_examples or len(train_source))
+        eval_source = [train_source[i] for i in range(n)]  # (max_eval_examples: those evaluated)
         logging.warning("dataset %s has no eval_files: evaluating on %d training examples",
                         cfg.name, len(eval_source))
     else:
