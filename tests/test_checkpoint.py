@@ -293,6 +293,29 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
         restore_for_inference(workdir, step=99)
 
 
+def test_average_never_overwrites_another_runs_files(reference, tmp_path):
+    """An --output reused for another workdir's average kept its steps but got this run's config and
+    tokenizer over its own: its earlier average could no longer be loaded. Now an error, nothing
+    written; an earlier average of the same workdir (same model and tokenizer) is still a fine output."""
+    import json
+
+    out = tmp_path / "avg"
+    out.mkdir()
+    other = '{"model": {"vocab_size": 7}}'  # another run's config.json
+    (out / "config.json").write_text(other)
+    with pytest.raises(ValueError, match=r"config.json differs from .*another output directory"):
+        average_checkpoints(reference[1], last_k=1, output_workdir=str(out))
+    assert (out / "config.json").read_text() == other and sorted(os.listdir(out)) == ["config.json"]
+    average_checkpoints(reference[1], last_k=1, output_workdir=str(tmp_path / "same"))
+    with open(tmp_path / "same" / "config.json") as f:
+        resumed = json.load(f)
+    resumed["num_train_steps"] = 1000  # the run went on training: the same model, a later average
+    with open(tmp_path / "same" / "config.json", "w") as f:
+        json.dump(resumed, f)
+    os.rename(tmp_path / "same" / "checkpoints", tmp_path / "earlier")  # an average at another step
+    assert restore_for_inference(average_checkpoints(reference[1], 1, str(tmp_path / "same"))).step == 20
+
+
 def test_a_damaged_average_is_caught_when_it_is_loaded(reference, tmp_path, monkeypatch):
     """The averaged step is sealed like a training step: a flipped byte in its array data is caught
     (without a manifest, orbax read it as silently changed weights). In a multi-process run no

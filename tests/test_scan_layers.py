@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import transformer_jax as tj
 from transformer_jax.modeling import scan_params, unscan_params
@@ -107,3 +108,18 @@ def test_scanned_gradients_with_remat_equal_unscanned():
     # Dropout on (deterministic=False is static inside the scanned, rematerialised body).
     noisy = grad(scanned, scan_params(params, cfg), False)
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(noisy))
+
+
+def test_conversion_with_another_depth_is_an_error_naming_the_field():
+    # Indexing a stack past its end clamps in JAX: without the check, unscan_params with one
+    # layer too many copied the last layer into it, and one too few dropped a layer, silently.
+    cfg = config(num_encoder_layers=0)
+    t = tokens(6, (B, L))
+    params = nn_unbox(jax.jit(tj.TransformerLM(cfg).init)(jax.random.key(0), t)["params"])
+    stacked = scan_params(params, cfg)
+    for depth in (2, 4):
+        other = cfg.replace(num_decoder_layers=depth)
+        with pytest.raises(ValueError, match=rf"num_decoder_layers={depth}"):
+            unscan_params(stacked, other)
+        with pytest.raises(ValueError, match=rf"num_decoder_layers={depth}"):
+            scan_params(params, other)

@@ -521,12 +521,18 @@ def _leaf_at(x, i):
 
 def scan_params(params, config: ModelConfig):
     """Per-layer parameters ('layer_0', 'layer_1', ...) -> the `scan_layers=True` layout: one 'layers'
-    subtree whose leaves are stacked on a leading axis (logical name 'layers' on boxed params)."""
+    subtree whose leaves are stacked on a leading axis (logical name 'layers' on boxed params).
+    A stack with another number of layers than `config` says is a ValueError naming the field."""
     params = dict(params)
     for stack, depth in _stacks(config):
         if stack not in params or "layer_0" not in params[stack]:
             continue
         tree = dict(params[stack])
+        found = {k for k in tree if k.startswith("layer_") and k[len("layer_"):].isdigit()}
+        if found != {f"layer_{i}" for i in range(depth)}:
+            # A config of another depth would leave the extra layers behind, or fail on a missing one.
+            raise ValueError(f"scan_params: params['{stack}'] has {len(found)} layers (layer_0, ...), "
+                             f"but config.num_{stack}_layers={depth}")
         layers = [tree.pop(f"layer_{i}") for i in range(depth)]
         tree["layers"] = jax.tree.map(_stack_leaves, *layers, is_leaf=_is_box)
         params[stack] = tree
@@ -534,13 +540,20 @@ def scan_params(params, config: ModelConfig):
 
 
 def unscan_params(params, config: ModelConfig):
-    """The inverse of `scan_params`: a stacked 'layers' subtree -> 'layer_0', 'layer_1', ..."""
+    """The inverse of `scan_params`: a stacked 'layers' subtree -> 'layer_0', 'layer_1', ...
+    A stack of another depth than `config` says is a ValueError naming the field."""
     params = dict(params)
     for stack, depth in _stacks(config):
         if stack not in params or "layers" not in params[stack]:
             continue
         tree = dict(params[stack])
         stacked = tree.pop("layers")
+        sizes = {(x.value if _is_box(x) else x).shape[0] for x in jax.tree.leaves(stacked, is_leaf=_is_box)}
+        if sizes != {depth}:
+            # Indexing past the stack clamps to its last layer: another depth would copy that
+            # layer into the missing ones (or drop layers) without an error.
+            raise ValueError(f"unscan_params: params['{stack}']['layers'] stacks {sorted(sizes)} "
+                             f"layers, but config.num_{stack}_layers={depth}")
         for i in range(depth):
             tree[f"layer_{i}"] = jax.tree.map(lambda x, i=i: _leaf_at(x, i), stacked, is_leaf=_is_box)
         params[stack] = tree

@@ -446,14 +446,30 @@ def _check_still_there(directory: str, step: int) -> None:
             f"copy of the workdir")
 
 
+def _same_run_file(a: str, b: str) -> bool:
+    """Whether two workdir files belong to the same model: tokenizer files byte for byte; of
+    ``config.json`` the ``model`` section only (a run resumed with more ``num_train_steps`` rewrites
+    the rest, and its later averages still go into the same output)."""
+    with open(a, "rb") as f, open(b, "rb") as g:
+        x, y = f.read(), g.read()
+    if x == y or os.path.basename(a) != CONFIG_FILENAME:
+        return x == y
+    try:
+        return json.loads(x).get("model") == json.loads(y).get("model")
+    except (ValueError, AttributeError):
+        return False
+
+
 def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None) -> str:
     """Averages the params of the last ``last_k`` checkpoints (section 6.1: 5 for base, 20 for big).
 
     Writes a new workdir (default ``DIR/average_last{K}``, K the number of steps averaged, which
     is fewer than ``last_k`` when the workdir holds fewer) with the config, tokenizer and one
-    params-only checkpoint at the newest step, loadable by ``restore_for_inference`` and
-    ``transformer_jax.generate``. Every step is verified against its manifest first; a damaged one
-    is a :class:`~transformer_jax.training.integrity.CheckpointCorruptError`. The output step gets
+    params-only checkpoint at the newest step (an output holding that step, or another run's
+    config or tokenizer, is an error: nothing in it is overwritten), loadable by
+    ``restore_for_inference`` and ``transformer_jax.generate``. Every step is verified against its
+    manifest first; a damaged one is a
+    :class:`~transformer_jax.training.integrity.CheckpointCorruptError`. The output step gets
     its own manifest, so that damage to it is caught when it is loaded. Returns its path.
     """
     import shutil
@@ -507,11 +523,23 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
         raise ValueError(
             f"{output_workdir} already holds a checkpoint at step {steps[-1]} (an earlier average?): "
             f"remove it, or give another output directory (--output)")
+    copied = [n for n in (CONFIG_FILENAME, "tokenizer.model", "tokenizer.json")
+              if os.path.exists(os.path.join(workdir, n))]
+    for name in copied:
+        # An output holding another run's files (an average of another workdir, written to the
+        # same --output) would get this run's config and tokenizer over them: its own steps could
+        # no longer be loaded. The same files (an earlier average of this workdir) are fine.
+        there = os.path.join(output_workdir, name)
+        if os.path.exists(there) and not _same_run_file(there, os.path.join(workdir, name)):
+            raise ValueError(
+                f"{there} differs from {os.path.join(workdir, name)}: {output_workdir} holds another "
+                f"run's files, which averaging would overwrite; give another output directory (--output)")
     if parallel.is_primary():
         os.makedirs(output_workdir, exist_ok=True)
-        for name in (CONFIG_FILENAME, "tokenizer.model", "tokenizer.json"):
-            if os.path.exists(os.path.join(workdir, name)):
-                shutil.copy(os.path.join(workdir, name), os.path.join(output_workdir, name))
+        for name in copied:  # via a temporary file: a failed copy leaves no half-written file
+            tmp = os.path.join(output_workdir, name + ".tmp")
+            shutil.copy(os.path.join(workdir, name), tmp)
+            os.replace(tmp, os.path.join(output_workdir, name))
     out = ocp.CheckpointManager(
         checkpoint_dir(output_workdir), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
     )
