@@ -246,7 +246,9 @@ def test_restore_for_inference_without_checkpoint(tmp_path):
         restore_for_inference(str(tmp_path))
 
 
-def test_average_checkpoints(reference, tmp_path):
+def test_average_checkpoints(reference, data_dir, tmp_path):
+    from transformer_jax.training import integrity
+
     workdir = reference[1]
     steps = Checkpointer(workdir).all_steps()
     assert steps[-2:] == [15, 20]
@@ -263,6 +265,10 @@ def test_average_checkpoints(reference, tmp_path):
         last,
         before,
     )
+    # Training on in the average's workdir: it has no optimizer state. Before, orbax's error was
+    # read as "another optimizer state ... set config.optimizer back", which was not the cause.
+    with pytest.raises(integrity.CheckpointConfigMismatchError, match=r"holds parameters only"):
+        train_and_evaluate(tiny_config(data_dir), out)
 
 
 def test_average_checks_each_step_and_its_arguments(reference, tmp_path):

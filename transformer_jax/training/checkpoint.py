@@ -226,6 +226,15 @@ class Checkpointer:
         return integrity.restore_verified(self, steps, fallback, restore, abstract_state, data_iter)
 
     def _restore_step(self, abstract_state: TrainState, data_iter, step: int):
+        path = integrity.step_dir(self.directory, step)
+        if (integrity.is_local(self.directory) and os.path.isdir(os.path.join(path, "params"))
+                and not os.path.isdir(os.path.join(path, "train"))):
+            # An average's workdir: orbax's own error read as "another optimizer state".
+            raise integrity.CheckpointConfigMismatchError(
+                f"Checkpoint step {step} in {self.directory} holds parameters only (an average of "
+                f"checkpoints): no optimizer state, step or data position to resume training from. "
+                f"Load it with restore_for_inference or `python -m transformer_jax.generate "
+                f"--workdir=...`; train in another --workdir.")
         train = {
             "step": abstract_state.step,
             "opt_state": abstract_state.opt_state,

@@ -340,7 +340,7 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
         if verdict.usable:
             try:
                 state = restore_fn(*args, step)
-            except DataError:  # a setting that does not match the step (named): not corruption
+            except (DataError, CheckpointConfigMismatchError):  # named mismatches: not corruption
                 raise
             except Exception as e:  # noqa: BLE001 (any unreadable step is a corrupt step...)
                 if verdict.status == "ok":  # ...unless every file matches its manifest
