@@ -588,42 +588,39 @@ def test_evaluation_reads_the_eval_split_and_max_eval_examples(tmp_path):
     assert got == want
 
 
-KILLED_TRAINER = '''
-import multiprocessing, os, signal, sys
+PIPELINE_WITH_A_WORKER = '''
+import multiprocessing, os, signal, sys, time
 from absl import flags
 import grain
 from transformer_jax.data import pipeline, tokenizer as tk
 
-if __name__ == "__main__":
+
+def pipeline_with_a_worker(long_target=False):
+    """A train iterator with one input worker, its first batch read."""
     flags.FLAGS.mark_as_parsed()  # grain's worker pipeline reads its flags (train.py parses them)
     source = [{"src": f"sentence {i}", "tgt": f"phrase {i}"} for i in range(40)]
+    if long_target:  # longer than 16 tokens: truncated, with a warning
+        source[3]["tgt"] = " ".join(["phrase"] * 40)
     tok = tk.Tokenizer.train([r["src"] for r in source] + [r["tgt"] for r in source],
                              tk.TokenizerSettings(vocab_size=320))
     it = pipeline.make_train_iterator(
         source, tok, pipeline.Features({"inputs": "src", "targets": "tgt"}),
         {"inputs": 16, "targets": 16}, 4, num_workers=1, shard=grain.sharding.ShardOptions(0, 1))
     next(it)
+    return it
+'''
+
+KILLED_TRAINER = PIPELINE_WITH_A_WORKER + '''
+if __name__ == "__main__":
+    it = pipeline_with_a_worker()
     print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would: no cleanup runs
 '''
 
 
-INTERRUPTED_TRAINER = '''
-import signal, sys, time
-from absl import flags
-import grain
-from transformer_jax.data import pipeline, tokenizer as tk
-
+INTERRUPTED_TRAINER = PIPELINE_WITH_A_WORKER + '''
 if __name__ == "__main__":
-    flags.FLAGS.mark_as_parsed()
-    source = [{"src": f"sentence {i}", "tgt": f"phrase {i}"} for i in range(40)]
-    source[3]["tgt"] = " ".join(["phrase"] * 40)  # longer than 16 tokens: truncated, with a warning
-    tok = tk.Tokenizer.train([r["src"] for r in source] + [r["tgt"] for r in source],
-                             tk.TokenizerSettings(vocab_size=320))
-    it = pipeline.make_train_iterator(
-        source, tok, pipeline.Features({"inputs": "src", "targets": "tgt"}),
-        {"inputs": 16, "targets": 16}, 4, num_workers=1, shard=grain.sharding.ShardOptions(0, 1))
-    next(it)
+    it = pipeline_with_a_worker(long_target=True)
     try:  # (entered first: the signal may come as soon as READY is out)
         print("READY", flush=True)
         time.sleep(120)
