@@ -216,7 +216,8 @@ def _check_inputs(q, k, v, mask, kv_layout: str) -> None:
     dense = mask.dense if isinstance(mask, masks.AttentionMask) else mask
     if dense is None:
         return
-    dense = jnp.asarray(dense)
+    if not hasattr(dense, "dtype"):  # a nested list; arrays are only read, not copied
+        dense = jnp.asarray(dense)
     want = (B, H, L, S)
     if dense.dtype != jnp.bool_:
         raise ValueError(f"mask must be bool (True = attend), got {dense.dtype}; an additive mask "
