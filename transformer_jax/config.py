@@ -21,6 +21,7 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "concat")
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked", "flash")
 REMAT_POLICIES = ("none", "dots_saveable", "full")
 KERNEL_LAYOUTS = ("in_out", "out_in")
+CPU_KERNELS = ("auto", "native", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -71,6 +72,11 @@ class ModelConfig:
     # Projection kernels stored inputs first ([D, F], Flax's order) or outputs first ([F, D],
     # PyTorch's); 'out_in' decodes faster on CPU. tj.params.convert_params converts.
     kernel_layout: str = "in_out"
+    # Decoding steps on a CPU: this package's own AVX-512 kernels for the weight products of
+    # 'out_in' kernels and the tied output projection, and for the attention over the KV cache
+    # ('auto': where they build and run, outside a multi-device mesh; 'native': an error where they
+    # cannot; 'xla': XLA's own). See modeling/native.py; no effect on other platforms.
+    cpu_kernels: str = "auto"
     # Rows of the embedding table (and of an untied output projection) rounded up to a multiple of
     # this, so that a tensor mesh axis divides them (128: GPT-2's 50257 -> 50304). The extra rows
     # are never looked up and their logits are dropped: the model computes the same function.
@@ -160,6 +166,7 @@ class ModelConfig:
             "attention_impl": ATTENTION_IMPLS,
             "remat": REMAT_POLICIES,
             "kernel_layout": KERNEL_LAYOUTS,
+            "cpu_kernels": CPU_KERNELS,
             "dtype": DTYPES,
             "param_dtype": DTYPES,
         }

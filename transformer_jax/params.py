@@ -65,7 +65,7 @@ def _logical_names(boxed) -> dict:
 # other field fixes what the parameters mean.
 CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype", "pad_vocab_multiple")
 PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "embedding_dropout_rate",
-                         "attention_impl", "remat")
+                         "attention_impl", "remat", "cpu_kernels")
 
 
 def _check_matches(params, expected, config: ModelConfig) -> None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import ATTENTION_IMPLS
-from transformer_jax.modeling import masks
+from transformer_jax.modeling import masks, native
 from transformer_jax.modeling.chunked_attention import chunked_attention
 from transformer_jax.modeling.matmul import contract, contract_transposed
 from transformer_jax.modeling.positional import apply_rope
@@ -229,7 +229,7 @@ def _check_inputs(q, k, v, mask, kv_layout: str) -> None:
 
 def dot_product_attention(
     q, k, v, mask=None, *, impl="auto", dropout_rate=0.0, dropout_rng=None,
-    deterministic=True, return_weights=False, kv_layout="BSNK",
+    deterministic=True, return_weights=False, kv_layout="BSNK", cpu_kernels="xla",
 ):
     """Eq. 1: Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V.
 
@@ -239,7 +239,9 @@ def dot_product_attention(
     'flash' (see `resolve_impl`). A query that sees no key gets a zero output on every backend.
     kv_layout 'BNSK': k, v are [B, N, S, K] (the KV cache); 'xla' and 'reference' then contract
     them in place (with positions first, XLA would copy a transposed cache every decoding step),
-    the other backends get them as [B, S, N, K].
+    the other backends get them as [B, S, N, K]. With 'xla' or 'auto', a float32 'BNSK' cache, up
+    to 16 queries, no dropout or weights, and `native.use_native(cpu_kernels)` (see
+    `ModelConfig.cpu_kernels`), a CPU computation runs `native.cache_attention` instead.
     Returns (out [B, L, H, K], probs [B, H, L, S] float32 or None).
     """
     _check_inputs(q, k, v, mask, kv_layout)
@@ -255,6 +257,15 @@ def dot_product_attention(
         wide = jnp.promote_types(q.dtype, jnp.promote_types(k.dtype, v.dtype))
         dtype = q.dtype if impl in ("cudnn", "flash") else wide
         q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    # The KV cache at decoding steps (impl 'xla': no attention weights or dropout, for which
+    # resolve_impl says 'reference') may go to the native CPU kernel.
+    if (kv_layout == "BNSK" and impl == "xla" and native.attention_fits(q, k, _materialize(mask))
+            and native.use_native(cpu_kernels)):
+        plain = lambda q, k, v, m: _reference_attention(
+            q, k, v, m, dropout_rate=0.0, dropout_rng=None, deterministic=True, kv_layout="BNSK")[0]
+        out = jax.lax.platform_dependent(q, k, v, _materialize(mask), cpu=native.cache_attention,
+                                         default=plain)
+        return out.astype(v.dtype), None
     if kv_layout == "BNSK" and impl not in ("xla", "reference"):
         k, v, kv_layout = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), "BSNK"
     if kv_layout == "BNSK":
@@ -295,6 +306,7 @@ class Projection(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     kernel_layout: str = "in_out"
+    cpu_kernels: str = "xla"  # see ModelConfig.cpu_kernels
     kernel_init: Callable | None = None  # default: Glorot uniform over the input/output axes
     out_dtype: jnp.dtype | None = None  # default: `dtype` (the output layer keeps float32 logits)
 
@@ -318,7 +330,7 @@ class Projection(nn.Module):
         x, kernel = x.astype(self.dtype), jnp.asarray(kernel, self.dtype)
         trailing = axis == tuple(range(x.ndim - n_in, x.ndim))
         if trailing and out_first:
-            y = contract_transposed(x, kernel, n_in)
+            y = contract_transposed(x, kernel, n_in, cpu_kernels=self.cpu_kernels)
         elif trailing:
             y = contract(x, kernel, n_in)
         else:
@@ -333,12 +345,12 @@ class Projection(nn.Module):
 
 
 def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name,
-               kernel_layout="in_out", **options):
+               kernel_layout="in_out", cpu_kernels="xla", **options):
     """A `Projection` to `features` (int or tuple) whose parameters carry logical `names`."""
     features = tuple(features) if isinstance(features, tuple | list) else (features,)
     axis = axis if isinstance(axis, tuple) else (axis,)
     return Projection(features, tuple(names), axis, use_bias, dtype, param_dtype, kernel_layout,
-                      name=name, **options)
+                      cpu_kernels, name=name, **options)
 
 
 # Below this many tokens per call, self-attention keeps three Q/K/V products (see
@@ -364,12 +376,14 @@ class MultiHeadAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     kernel_layout: str = "in_out"
+    cpu_kernels: str = "xla"  # see ModelConfig.cpu_kernels
 
     def setup(self):
         def heads_proj(heads, names, name):
             return projection((heads, self.head_dim), names, use_bias=self.use_bias,
                               dtype=self.dtype, param_dtype=self.param_dtype,
-                              kernel_layout=self.kernel_layout, name=name)
+                              kernel_layout=self.kernel_layout, cpu_kernels=self.cpu_kernels,
+                              name=name)
 
         self.query = heads_proj(self.num_heads, ("embed", "heads", "kv"), "query")
         self.key = heads_proj(self.num_kv_heads, ("embed", "kv_heads", "kv"), "key")
@@ -377,7 +391,7 @@ class MultiHeadAttention(nn.Module):
         self.out = projection(self.d_model, ("heads", "kv", "embed"), axis=(-2, -1),
                               use_bias=self.use_bias, dtype=self.dtype,
                               param_dtype=self.param_dtype, kernel_layout=self.kernel_layout,
-                              name="out")
+                              cpu_kernels=self.cpu_kernels, name="out")
 
     def project_kv(self, inputs_kv, kv_positions=None):
         """K and V for `inputs_kv` [B, S, D] -> two [B, S, N, K] (cross-attention caches these)."""
@@ -452,6 +466,7 @@ class MultiHeadAttention(nn.Module):
             q, k, v, mask, impl=self.attention_impl,
             dropout_rate=self.attention_dropout_rate, dropout_rng=dropout_rng,
             deterministic=deterministic, return_weights=want_weights, kv_layout=kv_layout,
+            cpu_kernels=self.cpu_kernels,
         )
         if want_weights:
             self.sow("intermediates", "attention_weights", probs)

@@ -38,6 +38,7 @@ class TransformerBlock(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     kernel_layout: str = "in_out"
+    cpu_kernels: str = "xla"
 
     def setup(self):
         def attention(name, rope_theta):
@@ -47,7 +48,7 @@ class TransformerBlock(nn.Module):
                 use_bias=self.use_bias, rope_theta=rope_theta,
                 attention_dropout_rate=self.attention_dropout_rate,
                 attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
-                kernel_layout=self.kernel_layout, name=name,
+                kernel_layout=self.kernel_layout, cpu_kernels=self.cpu_kernels, name=name,
             )
 
         def norm(name):
@@ -59,7 +60,8 @@ class TransformerBlock(nn.Module):
             self.cross_attention_layer = attention("cross_attention", None)
             self.cross_attention_norm = norm("cross_attention_norm")
         self.feed_forward = FeedForward(self.d_ff, self.activation, self.use_bias, self.dtype,
-                                        self.param_dtype, self.kernel_layout, name="feed_forward")
+                                        self.param_dtype, self.kernel_layout, self.cpu_kernels,
+                                        name="feed_forward")
         self.feed_forward_norm = norm("feed_forward_norm")
         self.dropout = nn.Dropout(self.dropout_rate)
 

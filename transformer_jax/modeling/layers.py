@@ -48,6 +48,7 @@ class Embed(nn.Module):
     names: tuple[str, str] = ("vocab", "embed")
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    cpu_kernels: str = "xla"  # for `attend`; see ModelConfig.cpu_kernels
 
     def setup(self):
         # N(0, 1/D): with the sqrt(D) scale the embedded tokens start with unit variance.
@@ -69,7 +70,8 @@ class Embed(nn.Module):
     def attend(self, x):
         """Tied output projection: x [B, L, D] -> float32 logits [B, L, V] (x E^T), accumulated in
         float32 whatever the compute dtype (in bf16 through `matmul.contract_transposed`)."""
-        return contract_transposed(x.astype(self.dtype), jnp.asarray(self.embedding, self.dtype))
+        return contract_transposed(x.astype(self.dtype), jnp.asarray(self.embedding, self.dtype),
+                                   cpu_kernels=self.cpu_kernels)
 
 
 def _activation(name):
@@ -95,10 +97,12 @@ class FeedForward(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     kernel_layout: str = "in_out"
+    cpu_kernels: str = "xla"  # see ModelConfig.cpu_kernels
 
     def _dense(self, features, names, name):
         return projection(features, names, use_bias=self.use_bias, dtype=self.dtype,
-                          param_dtype=self.param_dtype, kernel_layout=self.kernel_layout, name=name)
+                          param_dtype=self.param_dtype, kernel_layout=self.kernel_layout,
+                          cpu_kernels=self.cpu_kernels, name=name)
 
     @nn.compact
     def __call__(self, x):

@@ -27,7 +27,7 @@ _REMAT_POLICIES = {
 def make_embed(config: ModelConfig, name: str) -> Embed:
     scale = config.d_model**0.5 if config.scale_embeddings else 1.0
     return Embed(config.padded_vocab_size, config.d_model, scale=scale, dtype=config.compute_dtype,
-                 param_dtype=config.weights_dtype, name=name)
+                 param_dtype=config.weights_dtype, cpu_kernels=config.cpu_kernels, name=name)
 
 
 class _LayerStep(TransformerBlock):
@@ -57,7 +57,7 @@ def block_kwargs(config: ModelConfig, cross_attention: bool) -> dict:
         rope_theta=config.rope_theta if config.position == "rope" else None,
         use_bias=config.use_bias, attention_impl=config.attention_impl,
         dtype=config.compute_dtype, param_dtype=config.weights_dtype,
-        kernel_layout=config.kernel_layout,
+        kernel_layout=config.kernel_layout, cpu_kernels=config.cpu_kernels,
     )
 
 
@@ -274,7 +274,7 @@ class Decoder(_Stack):
             self.output = projection(
                 cfg.padded_vocab_size, ("embed", "vocab"), use_bias=False, dtype=cfg.compute_dtype,
                 param_dtype=cfg.weights_dtype, kernel_layout=cfg.kernel_layout,
-                kernel_init=nn.initializers.normal(cfg.d_model**-0.5),
+                cpu_kernels=cfg.cpu_kernels, kernel_init=nn.initializers.normal(cfg.d_model**-0.5),
                 out_dtype=jnp.float32,  # logits accumulate and stay in float32 (bf16 inputs)
                 name="output",
             )

@@ -1,0 +1,215 @@
+"""The native CPU decoding kernels (modeling/native.py) against NumPy and the XLA paths."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import transformer_jax as tj
+from transformer_jax import parallel
+from transformer_jax.config import ConfigError
+from transformer_jax.decoding import generate
+from transformer_jax.decoding.model_steps import LMStep
+from transformer_jax.modeling import native
+from transformer_jax.modeling.attention import _reference_attention, dot_product_attention
+
+needs_kernels = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not native.available(),
+    reason=f"native CPU kernels unavailable: {native.unavailable_reason() or 'not a CPU backend'}")
+
+
+def _rand(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows,out,inp", [
+    (1, 5, 7),          # one row, an input axis shorter than one vector
+    (2, 33, 40),        # odd output count (the last row alone), a vector and a tail
+    (8, 768, 768),      # a decoding step's [768, 768] product
+    (8, 130, 3072),     # input axis longer than one L1 block: partial sums across blocks
+    (12, 65, 1000),     # the most rows taken two output rows at a time
+    (13, 64, 96),       # one output row at a time
+    (16, 300, 5000),    # the most rows, many blocks, a tail
+])
+def test_rows_matmul_equals_float64_product(dtype, rows, out, inp):
+    rng = np.random.default_rng(rows * 1000 + out)
+    x, w = _rand(rng, (rows, inp), dtype), _rand(rng, (out, inp), dtype)
+    got = jax.jit(native.rows_matmul)(x, w)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert got.dtype == jnp.float32 and got.shape == (rows, out)
+    # float32 accumulation of `inp` products of unit-variance numbers, in another order.
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * inp)
+
+
+@needs_kernels
+def test_rows_matmul_gradient_equals_xla():
+    rng = np.random.default_rng(0)
+    x, w = _rand(rng, (4, 48), jnp.float32), _rand(rng, (20, 48), jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+    got = jax.grad(loss(native.rows_matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_matmul_refuses_what_it_cannot_take():
+    x = jnp.ones((17, 8), jnp.float32)
+    with pytest.raises(ValueError, match="17 rows; the kernel takes 1 to 16"):
+        native.rows_matmul(x, jnp.ones((4, 8), jnp.float32))
+    with pytest.raises(ValueError, match=r"expected x \[R, I\] and w \[O, I\]"):
+        native.rows_matmul(jnp.ones((2, 8)), jnp.ones((4, 9)))
+    with pytest.raises(TypeError, match="both be bfloat16 or float32"):
+        native.rows_matmul(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.float32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,L,H,N,S,K,mask_heads,mask_queries", [
+    (8, 1, 12, 12, 96, 64, 1, 1),   # a GPT-2-small decoding step
+    (2, 3, 8, 2, 37, 40, 8, 3),     # grouped-query heads, a mask per head and query, a head tail
+    (1, 1, 4, 1, 5, 17, 1, 1),      # multi-query, fewer keys than a vector
+    (3, 2, 6, 3, 300, 128, 1, 2),   # longer cache, a mask per query
+])
+def test_cache_attention_equals_reference(B, L, H, N, S, K, mask_heads, mask_queries):
+    rng = np.random.default_rng(S)
+    q = _rand(rng, (B, L, H, K), jnp.float32)
+    k, v = _rand(rng, (B, N, S, K), jnp.float32), _rand(rng, (B, N, S, K), jnp.float32)
+    mask = jnp.asarray(rng.random((B, mask_heads, mask_queries, S)) < 0.6)
+    mask = mask.at[0].set(False)  # the first row sees no key: zeros, as on every backend
+    want, _ = _reference_attention(q, k, v, mask, dropout_rate=0.0, dropout_rng=None,
+                                   deterministic=True, kv_layout="BNSK")
+    got = jax.jit(native.cache_attention)(q, k, v, mask)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    assert not np.any(np.asarray(got[0]))
+    # Through the backend switch, as the model calls it.
+    switched, _ = jax.jit(lambda *a: dot_product_attention(*a, impl="xla", kv_layout="BNSK",
+                                                           cpu_kernels="native"))(q, k, v, mask)
+    np.testing.assert_allclose(switched, want, rtol=0, atol=2e-6)
+
+
+@needs_kernels
+def test_cache_attention_without_mask_attends_everywhere():
+    rng = np.random.default_rng(1)
+    q, k, v = (_rand(rng, s, jnp.float32) for s in ((2, 1, 4, 32), (2, 4, 20, 32), (2, 4, 20, 32)))
+    want, _ = _reference_attention(q, k, v, None, dropout_rate=0.0, dropout_rng=None,
+                                   deterministic=True, kv_layout="BNSK")
+    np.testing.assert_allclose(native.cache_attention(q, k, v, None), want, rtol=0, atol=2e-6)
+
+
+def _lm(**overrides):
+    values = dict(vocab_size=997, d_model=64, num_heads=4, d_ff=128, num_encoder_layers=0,
+                  num_decoder_layers=2, max_len=64, norm="pre", activation="gelu_tanh",
+                  dropout_rate=0.0, attention_dropout_rate=0.0, pad_id=None, eos_id=5, bos_id=2,
+                  decoder_start_id=2)
+    return tj.ModelConfig(**{**values, **overrides})
+
+
+def _greedy(config, steps=10):
+    model = tj.TransformerLM(config)
+    params = model.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    prompt = jax.random.randint(jax.random.key(1), (3, 6), 3, config.vocab_size)
+    lengths = jnp.array([6, 4, 1])
+    cache = tj.init_cache(config, 3, 6 + steps)
+    return generate(LMStep(model), params, cache, prompt, lengths, max_new_tokens=steps, eos_id=None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,layout,tol", [
+    ("float32", "in_out", 2e-5), ("float32", "out_in", 2e-5), ("bfloat16", "out_in", 5e-2)])
+def test_decoding_with_native_kernels_equals_xla(dtype, layout, tol):
+    # Same tokens; log-probabilities within float32 rounding (bf16: the activations round to bf16
+    # between the layers, so a different summation order can move a value by one bf16 step).
+    config = _lm(dtype=dtype, param_dtype=dtype, kernel_layout=layout)
+    xla = _greedy(config.replace(cpu_kernels="xla"))
+    ours = _greedy(config.replace(cpu_kernels="native"))
+    np.testing.assert_array_equal(ours.tokens, xla.tokens)
+    np.testing.assert_allclose(ours.logprobs, xla.logprobs, rtol=0, atol=tol)
+
+
+def _custom_calls(config, **apply):
+    model = tj.TransformerLM(config)
+    params = jax.eval_shape(lambda k: model.init(k, jnp.ones((1, 8), jnp.int32))["params"], jax.random.key(0))
+    cache = tj.init_cache(config, 8, 16)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, cache=c))
+    hlo = step.lower(params, jax.ShapeDtypeStruct((8, 1), jnp.int32), cache).as_text()
+    return re.findall(r'custom_call @(transformer_jax_\w+)', hlo)
+
+
+@needs_kernels
+def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attention():
+    calls = _custom_calls(_lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in"))
+    # Per layer: query, key, value, output, wi, wo; then the tied output projection.
+    assert calls.count("transformer_jax_rows_matmul") == 2 * 6 + 1
+    assert calls.count("transformer_jax_cache_attention") == 2
+    # 'in_out' kernels keep XLA's products; the tied output projection ([V, D]) and the attention
+    # still run natively.
+    calls = _custom_calls(_lm())
+    assert calls.count("transformer_jax_rows_matmul") == 1
+    assert calls.count("transformer_jax_cache_attention") == 2
+    assert _custom_calls(_lm(kernel_layout="out_in", cpu_kernels="xla")) == []
+
+
+@needs_kernels
+def test_no_native_calls_inside_a_multi_device_mesh():
+    config = _lm(kernel_layout="out_in")
+    mesh = parallel.create_mesh(2, 2, 2)
+    with jax.set_mesh(mesh):
+        assert not native.use_native("auto")
+        assert _custom_calls(config) == []
+    assert native.use_native("auto")
+
+
+def test_cpu_kernels_setting_is_checked():
+    with pytest.raises(ConfigError, match="cpu_kernels"):
+        _lm(cpu_kernels="fast")
+    with pytest.raises(ValueError, match="cpu_kernels='fast'"):
+        native.use_native("fast")
+    assert not native.use_native("xla")
+
+
+def test_native_setting_where_the_kernels_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.setattr(native, "_load", lambda: (False, "this CPU lacks avx512_bf16"))
+    with pytest.raises(RuntimeError, match="cpu_kernels='native'.*lacks avx512_bf16"):
+        native.use_native("native")
+    assert not native.use_native("auto")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="builds only on Linux")
+def test_build_failure_falls_back_to_xla(tmp_path):
+    # A compiler that fails: 'auto' decodes with XLA's products (same tokens as 'xla'), and says
+    # why the kernels are unavailable; nothing is left in the cache directory.
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        from transformer_jax.modeling import native
+        print("available", native.available())
+        print("reason", native.unavailable_reason().splitlines()[0])
+        y = native.use_native("auto")
+        print("use", y)
+    """)
+    env = dict(os.environ, CXX="false", TRANSFORMER_JAX_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    if "lacks" in out.stdout or "x86-64" in out.stdout:
+        pytest.skip("this machine cannot run the kernels anyway")
+    assert "available False" in out.stdout and "use False" in out.stdout
+    assert "compiling native_kernels.cc failed" in out.stdout
+    assert not any((tmp_path / "cache").glob("*.so")) and not any((tmp_path / "cache").glob("*.tmp*"))
+
+
+@needs_kernels
+def test_build_goes_to_the_cache_directory_once(tmp_path):
+    script = "from transformer_jax.modeling import native; print(native.available(), native._build('c++'))"
+    env = dict(os.environ, TRANSFORMER_JAX_CACHE=str(tmp_path))
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0 and out.stdout.startswith("True"), out.stderr
+    built = list(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so" and str(built[0]) in out.stdout

@@ -1,0 +1,208 @@
+"""The package's own CPU kernels for decoding steps, called through the XLA FFI.
+
+- `rows_matmul(x, w)`: x [R, I] times a weight stored output-major, w [O, I], for R <= 16 rows
+  (a decoding step's tokens) -> float32 [R, O], bfloat16 or float32 inputs. XLA:CPU's matmul
+  kernels stream a weight at 2-16 rows at ~40% of the memory bandwidth on the CPU measured here;
+  this one reads each thread's weight rows front to back with software prefetches and streams at
+  about the rate of a plain sum.
+- `cache_attention(q, k, v, mask)`: softmax(q k^T / sqrt(d)) v for a few queries over the
+  heads-first float32 KV cache, one (row, KV head) per task on every core; XLA:CPU runs these
+  small batched products on one core.
+
+`ModelConfig.cpu_kernels` decides where a model uses them (`use_native`); the figures are in
+`benchmarks/NOTES.md`.
+
+The C++ source ships with the package and is compiled on first use with the system's C++
+compiler (``$CXX``, else ``c++``) against the FFI headers of the installed jaxlib, into
+``$TRANSFORMER_JAX_CACHE`` (default ``~/.cache/transformer_jax``), keyed by the source, the
+compiler flags and the jaxlib version. It needs Linux on x86-64 with AVX-512 and bfloat16 dot
+products (avx512_bf16). `available()` says whether it can run here, and `unavailable_reason()`
+why not; a model asks for it with ``ModelConfig.decode_matmul``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = Path(__file__).with_name("native_kernels.cc")
+MAX_ROWS = 16  # tokens per call the weight-product kernel takes (and the attention kernel's queries)
+MAX_HEAD_DIM = 256
+CPU_KERNELS = ("auto", "native", "xla")
+_TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
+            "transformer_jax_cache_attention": "TjCacheAttention"}
+_CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
+          "-mavx512vl", "-mavx512bf16", "-mfma")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TRANSFORMER_JAX_CACHE") or Path.home() / ".cache" / "transformer_jax"
+    return Path(root)
+
+
+def _build(compiler: str) -> Path:
+    import jaxlib
+
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode() + jaxlib.__version__.encode()
+                         + compiler.encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"native_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    # Written under a temporary name and renamed: another process building at the same time, or
+    # one interrupted half-way, never leaves a truncated library under the final name.
+    fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=lib.stem + ".", suffix=".tmp.so")
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    """(True, '') once the kernel is built and registered with XLA, else (False, the reason)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
+    missing = [f for f in _CPU_FEATURES if f not in _cpu_flags()]
+    if missing:
+        return False, f"this CPU lacks {', '.join(missing)}"
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+        handlers = {target: getattr(lib, symbol) for target, symbol in _TARGETS.items()}
+    except FileNotFoundError:
+        return False, f"no C++ compiler found (looked for {compiler!r}; set $CXX)"
+    except (OSError, AttributeError, RuntimeError, subprocess.TimeoutExpired) as err:
+        return False, str(err)
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    return True, ""
+
+
+def available() -> bool:
+    """Whether `rows_matmul` can run on this machine (builds the kernel on first call)."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str:
+    return _load()[1]
+
+
+def use_native(setting: str) -> bool:
+    """Whether a model with ``cpu_kernels=setting`` calls the native kernels in the computation
+    being traced: 'xla' never; 'auto' where they can run here, unless a mesh of more than one
+    device is set (``jax.set_mesh``): the kernels have no sharding rule, so XLA would gather every
+    sharded weight for them; 'native' likewise, but an error where they cannot run. Only CPU
+    computations call them (the callers branch with `lax.platform_dependent`)."""
+    if setting not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels={setting!r}; choose one of {', '.join(CPU_KERNELS)}")
+    if setting == "xla":
+        return False
+    if setting == "native" and not available():
+        raise RuntimeError(f"cpu_kernels='native', but the native CPU kernels cannot run here: "
+                           f"{unavailable_reason()} (use cpu_kernels='auto' or 'xla')")
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return False
+    return available()
+
+
+def _check_available():
+    if not available():
+        raise RuntimeError(f"the native CPU kernels cannot run here: {unavailable_reason()}")
+
+
+def _rows_matmul_call(x, w):
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("transformer_jax_rows_matmul", out)(x, w)
+
+
+@jax.custom_vjp
+def _rows_matmul(x, w):
+    return _rows_matmul_call(x, w)
+
+
+def _rows_matmul_fwd(x, w):
+    return _rows_matmul_call(x, w), (x, w)
+
+
+def _rows_matmul_bwd(residuals, g):
+    # The backward products are ordinary XLA ones (training never reaches the forward kernel's
+    # sizes for long; this keeps a few-token call differentiable).
+    x, w = residuals
+    g = g.astype(x.dtype)
+    dx = jnp.dot(g, w, preferred_element_type=jnp.float32)
+    dw = jnp.dot(g.T, x, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
+
+
+def rows_matmul(x, w):
+    """x [R, I] times w [O, I] over I -> float32 [R, O] on the CPU kernel (1 <= R <= 16).
+
+    Differentiable (the backward pass is XLA's). Call only where `available()` is True, and only
+    in a computation placed on the CPU."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"rows_matmul: expected x [R, I] and w [O, I], got {x.shape} and {w.shape}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"rows_matmul: x has {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
+    if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"rows_matmul: x and w must both be bfloat16 or float32 (got {x.dtype}, {w.dtype})")
+    _check_available()
+    return _rows_matmul(x, w)
+
+
+def attention_fits(q, k, mask) -> bool:
+    """Whether `cache_attention` takes these: a few queries, float32 K/V, a dense bool mask or
+    none, a head dimension up to MAX_HEAD_DIM."""
+    return (q.shape[1] <= MAX_ROWS and k.dtype == jnp.float32 and q.shape[-1] <= MAX_HEAD_DIM
+            and (mask is None or (hasattr(mask, "dtype") and mask.dtype == jnp.bool_)))
+
+
+def cache_attention(q, k, v, mask):
+    """Attention of q [B, L, H, K] over a heads-first cache k, v [B, N, S, K] (float32; N divides
+    H), mask bool broadcastable to [B, H, L, S] or None -> float32 [B, L, H, K]. Logits and softmax
+    in float32; a query that sees no key gets zeros (as `attention.dot_product_attention`). Not
+    differentiable: decoding only. Call only where `available()` is True, on the CPU."""
+    B, L, H, K = q.shape
+    S = k.shape[2]
+    _check_available()
+    if mask is None:
+        mask = jnp.ones((B, 1, 1, S), jnp.bool_)
+    # Batch and key axes in full; a head or query axis of 1 stays broadcast (the kernel reads it so).
+    mask = jnp.broadcast_to(mask, (B,) + mask.shape[1:3] + (S,))
+    q = q.astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
+    out = jax.ShapeDtypeStruct((B, L, H, K), jnp.float32)
+    return jax.ffi.ffi_call("transformer_jax_cache_attention", out)(
+        q, k.astype(jnp.float32), v.astype(jnp.float32), mask)
