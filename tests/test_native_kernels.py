@@ -103,6 +103,32 @@ def test_cache_attention_without_mask_attends_everywhere():
     np.testing.assert_allclose(native.cache_attention(q, k, v, None), want, rtol=0, atol=2e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("V,B", [(50257, 8), (7, 1), (1000, 17), (33, 3)])
+def test_greedy_choice_equals_the_xla_path(V, B):
+    from transformer_jax.decoding.sampling import _greedy_xla
+
+    rng = np.random.default_rng(V)
+    logits = rng.standard_normal((V, B)).astype(np.float32) * 5
+    logits[[3, 10 % V], 0] = logits[:, 0].max() + 1  # a tie: the first index wins
+    if B > 2:
+        logits[:, 2] = -np.inf
+        logits[V // 2, 2] = np.inf  # the maximum is +inf: its index, a NaN sum
+    index, log_total = jax.jit(native.greedy_choice)(jnp.asarray(logits))
+    want_index, want_total = jax.jit(_greedy_xla)(jnp.asarray(logits))
+    np.testing.assert_array_equal(index, want_index)
+    assert index[0] == 3
+    # Float32 sums of V exponentials in another order: the log within 1e-5, i.e. the sum within
+    # 1e-5 relative.
+    np.testing.assert_allclose(log_total, want_total, rtol=0, atol=1e-5)
+    # NaN: the sum is NaN, the index the first maximum of the other values.
+    logits[5 % V, 0] = np.nan
+    index, log_total = native.greedy_choice(jnp.asarray(logits))
+    assert index[0] == 3 and np.isnan(log_total[0])
+    index, log_total = native.greedy_choice(jnp.full((V, B), np.nan, jnp.float32))
+    assert np.all(np.asarray(index) == V - 1) and np.all(np.isnan(log_total))
+
+
 def _lm(**overrides):
     values = dict(vocab_size=997, d_model=64, num_heads=4, d_ff=128, num_encoder_layers=0,
                   num_decoder_layers=2, max_len=64, norm="pre", activation="gelu_tanh",
@@ -147,6 +173,7 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     calls = _custom_calls(_lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in"))
     # Per layer: query, key, value, output, wi, wo; then the tied output projection.
     assert calls.count("transformer_jax_rows_matmul") == 2 * 6 + 1
+    assert "transformer_jax_greedy_choice" not in calls  # the model's step; generate chooses
     assert calls.count("transformer_jax_cache_attention") == 2
     # 'in_out' kernels keep XLA's products; the tied output projection ([V, D]) and the attention
     # still run natively.
@@ -154,6 +181,27 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     assert calls.count("transformer_jax_rows_matmul") == 1
     assert calls.count("transformer_jax_cache_attention") == 2
     assert _custom_calls(_lm(kernel_layout="out_in", cpu_kernels="xla")) == []
+
+
+@needs_kernels
+def test_generate_chooses_greedy_tokens_natively_as_the_model_is_set():
+    config = _lm(kernel_layout="out_in")
+    model = tj.TransformerLM(config)
+    params = jax.eval_shape(lambda k: model.init(k, jnp.ones((1, 8), jnp.int32))["params"], jax.random.key(0))
+    from transformer_jax.decoding.sampling import _generate_jit
+
+    def targets(cfg, **sampling):
+        model = tj.TransformerLM(cfg)
+        args = (LMStep(model), params, tj.init_cache(cfg, 2, 12), jnp.ones((2, 4), jnp.int32),
+                jnp.array([4, 2]))
+        text = jax.jit(lambda *a: generate(*a, max_new_tokens=8, eos_id=None, **sampling),
+                       static_argnums=0).lower(*args).as_text()
+        return set(re.findall(r'custom_call @(transformer_jax_\w+)', text))
+
+    assert "transformer_jax_greedy_choice" in targets(config)
+    assert "transformer_jax_greedy_choice" not in targets(config, temperature=1.0, rng=jax.random.key(0))
+    assert targets(config.replace(cpu_kernels="xla")) == set()
+    del _generate_jit
 
 
 @needs_kernels

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.modeling import native
+
 StepFn = Callable[[Any, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
 
 NEG_INF = -1e30  # finite, so masked rows never produce NaN in softmax
@@ -188,11 +190,19 @@ def _first_argmax(logits_t: jax.Array, col_max: jax.Array) -> jax.Array:
     return jnp.minimum(index, vocab - 1)  # a column of NaNs matches nothing
 
 
-def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, top_k, use_top_p, eos_id):
+def _greedy_xla(logits_t):
+    col_max = jnp.max(logits_t, axis=0, keepdims=True)
+    log_total = jnp.log(jnp.sum(jnp.exp(logits_t - col_max), axis=0))  # logsumexp - max
+    return _first_argmax(logits_t, col_max), log_total
+
+
+def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, top_k, use_top_p, eos_id,
+            cpu_kernels="xla"):
     """Picks one token per row from next-token logits [B, V]; returns (tokens [B], logprobs [B]).
 
     The log-probability is ``logit[token] - logsumexp(logits)``: one pass for the row maximum, one
-    for the sum of exponentials, and no [B, V] log-softmax array written out.
+    for the sum of exponentials, and no [B, V] log-softmax array written out. Greedy choice on a
+    CPU runs `native.greedy_choice` where `native.use_native(cpu_kernels)`.
     """
     logits = logits.astype(jnp.float32)
     if eos_id is not None:
@@ -204,10 +214,15 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
     # then reads them in place instead of transposing 8 x 50257 floats first (~0.3 ms of a 21 ms
     # GPT-2-small step).
     logits_t = logits.T
+    if greedy:  # the chosen logit is the maximum: its log-probability is -(logsumexp - max)
+        if native.use_native(cpu_kernels):
+            tokens, log_total = jax.lax.platform_dependent(logits_t, cpu=native.greedy_choice,
+                                                           default=_greedy_xla)
+        else:
+            tokens, log_total = _greedy_xla(logits_t)
+        return tokens, -log_total
     col_max = jnp.max(logits_t, axis=0, keepdims=True)
     log_total = jnp.log(jnp.sum(jnp.exp(logits_t - col_max), axis=0))  # logsumexp - max
-    if greedy:
-        return _first_argmax(logits_t, col_max), -log_total  # the chosen logit is the maximum
     # greedy=None: a traced temperature, which may be 0 (argmax) or not (sampling).
     scaled = logits / (temperature if greedy is not None else jnp.where(temperature > 0, temperature, 1.0))
     if top_k:
@@ -222,6 +237,13 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
 
 
 # --------------------------------------------------------------------------- the decoding loop
+
+
+def _cpu_kernels(step_fn) -> str:
+    """The model's `ModelConfig.cpu_kernels` for a step function that carries one (`LMStep`,
+    `Seq2SeqStep`); 'auto' for any other."""
+    config = getattr(getattr(step_fn, "model", None), "config", None)
+    return getattr(config, "cpu_kernels", "auto")
 
 
 def _last_valid(logits: jax.Array, num_valid: jax.Array) -> jax.Array:
@@ -273,6 +295,7 @@ def _generate_jit(
         top_k=top_k,
         use_top_p=use_top_p,
         eos_id=eos_id,
+        cpu_kernels=_cpu_kernels(step_fn),
     )
     batch = prompt_tokens.shape[0]
 

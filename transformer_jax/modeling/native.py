@@ -8,6 +8,8 @@
 - `cache_attention(q, k, v, mask)`: softmax(q k^T / sqrt(d)) v for a few queries over the
   heads-first float32 KV cache, one (row, KV head) per task on every core; XLA:CPU runs these
   small batched products on one core.
+- `greedy_choice(logits_t)`: each column's first maximum and log-sum-exp over vocabulary-major
+  logits [V, B], in two passes where XLA:CPU makes several.
 
 `ModelConfig.cpu_kernels` decides where a model uses them (`use_native`); the figures are in
 `benchmarks/NOTES.md`.
@@ -39,7 +41,8 @@ MAX_ROWS = 16  # tokens per call the weight-product kernel takes (and the attent
 MAX_HEAD_DIM = 256
 CPU_KERNELS = ("auto", "native", "xla")
 _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
-            "transformer_jax_cache_attention": "TjCacheAttention"}
+            "transformer_jax_cache_attention": "TjCacheAttention",
+            "transformer_jax_greedy_choice": "TjGreedyChoice"}
 _CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
           "-mavx512vl", "-mavx512bf16", "-mfma")
@@ -142,8 +145,11 @@ def _check_available():
 
 
 def _rows_matmul_call(x, w):
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("transformer_jax_rows_matmul", out)(x, w)
+    # The kernel writes [O, R] (each output's R sums side by side); returned as its [R, O] view.
+    # A decoding step's logits then stay vocabulary-major, the layout in which the token choice
+    # reduces them (decoding/sampling.py) without a transposed copy.
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("transformer_jax_rows_matmul", out)(x, w).T
 
 
 @jax.custom_vjp
@@ -206,3 +212,17 @@ def cache_attention(q, k, v, mask):
     out = jax.ShapeDtypeStruct((B, L, H, K), jnp.float32)
     return jax.ffi.ffi_call("transformer_jax_cache_attention", out)(
         q, k.astype(jnp.float32), v.astype(jnp.float32), mask)
+
+
+def greedy_choice(logits_t):
+    """For float32 logits [V, B] (vocabulary-major): (index int32 [B] of each column's first
+    maximum, log(sum(exp(logits - max))) float32 [B]), as decoding/sampling.py's XLA path for
+    finite logits. A NaN makes the column's sum NaN and is passed over in the search for the
+    maximum (V - 1 for a column of NaN). Call only where `available()` is True, on the CPU."""
+    _check_available()
+    if logits_t.ndim != 2 or logits_t.dtype != jnp.float32 or logits_t.shape[0] < 1:
+        raise ValueError(f"greedy_choice: expected float32 logits [V, B], got "
+                         f"{logits_t.dtype}{logits_t.shape}")
+    batch = logits_t.shape[1]
+    out = (jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32))
+    return jax.ffi.ffi_call("transformer_jax_greedy_choice", out)(logits_t)

@@ -1,8 +1,9 @@
 // CPU kernels for decoding steps, called from JAX through the XLA FFI (see native.py): the
-// weight products (tj_rows_matmul) and the attention over the KV cache (tj_cache_attention).
+// weight products (tj_rows_matmul), the attention over the KV cache (tj_cache_attention) and the
+// greedy token choice (tj_greedy_choice).
 //
-// tj_rows_matmul: y[r, o] = sum_i w[o, i] * x[r, i] for a weight stored output-major, w [O, I],
-// and a few rows of activations x [R, I] (R <= 16), accumulated in float32, y float32 [R, O].
+// tj_rows_matmul: y[o, r] = sum_i w[o, i] * x[r, i] for a weight stored output-major, w [O, I],
+// and a few rows of activations x [R, I] (R <= 16), accumulated in float32, y float32 [O, R].
 //
 // A decoding step multiplies every weight of the model by a handful of rows, so the product is
 // bound by the rate at which the weight streams from memory, not by arithmetic. Each thread reads
@@ -17,6 +18,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -106,7 +109,8 @@ inline void RowGroup(const T* w, const T* x, float* y, int64_t O, int64_t I, int
   for (int q = 0; q < OR; ++q) {
     for (int r = 0; r < R; ++r) {
       const float s = hsum(acc[q][r]);
-      y[r * O + o + q] = first ? s : y[r * O + o + q] + s;
+      float& out = y[(o + q) * R + r];
+      out = first ? s : out + s;
     }
   }
 }
@@ -389,7 +393,74 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// tj_greedy_choice: for logits stored vocabulary-major, [V, B] (the layout tj_rows_matmul leaves
+// them in), each column's first index of its maximum and log(sum(exp(logit - max))), the
+// quantities greedy decoding needs (its token and that token's log-probability, -the second), in
+// one pass for the maximum and one for the sum: XLA:CPU runs them as several reductions, each
+// with its own pass. Same results as the XLA path (decoding/sampling.py) for finite logits, and
+// its NaN for the sum wherever a value is NaN, the maximum is +inf or all values are -inf. A NaN
+// is passed over in the search for the maximum (V-1 for a column of NaN); XLA:CPU's own maximum
+// passes over it or not depending on the array's size.
+
+ffi::Error GreedyChoiceImpl(ffi::Buffer<ffi::F32> logits, ffi::Result<ffi::Buffer<ffi::S32>> index,
+                            ffi::Result<ffi::Buffer<ffi::F32>> log_total) {
+  auto d = logits.dimensions();
+  if (d.size() != 2 || d[0] < 1) return ffi::Error::InvalidArgument("tj_greedy_choice: expected logits [V, B], V >= 1");
+  const int64_t V = d[0], B = d[1];
+  const float* l = logits.typed_data();
+  int32_t* idx = index->typed_data();
+  float* lt = log_total->typed_data();
+  for (int64_t b0 = 0; b0 < B; b0 += 16) {
+    const int64_t n = std::min<int64_t>(16, B - b0);
+    const __mmask16 lanes = (__mmask16)((n >= 16) ? 0xffffu : ((1u << n) - 1u));
+    __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512i at = _mm512_set1_epi32((int32_t)(V - 1));
+    __mmask16 nan = 0, seen = 0;  // lanes that met a NaN / a value that is not NaN
+    for (int64_t v = 0; v < V; ++v) {
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, l + v * B + b0);
+      const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+      // Greater, or the first number of the lane (a -inf equals the starting maximum).
+      const __mmask16 more = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ) | (number & (__mmask16)~seen);
+      nan |= (__mmask16)~number;
+      seen |= number;
+      best = _mm512_mask_mov_ps(best, more, x);
+      at = _mm512_mask_mov_epi32(at, more, _mm512_set1_epi32((int32_t)v));
+    }
+    // Summed in blocks of 256, then the blocks: a float32 sum of V terms one by one drifts by
+    // ~1e-5 relative at V = 50257.
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t v0 = 0; v0 < V; v0 += 256) {
+      __m512 block = _mm512_setzero_ps();
+      for (int64_t v = v0; v < std::min<int64_t>(V, v0 + 256); ++v) {
+        const __m512 x = _mm512_maskz_loadu_ps(lanes, l + v * B + b0);
+        // (Exp clamps at -87: a logit that far below the maximum adds ~1e-38 instead of 0.)
+        const __m512 diff = _mm512_sub_ps(x, best);
+        // -inf - -inf and inf - inf are NaN, as in the XLA path's exp(logits - max).
+        const __mmask16 bad = _mm512_cmp_ps_mask(diff, diff, _CMP_UNORD_Q);
+        block = _mm512_add_ps(block, _mm512_mask_mov_ps(Exp(diff), bad, diff));
+      }
+      total = _mm512_add_ps(total, block);
+    }
+    alignas(64) float t[16];
+    alignas(64) int32_t a[16];
+    _mm512_store_ps(t, total);
+    _mm512_store_si512(a, at);
+    for (int64_t j = 0; j < n; ++j) {
+      idx[b0 + j] = a[j];
+      lt[b0 + j] = (nan >> j) & 1 ? std::numeric_limits<float>::quiet_NaN() : std::log(t[j]);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGreedyChoice, GreedyChoiceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjCacheAttention, CacheAttentionImpl,
                               ffi::Ffi::Bind()
