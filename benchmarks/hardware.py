@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -59,20 +60,21 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 
 def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int = 40,
-                     repeats: int = 5, dtype: str = "float32", layout: str = "in_out") -> float:
+                     repeats: int = 5, dtype: str = "float32", layout: str = "in_out",
+                     cpu_kernels: str = "xla") -> float:
     """Bytes per second of weights read by one jitted program that multiplies a [rows, d_in]
     activation by `count` distinct [d_in, d_out] matrices (~380 MiB in float32, more than the caches
     hold), stored as `layout` ('in_out': [d_in, d_out], x @ W; 'out_in': [d_out, d_in], through
-    `matmul.contract_transposed` as the model runs it): the rate at which a decoding step's matmuls
-    can stream parameters at batch `rows`, as opposed to `memory_bandwidth`, which no matmul kernel
-    need reach."""
+    `matmul.contract_transposed` as the model runs it, with the model's `cpu_kernels` setting): the
+    rate at which a decoding step's matmuls can stream parameters at batch `rows`, as opposed to
+    `memory_bandwidth`, which no matmul kernel need reach."""
     from transformer_jax.modeling.matmul import contract, contract_transposed
 
     keys = jax.random.split(jax.random.key(0), count)
     shape = (d_in, d_out) if layout == "in_out" else (d_out, d_in)
     weights = [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
     x = jnp.ones((rows, d_in), dtype)
-    product = contract if layout == "in_out" else contract_transposed
+    product = contract if layout == "in_out" else partial(contract_transposed, cpu_kernels=cpu_kernels)
     products = jax.jit(lambda x, ws: [product(x, w) for w in ws])
     return sum(w.nbytes for w in weights) / median_time(lambda: products(x, weights), repeats)
 

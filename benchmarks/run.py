@@ -40,6 +40,7 @@ import jax  # noqa: E402
 
 import transformer_jax as tj  # noqa: E402
 from benchmarks import bench_attention, bench_compile, bench_model, hardware  # noqa: E402
+from transformer_jax.modeling import native  # noqa: E402
 
 SECTIONS = ("train", "decode", "attention", "compile")
 TARGETS = dict(mfu_gpt2_f32=0.55, bf16_speedup=1.5, decode_roofline=0.60, chunked_memory_ratio=1 / 8,
@@ -74,10 +75,12 @@ def train_rows(peaks, quick, batch=8, length=256):
     return rows
 
 
-# (compute and weight dtype, kernel layout, batch sizes) of the decoding rows. 'out_in' stores the
-# kernels output axes first, which XLA:CPU streams faster at a few rows (ModelConfig.kernel_layout).
-DECODE_VARIANTS = (("float32", "in_out", (1, 8)), ("float32", "out_in", (8,)),
-                   ("bfloat16", "out_in", (1, 8)))
+# (compute and weight dtype, kernel layout, batch sizes, ModelConfig.cpu_kernels) of the decoding
+# rows. 'out_in' stores the kernels output axes first, which XLA:CPU streams faster at a few rows and
+# the native kernels take (ModelConfig.kernel_layout); the last row is the same step on XLA's
+# kernels alone.
+DECODE_VARIANTS = (("float32", "in_out", (1, 8), "auto"), ("float32", "out_in", (8,), "auto"),
+                   ("bfloat16", "out_in", (1, 8), "auto"), ("bfloat16", "out_in", (8,), "xla"))
 
 
 def decode_rows(quick):
@@ -86,9 +89,9 @@ def decode_rows(quick):
     from benchmarks import bench_decode
 
     rows = []
-    for dtype, layout, batches in DECODE_VARIANTS:
+    for dtype, layout, batches, kernels in DECODE_VARIANTS:
         config = tj.presets.gpt2_small(dropout_rate=0.0, dtype=dtype, param_dtype=dtype,
-                                       kernel_layout=layout)
+                                       kernel_layout=layout, cpu_kernels=kernels)
         model = tj.TransformerLM(config)
         params = bench_decode.random_params(model, jax.numpy.ones((1, 8), jax.numpy.int32),
                                             dtype=config.param_dtype)
@@ -106,10 +109,12 @@ def decode_rows(quick):
             row["bandwidth_gb_s"] = round(max(before, after) / 1e9, 2)
             # What this batch size's matmul kernels can stream in this dtype and layout: the step's
             # bytes at that rate, over the measured step time (1.0 = as fast as the kernels allow).
-            stream = hardware.weight_streaming(batch, dtype=dtype, layout=layout, repeats=3)
+            stream = hardware.weight_streaming(batch, dtype=dtype, layout=layout, repeats=3,
+                                               cpu_kernels=kernels)
             row["weight_stream_gb_s"] = round(stream / 1e9, 2)
             row["stream_frac"] = round(row["bytes_per_step"] / stream / row["decode_step_s"], 3)
-            rows.append(dict(row, dtype=dtype, kernel_layout=layout, load=hardware.load()))
+            rows.append(dict(row, dtype=dtype, kernel_layout=layout, load=hardware.load(),
+                             cpu_kernels=kernels, native=kernels != "xla" and native.available()))
             print(json.dumps(rows[-1]), flush=True)
     try:
         row = tensor_parallel_decode_row(quick)
@@ -215,6 +220,8 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
         streaming = (f"; b{r['batch']} matmuls stream {r['weight_stream_gb_s']:.1f} GB/s, "
                      f"step at {r['stream_frac']:.2f} of that" if "stream_frac" in r else "")
         variant = f"{r.get('dtype', 'float32')} {r.get('kernel_layout', 'in_out')}"
+        if r.get("cpu_kernels") == "xla" or (r.get("cpu_kernels") and not r.get("native")):
+            variant += " XLA kernels only"
         if r.get("tensor_parallel"):
             variant += f" tensor={r['tensor_parallel']}"
         limit = f"{r.get('run_bandwidth_gb_s', r['bandwidth_gb_s']):.1f} GB/s"

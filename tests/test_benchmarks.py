@@ -350,9 +350,12 @@ def test_cpu_suite_rows_take_the_higher_adjacent_reading_of_their_own_dtype(monk
         ("gpt2_small", "float32", 0.3, 0.5), ("gpt2_small", "bfloat16", 0.6, 0.25),
         ("transformer_base", "float32", 0.3, 0.5), ("transformer_base", "bfloat16", 0.6, 0.25)]
 
-    bandwidths = [20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9]  # before, after each row
+    # before and after each row
+    bandwidths = [20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 20e9, 25e9]
     monkeypatch.setattr(run.hardware, "memory_bandwidth", lambda repeats=5: bandwidths.pop(0))
-    monkeypatch.setattr(run.hardware, "weight_streaming", lambda batch, dtype, layout, repeats: 4e10)
+    streamed = []
+    monkeypatch.setattr(run.hardware, "weight_streaming", lambda batch, dtype, layout, repeats, cpu_kernels: (
+        streamed.append(cpu_kernels) or 4e10))
     monkeypatch.setattr(run, "tensor_parallel_decode_row", lambda quick: None)
     monkeypatch.setattr(bench_decode, "random_params", lambda *args, **kwargs: None)
     monkeypatch.setattr(tj, "TransformerLM", lambda config: None)
@@ -364,14 +367,16 @@ def test_cpu_suite_rows_take_the_higher_adjacent_reading_of_their_own_dtype(monk
 
     monkeypatch.setattr(bench_decode, "lm_row", lm_row)
     rows = run.decode_rows(quick=True)
-    assert [(r["dtype"], r["kernel_layout"], r["batch"]) for r in rows] == [
-        ("float32", "in_out", 1), ("float32", "in_out", 8), ("float32", "out_in", 8),
-        ("bfloat16", "out_in", 1), ("bfloat16", "out_in", 8)]
+    assert [(r["dtype"], r["kernel_layout"], r["batch"], r["cpu_kernels"]) for r in rows] == [
+        ("float32", "in_out", 1, "auto"), ("float32", "in_out", 8, "auto"),
+        ("float32", "out_in", 8, "auto"), ("bfloat16", "out_in", 1, "auto"),
+        ("bfloat16", "out_in", 8, "auto"), ("bfloat16", "out_in", 8, "xla")]
+    assert streamed == [r["cpu_kernels"] for r in rows]  # each row's products, as the model runs them
     # against 25 GB/s, the higher reading next to each row, whichever came first
-    assert [r["roofline_frac"] for r in rows] == [0.4] * 5
-    assert [r["bandwidth_gb_s"] for r in rows] == [25.0] * 5
+    assert [r["roofline_frac"] for r in rows] == [0.4] * 6
+    assert [r["bandwidth_gb_s"] for r in rows] == [25.0] * 6
     # 100 MB per 10 ms step against the 40 GB/s the matmuls stream
-    assert [r["stream_frac"] for r in rows] == [0.25] * 5 and rows[0]["weight_stream_gb_s"] == 40.0
+    assert [r["stream_frac"] for r in rows] == [0.25] * 6 and rows[0]["weight_stream_gb_s"] == 40.0
 
 
 def test_summary_table_of_training_attention_and_compile_rows():
