@@ -129,6 +129,17 @@ def test_greedy_choice_equals_the_xla_path(V, B):
     assert np.all(np.asarray(index) == V - 1) and np.all(np.isnan(log_total))
 
 
+@needs_kernels
+@pytest.mark.parametrize("mask_shape", [(20,), (1, 4, 1, 20), (2, 1, 1, 20)])
+def test_cache_attention_broadcasts_masks_of_fewer_axes(mask_shape):
+    rng = np.random.default_rng(2)
+    q, k, v = (_rand(rng, s, jnp.float32) for s in ((2, 1, 4, 16), (2, 2, 20, 16), (2, 2, 20, 16)))
+    mask = jnp.asarray(rng.random(mask_shape) < 0.5)
+    want, _ = _reference_attention(q, k, v, jnp.broadcast_to(mask, (2, 4, 1, 20)), dropout_rate=0.0,
+                                   dropout_rng=None, deterministic=True, kv_layout="BNSK")
+    np.testing.assert_allclose(native.cache_attention(q, k, v, mask), want, rtol=0, atol=2e-6)
+
+
 def _lm(**overrides):
     values = dict(vocab_size=997, d_model=64, num_heads=4, d_ff=128, num_encoder_layers=0,
                   num_decoder_layers=2, max_len=64, norm="pre", activation="gelu_tanh",

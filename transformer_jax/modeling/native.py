@@ -29,6 +29,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -79,7 +80,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=lib.stem + ".", suffix=".tmp.so")
     os.close(fd)
     try:
-        cmd = [compiler, *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+        cmd = [*shlex.split(compiler), *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
@@ -98,6 +99,8 @@ def _load() -> tuple[bool, str]:
     missing = [f for f in _CPU_FEATURES if f not in _cpu_flags()]
     if missing:
         return False, f"this CPU lacks {', '.join(missing)}"
+    if not SOURCE.is_file():
+        return False, f"the kernels' source {SOURCE} is missing from this installation"
     compiler = os.environ.get("CXX", "c++")
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
@@ -206,8 +209,11 @@ def cache_attention(q, k, v, mask):
     _check_available()
     if mask is None:
         mask = jnp.ones((B, 1, 1, S), jnp.bool_)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     # Batch and key axes in full; a head or query axis of 1 stays broadcast (the kernel reads it so).
-    mask = jnp.broadcast_to(mask, (B,) + mask.shape[1:3] + (S,))
+    heads = 1 if mask.shape[1] == 1 else H
+    queries = 1 if mask.shape[2] == 1 else L
+    mask = jnp.broadcast_to(mask, (B, heads, queries, S))
     q = q.astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
     out = jax.ShapeDtypeStruct((B, L, H, K), jnp.float32)
     return jax.ffi.ffi_call("transformer_jax_cache_attention", out)(
