@@ -240,6 +240,12 @@ def test_native_setting_where_the_kernels_cannot_run_is_an_error(monkeypatch):
     assert not native.use_native("auto")
 
 
+def test_nothing_is_built_on_an_accelerator_host(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(native, "_load", lambda: pytest.fail("tried to build the CPU kernels"))
+    assert not native.use_native("auto") and not native.use_native("native")
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="builds only on Linux")
 def test_build_failure_falls_back_to_xla(tmp_path):
     # A compiler that fails: 'auto' decodes with XLA's products (same tokens as 'xla'), and says

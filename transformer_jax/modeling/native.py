@@ -128,10 +128,11 @@ def use_native(setting: str) -> bool:
     being traced: 'xla' never; 'auto' where they can run here, unless a mesh of more than one
     device is set (``jax.set_mesh``): the kernels have no sharding rule, so XLA would gather every
     sharded weight for them; 'native' likewise, but an error where they cannot run. Only CPU
-    computations call them (the callers branch with `lax.platform_dependent`)."""
+    computations call them (the callers branch with `lax.platform_dependent`), and only where the
+    CPU is JAX's default backend: on a GPU or TPU host nothing is built."""
     if setting not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels={setting!r}; choose one of {', '.join(CPU_KERNELS)}")
-    if setting == "xla":
+    if setting == "xla" or jax.default_backend() != "cpu":
         return False
     if setting == "native" and not available():
         raise RuntimeError(f"cpu_kernels='native', but the native CPU kernels cannot run here: "
