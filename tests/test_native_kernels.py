@@ -60,6 +60,16 @@ def test_rows_matmul_gradient_equals_xla():
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernels
+def test_zero_rows_take_xla_products():
+    # An empty batch has no rows for the kernel; contract_transposed keeps XLA's product for it.
+    from transformer_jax.modeling.matmul import contract_transposed
+
+    y = jax.jit(lambda x, w: contract_transposed(x, w, cpu_kernels="native"))(
+        jnp.ones((0, 8), jnp.float32), jnp.ones((4, 8), jnp.float32))
+    assert y.shape == (0, 4)
+
+
 def test_rows_matmul_refuses_what_it_cannot_take():
     x = jnp.ones((17, 8), jnp.float32)
     with pytest.raises(ValueError, match="17 rows; the kernel takes 1 to 16"):

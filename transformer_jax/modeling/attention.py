@@ -259,12 +259,12 @@ def dot_product_attention(
         q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     # The KV cache at decoding steps (impl 'xla': no attention weights or dropout, for which
     # resolve_impl says 'reference') may go to the native CPU kernel.
-    if (kv_layout == "BNSK" and impl == "xla" and native.attention_fits(q, k, _materialize(mask))
+    dense = _materialize(mask)
+    if (kv_layout == "BNSK" and impl == "xla" and native.attention_fits(q, k, dense)
             and native.use_native(cpu_kernels)):
         plain = lambda q, k, v, m: _reference_attention(
             q, k, v, m, dropout_rate=0.0, dropout_rng=None, deterministic=True, kv_layout="BNSK")[0]
-        out = jax.lax.platform_dependent(q, k, v, _materialize(mask), cpu=native.cache_attention,
-                                         default=plain)
+        out = jax.lax.platform_dependent(q, k, v, dense, cpu=native.cache_attention, default=plain)
         return out.astype(v.dtype), None
     if kv_layout == "BNSK" and impl not in ("xla", "reference"):
         k, v, kv_layout = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), "BSNK"

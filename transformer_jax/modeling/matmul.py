@@ -130,7 +130,7 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     ([V, D]) and for every kernel of a model with ``kernel_layout='out_in'``.
 
     How the product runs depends on the number of rows (tokens) r:
-    - r <= native.MAX_ROWS on CPU, bfloat16 or float32, where `native.use_native(cpu_kernels)`:
+    - 1 <= r <= native.MAX_ROWS on CPU, bfloat16 or float32, where `native.use_native(cpu_kernels)`:
       the package's own kernel (`native.rows_matmul`), which streams the weight at about the
       memory bandwidth;
     - r <= WEIGHTS_FIRST_MAX_TOKENS (decoding steps), on CPU: w_t x^T, weights as the left operand,
@@ -150,7 +150,7 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     x2 = x.reshape(-1, math.prod(in_shape))
     w2 = w_t.reshape(math.prod(out_shape), math.prod(in_shape))
     rows = x2.shape[0]
-    if (rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
+    if (1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
             and native.use_native(cpu_kernels)):
         y = lax.platform_dependent(x2, w2, cpu=native.rows_matmul, default=_plain_t)
     elif rows <= WEIGHTS_FIRST_MAX_TOKENS:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -37,10 +38,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.config import CPU_KERNELS
+
 SOURCE = Path(__file__).with_name("native_kernels.cc")
 MAX_ROWS = 16  # tokens per call the weight-product kernel takes (and the attention kernel's queries)
 MAX_HEAD_DIM = 256
-CPU_KERNELS = ("auto", "native", "xla")
 _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_cache_attention": "TjCacheAttention",
             "transformer_jax_greedy_choice": "TjGreedyChoice"}
@@ -108,6 +110,8 @@ def _load() -> tuple[bool, str]:
     except FileNotFoundError:
         return False, f"no C++ compiler found (looked for {compiler!r}; set $CXX)"
     except (OSError, AttributeError, RuntimeError, subprocess.TimeoutExpired) as err:
+        # A compiler that is there but fails is worth saying once; the model then runs XLA's kernels.
+        logging.getLogger(__name__).warning("native CPU decoding kernels unavailable, using XLA's: %s", err)
         return False, str(err)
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
@@ -115,7 +119,7 @@ def _load() -> tuple[bool, str]:
 
 
 def available() -> bool:
-    """Whether `rows_matmul` can run on this machine (builds the kernel on first call)."""
+    """Whether the kernels can run on this machine (builds them on the first call)."""
     return _load()[0]
 
 
