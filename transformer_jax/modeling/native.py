@@ -19,7 +19,7 @@ compiler (``$CXX``, else ``c++``) against the FFI headers of the installed jaxli
 ``$TRANSFORMER_JAX_CACHE`` (default ``~/.cache/transformer_jax``), keyed by the source, the
 compiler flags and the jaxlib version. It needs Linux on x86-64 with AVX-512 and bfloat16 dot
 products (avx512_bf16). `available()` says whether it can run here, and `unavailable_reason()`
-why not; a model asks for it with ``ModelConfig.decode_matmul``.
+why not; a model asks for it with ``ModelConfig.cpu_kernels``.
 """
 
 from __future__ import annotations

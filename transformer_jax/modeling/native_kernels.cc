@@ -5,13 +5,16 @@
 // tj_rows_matmul: y[o, r] = sum_i w[o, i] * x[r, i] for a weight stored output-major, w [O, I],
 // and a few rows of activations x [R, I] (R <= 16), accumulated in float32, y float32 [O, R].
 //
-// A decoding step multiplies every weight of the model by a handful of rows, so the product is
-// bound by the rate at which the weight streams from memory, not by arithmetic. Each thread reads
-// one contiguous run of weight rows from start to end, two rows per pass, with software prefetches
-// 2 KB (into L1) and 8 KB (into L2) ahead; it keeps the activations in L1 (blocks of the input
-// axis, if a row of x is long) and one float32 accumulator vector per (weight row, activation row).
-// Threads come from XLA's own intra-op pool; each owns a run of output rows and then takes what is
-// left of the others' from their far end (ParallelFor), so a thread that starts late does less.
+// A decoding step multiplies every weight of the model by a handful of rows: the product reads
+// each weight element once and does R multiply-adds with it, so at a few rows it is bound by the
+// rate at which the weight streams from memory, and at ~8 bf16 rows on a 2-core AVX-512 CPU by
+// that and the dot-product rate about equally. Each thread reads one contiguous run of weight
+// rows from start to end, two or three rows per pass, with software prefetches a unit of work
+// (into L1) and eight units (into L2) ahead; it keeps the activations in L1 (blocks of the input
+// axis, if a row of x is long) and one float32 accumulator vector per (weight row, activation
+// row), reduced 16 at a time by a transposed sum. Threads come from XLA's own intra-op pool; each
+// owns a run of output rows and then takes what is left of the others' from their far end
+// (ParallelFor), so a thread that starts late does less.
 //
 // Built by native.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 (AVX-512 with bfloat16
 // dot products); native.py runs it only on CPUs that report those features.
@@ -34,63 +37,84 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kMaxRows = 16;
-// Prefetch distances along each weight row being read, in bytes: into L1 and, further ahead, into
-// L2. Measured on a 2-core AVX-512 CPU, 8-row bf16 products over [768, 768] weights, one row at
-// a time: ~20 GB/s with the first alone, ~27 GB/s with both; two rows at a time ~31 GB/s (a
-// plain sum: ~34 GB/s in the same run).
-constexpr int64_t kPrefetchL1Bytes = 2048;
-constexpr int64_t kPrefetchL2Bytes = 8192;
+// Software prefetches run ahead of the reads by whole units of work (a group of weight rows over
+// one block of the input axis, in the order a thread reads them): eight units ahead into L2 and,
+// for bf16 at 6 rows or more, one unit ahead into L1. Measured on a 2-core AVX-512 CPU over the
+// products of a GPT-2-small decoding step (248 MB of bf16 weights): at 8 rows, 13.0 ms with the
+// previous scheme (2 KB / 8 KB ahead along each row, two rows per pass, one horizontal sum per
+// accumulator) and 10.3 ms with this one; at 1 row, and for float32, the L1 prefetch cost ~5%.
+constexpr int64_t kPrefetchL1Units = 1;
+constexpr int64_t kPrefetchL2Units = 8;
+template <int R, typename T>
+constexpr bool PrefetchL1() { return sizeof(T) == 2 && R >= 6; }
 // Activation bytes kept in L1 at once (all rows of one block of the input axis).
 constexpr int64_t kBlockBytes = 24 * 1024;
-// Output rows per unit of work handed out to a thread.
-constexpr int64_t kRowsPerTask = 32;
+// Output rows per unit of work handed out to a thread (a multiple of the row groups, 2 and 3).
+constexpr int64_t kRowsPerTask = 48;
 
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+// Lane j of the result = the sum of the lanes of a[j], for 16 vectors.
+inline __m512 Transpose16Sum(__m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k)
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)
+    d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0xEE));
+  // Lane 4j + t now holds the sum of a[4t + j]; put the sum of a[m] in lane m.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
 
-// Output rows o .. o+OR-1 over the input-axis block [i0, i1) (OR rows share each load of x).
-// T = uint16_t (bf16 bits) or float.
+// Weight rows read together: each load of an activation vector feeds them all. bf16 takes three
+// at up to 9 activation rows (27 accumulators): with two, the loads and prefetches per dot product
+// left it at ~half of the CPU's dot-product rate even with the weight in cache; float32 streams
+// best with two.
+template <int R, typename T>
+constexpr int GroupRows() {
+  if constexpr (sizeof(T) == 2) return R <= 9 ? 3 : (R <= 14 ? 2 : 1);
+  return R <= 12 ? 2 : 1;
+}
+
+// Output rows o .. o+OR-1 over the input-axis block [i0, i1), adding to y unless `first`.
+// T = uint16_t (bf16 bits) or float. `near` and `far` are the starts of the units to prefetch
+// (into L1 and L2) while this one is read: their row q, offset along the block as this one's.
 template <int R, int OR, typename T>
-inline void RowGroup(const T* w, const T* x, float* y, int64_t O, int64_t I, int64_t o, int64_t i0,
-                     int64_t i1, bool first) {
+inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int64_t i0, int64_t i1,
+                     bool first, const char* near, const char* far) {
   constexpr int64_t kLanes = sizeof(T) == 2 ? 32 : 16;  // elements per 64-byte vector
   const int64_t width = i1 - i0;
   const int64_t full = i0 + (width / kLanes) * kLanes;
   const int64_t tail = i1 - full;
   const __mmask32 tail_mask16 = (__mmask32)((tail >= 32) ? 0xffffffffu : ((1u << tail) - 1u));
   const __mmask16 tail_mask32 = (__mmask16)((tail >= 16) ? 0xffffu : ((1u << tail) - 1u));
-  const int64_t near = kPrefetchL1Bytes / (int64_t)sizeof(T), far = kPrefetchL2Bytes / (int64_t)sizeof(T);
-  // The element `ahead` positions on in this block's walk along one weight row: further along the
-  // row, or as far into the following rows' blocks (whole rows ahead and the remainder are worked
-  // out here, so that the loop has no division).
-  const int64_t near_rows = near / width, near_rest = near % width;
-  const int64_t far_rows = far / width, far_rest = far % width;
-  auto next = [&](const T* row, int64_t i, int64_t rows, int64_t rest) {
-    int64_t j = i - i0 + rest;
-    const int64_t wrap = j >= width;
-    return reinterpret_cast<const char*>(row + (rows + wrap) * I + i0 + j - wrap * width);
-  };
-  __m512 acc[OR][R];
-  for (int q = 0; q < OR; ++q)
-    for (int r = 0; r < R; ++r) acc[q][r] = _mm512_setzero_ps();
+  const int64_t stride = I * (int64_t)sizeof(T);
+  __m512 acc[OR * R];  // acc[q * R + r]: weight row o + q, activation row r
+  for (int k = 0; k < OR * R; ++k) acc[k] = _mm512_setzero_ps();
   const T* row = w + o * I;
   for (int64_t i = i0; i < full; i += kLanes) {
+    const int64_t ahead = (i - i0) * (int64_t)sizeof(T);
     for (int q = 0; q < OR; ++q) {
-      _mm_prefetch(next(row + q * I, i, near_rows, near_rest), _MM_HINT_T0);
-      _mm_prefetch(next(row + q * I, i, far_rows, far_rest), _MM_HINT_T1);
+      if constexpr (PrefetchL1<R, T>()) _mm_prefetch(near + q * stride + ahead, _MM_HINT_T0);
+      _mm_prefetch(far + q * stride + ahead, _MM_HINT_T1);
     }
     if constexpr (sizeof(T) == 2) {
       __m512bh a[OR];
       for (int q = 0; q < OR; ++q) a[q] = (__m512bh)_mm512_loadu_si512(row + q * I + i);
       for (int r = 0; r < R; ++r) {
         const __m512bh b = (__m512bh)_mm512_loadu_si512(x + r * I + i);
-        for (int q = 0; q < OR; ++q) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], a[q], b);
+        for (int q = 0; q < OR; ++q) acc[q * R + r] = _mm512_dpbf16_ps(acc[q * R + r], a[q], b);
       }
     } else {
       __m512 a[OR];
       for (int q = 0; q < OR; ++q) a[q] = _mm512_loadu_ps(row + q * I + i);
       for (int r = 0; r < R; ++r) {
         const __m512 b = _mm512_loadu_ps(x + r * I + i);
-        for (int q = 0; q < OR; ++q) acc[q][r] = _mm512_fmadd_ps(a[q], b, acc[q][r]);
+        for (int q = 0; q < OR; ++q) acc[q * R + r] = _mm512_fmadd_ps(a[q], b, acc[q * R + r]);
       }
     }
   }
@@ -98,44 +122,67 @@ inline void RowGroup(const T* w, const T* x, float* y, int64_t O, int64_t I, int
     for (int q = 0; q < OR; ++q) {
       for (int r = 0; r < R; ++r) {
         if constexpr (sizeof(T) == 2) {
-          acc[q][r] = _mm512_dpbf16_ps(acc[q][r], (__m512bh)_mm512_maskz_loadu_epi16(tail_mask16, row + q * I + full),
-                                       (__m512bh)_mm512_maskz_loadu_epi16(tail_mask16, x + r * I + full));
+          acc[q * R + r] = _mm512_dpbf16_ps(acc[q * R + r],
+                                            (__m512bh)_mm512_maskz_loadu_epi16(tail_mask16, row + q * I + full),
+                                            (__m512bh)_mm512_maskz_loadu_epi16(tail_mask16, x + r * I + full));
         } else {
-          acc[q][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask32, row + q * I + full),
-                                      _mm512_maskz_loadu_ps(tail_mask32, x + r * I + full), acc[q][r]);
+          acc[q * R + r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask32, row + q * I + full),
+                                           _mm512_maskz_loadu_ps(tail_mask32, x + r * I + full), acc[q * R + r]);
         }
       }
     }
   }
-  for (int q = 0; q < OR; ++q) {
-    for (int r = 0; r < R; ++r) {
-      const float s = hsum(acc[q][r]);
-      float& out = y[(o + q) * R + r];
-      out = first ? s : out + s;
+  // y [O, R] holds this group's sums side by side, y[o * R + k] for k = q * R + r: reduced 16
+  // accumulators at a time into one vector (a horizontal sum each costs ~4x the shuffles), or one
+  // by one where there are few.
+  float* out = y + o * R;
+  int k0 = 0;
+  for (; k0 + 8 <= OR * R; k0 += 16) {
+    const int n = OR * R - k0 < 16 ? OR * R - k0 : 16;
+    __m512 part[16];
+    for (int j = 0; j < 16; ++j) part[j] = j < n ? acc[k0 + j] : _mm512_setzero_ps();
+    __m512 sums = Transpose16Sum(part);
+    const __mmask16 lanes = (__mmask16)(n >= 16 ? 0xffffu : ((1u << n) - 1u));
+    if (!first) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(lanes, out + k0));
+    _mm512_mask_storeu_ps(out + k0, lanes, sums);
+  }
+  for (int k = k0; k < OR * R; ++k) {
+    const float sum = _mm512_reduce_add_ps(acc[k]);
+    out[k] = first ? sum : out[k] + sum;
+  }
+}
+
+// Output rows [o0, o1): the units (a group of weight rows over one block of the input axis) in
+// the order block by block, group by group, each prefetching the ones kPrefetch*Units after it.
+// Past the last unit the prefetches run on into the rows after o1 (the thread's next task, as a
+// rule).
+template <int R, typename T>
+void RowsRange(const T* w, const T* x, float* y, int64_t I, int64_t o0, int64_t o1) {
+  constexpr int kGroup = GroupRows<R, T>();
+  const int64_t block = std::max<int64_t>(kBlockBytes / (R * (int64_t)sizeof(T)), 64);
+  const int64_t blocks = (I + block - 1) / block, groups = (o1 - o0 + kGroup - 1) / kGroup;
+  const int64_t units = blocks * groups;
+  // Addresses as integers: a prefetch may point past the weight (it never faults).
+  const uintptr_t base = reinterpret_cast<uintptr_t>(w);
+  auto start = [&](int64_t u) {
+    const int64_t element = u < units ? (o0 + (u % groups) * kGroup) * I + (u / groups) * block
+                                      : (o1 + (u - units) * kGroup) * I;
+    return reinterpret_cast<const char*>(base + element * (int64_t)sizeof(T));
+  };
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t o = o0 + (u % groups) * kGroup, i0 = (u / groups) * block, i1 = std::min(I, i0 + block);
+    const char* near = start(u + kPrefetchL1Units);
+    const char* far = start(u + kPrefetchL2Units);
+    if (o + kGroup <= o1) {
+      RowGroup<R, kGroup, T>(w, x, y, I, o, i0, i1, i0 == 0, near, far);
+    } else {
+      for (int64_t p = o; p < o1; ++p) RowGroup<R, 1, T>(w, x, y, I, p, i0, i1, i0 == 0, near, far);
     }
   }
 }
 
-// Output rows [o0, o1) over the input-axis block [i0, i1): two rows at a time where the
-// accumulators fit in the 32 vector registers, one at a time otherwise.
-template <int R, typename T>
-void RowsBlock(const T* w, const T* x, float* y, int64_t O, int64_t I, int64_t o0, int64_t o1,
-               int64_t i0, int64_t i1, bool first) {
-  constexpr int kPair = R <= 12 ? 2 : 1;
-  int64_t o = o0;
-  for (; o + kPair <= o1; o += kPair) RowGroup<R, kPair, T>(w, x, y, O, I, o, i0, i1, first);
-  for (; o < o1; ++o) RowGroup<R, 1, T>(w, x, y, O, I, o, i0, i1, first);
-}
-
-template <int R, typename T>
-void RowsRange(const T* w, const T* x, float* y, int64_t O, int64_t I, int64_t o0, int64_t o1) {
-  const int64_t block = std::max<int64_t>(kBlockBytes / (R * (int64_t)sizeof(T)), 64);
-  for (int64_t i0 = 0; i0 < I; i0 += block)
-    RowsBlock<R, T>(w, x, y, O, I, o0, o1, i0, std::min(I, i0 + block), i0 == 0);
-}
-
 template <typename T>
-using RangeFn = void (*)(const T*, const T*, float*, int64_t, int64_t, int64_t, int64_t);
+using RangeFn = void (*)(const T*, const T*, float*, int64_t, int64_t, int64_t);
 
 template <typename T, int... Rs>
 RangeFn<T> PickRows(int rows, std::integer_sequence<int, Rs...>) {
@@ -222,7 +269,7 @@ template <typename T>
 void Run(ffi::ThreadPool& pool, RangeFn<T> fn, const T* w, const T* x, float* y, int64_t O, int64_t I) {
   ParallelFor(pool, (O + kRowsPerTask - 1) / kRowsPerTask, [fn, w, x, y, O, I](int64_t t) {
     int64_t o0 = t * kRowsPerTask;
-    fn(w, x, y, O, I, o0, std::min(O, o0 + kRowsPerTask));
+    fn(w, x, y, I, o0, std::min(O, o0 + kRowsPerTask));
   });
 }
 
@@ -280,24 +327,6 @@ inline __m512 Exp(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
-}
-
-// Lane j of the result = the sum of the lanes of a[j], for 16 vectors.
-inline __m512 Transpose16Sum(__m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int k = 0; k < 8; ++k)
-    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
-  for (int k = 0; k < 4; ++k)
-    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
-  for (int k = 0; k < 2; ++k)
-    d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0x44),
-                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0xEE));
-  // Lane 4j + t now holds the sum of a[4t + j]; put the sum of a[m] in lane m.
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, sums);
 }
 
 struct AttentionShape {
