@@ -63,7 +63,7 @@ def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int =
                      repeats: int = 5, dtype: str = "float32", layout: str = "in_out",
                      cpu_kernels: str = "xla") -> float:
     """Bytes per second of weights read by one jitted program that multiplies a [rows, d_in]
-    activation by `count` distinct [d_in, d_out] matrices (~380 MiB in float32, more than the caches
+    activation by `count` distinct [d_in, d_out] matrices in turn (~380 MiB in float32, more than the caches
     hold), stored as `layout` ('in_out': [d_in, d_out], x @ W; 'out_in': [d_out, d_in], through
     `matmul.contract_transposed` as the model runs it, with the model's `cpu_kernels` setting): the
     rate at which a decoding step's matmuls can stream parameters at batch `rows`, as opposed to
@@ -75,7 +75,16 @@ def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int =
     weights = [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
     x = jnp.ones((rows, d_in), dtype)
     product = contract if layout == "in_out" else partial(contract_transposed, cpu_kernels=cpu_kernels)
-    products = jax.jit(lambda x, ws: [product(x, w) for w in ws])
+
+    def chain(x, ws):
+        # Each product's input comes from the one before, as layer follows layer in a step: XLA
+        # may run independent products side by side, each then on one core (the native kernel's
+        # helper thread is busy with the other product), which no decoding step does.
+        for w in ws:
+            x = (product(x, w)[:, :d_in] * 1e-3).astype(x.dtype)
+        return x
+
+    products = jax.jit(chain)
     return sum(w.nbytes for w in weights) / median_time(lambda: products(x, weights), repeats)
 
 

@@ -196,12 +196,76 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     assert calls.count("transformer_jax_rows_matmul") == 2 * 6 + 1
     assert "transformer_jax_greedy_choice" not in calls  # the model's step; generate chooses
     assert calls.count("transformer_jax_cache_attention") == 2
+    # wi's bias and tanh-GELU in one pass; exact GELU stays in XLA.
+    assert calls.count("transformer_jax_bias_activation") == 2
+    gelu = _custom_calls(_lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in",
+                             activation="gelu"))
+    assert "transformer_jax_bias_activation" not in gelu and gelu.count("transformer_jax_rows_matmul") == 13
     # 'in_out' kernels keep XLA's products; the tied output projection ([V, D]) and the attention
     # still run natively.
     calls = _custom_calls(_lm())
     assert calls.count("transformer_jax_rows_matmul") == 1
     assert calls.count("transformer_jax_cache_attention") == 2
     assert _custom_calls(_lm(kernel_layout="out_in", cpu_kernels="xla")) == []
+
+
+_SPECIAL = [-1e4, -200.0, -100.0, -90.0, -88.0, -20.0, -3.0, -0.5, -1e-3, 0.0, 1e-3, 0.5, 3.0, 20.0,
+            88.0, 90.0, 100.0, 200.0, 1e4, np.inf, -np.inf, np.nan]
+
+
+@needs_kernels
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_bias_activation_equals_the_xla_ops(activation, dtype):
+    # As the projection and activation compute it in XLA: bit for bit in bf16 (XLA rounds every
+    # step of jax.nn.gelu / silu to bf16, and so does the kernel), within float32 rounding of its
+    # own exp / tanh in float32; NaN, +-inf and overflowing exponentials where XLA has them.
+    rng = np.random.default_rng(1)
+    y = np.concatenate([rng.standard_normal((7, 37)) * 4, np.resize(_SPECIAL, (1, 37))])
+    y = y.astype(np.float32)
+    bias = jnp.asarray(rng.standard_normal(37), jnp.float32)
+    got = np.asarray(jax.jit(lambda y, b: native.bias_activation(y, b, activation, dtype))(y, bias), np.float32)
+    want = np.asarray(jax.jit(lambda y, b: native._activation_reference(y, b, activation, dtype))(y, bias),
+                      np.float32)
+    assert got.shape == (8, 37)
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_bias_activation_gradient_equals_xla():
+    rng = np.random.default_rng(2)
+    y, bias = _rand(rng, (3, 40), jnp.float32), _rand(rng, (40,), jnp.float32)
+    loss = lambda f: lambda y, b: jnp.sum(jnp.sin(f(y, b)))
+    got = jax.grad(loss(lambda y, b: native.bias_activation(y, b, "gelu_tanh", jnp.float32)), (0, 1))(y, bias)
+    want = jax.grad(loss(lambda y, b: jax.nn.gelu(y + b, approximate=True)), (0, 1))(y, bias)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "silu", "gelu", "swiglu"])
+def test_feed_forward_on_native_kernels_equals_xla(activation):
+    # Outputs within one bf16 step (the products sum in another order), gradients as close.
+    from transformer_jax.modeling.layers import FeedForward
+
+    def layer(kernels):
+        return FeedForward(96, activation, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                           kernel_layout="out_in", cpu_kernels=kernels)
+
+    x = jax.random.normal(jax.random.key(3), (2, 4, 48), jnp.float32)
+    params = layer("xla").init(jax.random.key(4), x)["params"]
+    params = jax.tree.map(lambda p: p + 0.1, params)  # a bias that is not zero
+    outs, grads = [], []
+    for kernels in ("native", "xla"):
+        f = lambda p, x, kernels=kernels: layer(kernels).apply({"params": p}, x)
+        outs.append(np.asarray(jax.jit(f)(params, x), np.float32))
+        grads.append(jax.grad(lambda p, f=f: jnp.sum(f(p, x).astype(jnp.float32) ** 2))(params))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for g, e in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(g, e, rtol=5e-2, atol=5e-2)
 
 
 @needs_kernels

@@ -7,6 +7,7 @@ cache. `dot_product_attention` is the backend switch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -309,6 +310,9 @@ class Projection(nn.Module):
     cpu_kernels: str = "xla"  # see ModelConfig.cpu_kernels
     kernel_init: Callable | None = None  # default: Glorot uniform over the input/output axes
     out_dtype: jnp.dtype | None = None  # default: `dtype` (the output layer keeps float32 logits)
+    # Applied to the output (after its rounding to out_dtype): a feed-forward layer's first product.
+    # In a decoding step on the CPU kernels, bias, rounding and activation are one native pass.
+    activation: str | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -328,7 +332,18 @@ class Projection(nn.Module):
         # Low-precision inputs, float32 accumulation (and bias add), one rounding at the end: on
         # CPU and GPU the bf16 x bf16 -> f32 product is also the fast one.
         x, kernel = x.astype(self.dtype), jnp.asarray(kernel, self.dtype)
+        out_dtype = jnp.dtype(self.out_dtype or self.dtype)
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                    self.names[n_in:]),
+                              self.features, self.param_dtype)
         trailing = axis == tuple(range(x.ndim - n_in, x.ndim))
+        rows = math.prod(x.shape[:x.ndim - n_in])
+        if (self.activation in native.ACTIVATION_CODES and trailing and out_first and n_in == n_out == 1
+                and 1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
+                and out_dtype in (jnp.bfloat16, jnp.float32) and native.use_native(self.cpu_kernels)):
+            return _native_dense(x, kernel, bias, self.activation, out_dtype)
         if trailing and out_first:
             y = contract_transposed(x, kernel, n_in, cpu_kernels=self.cpu_kernels)
         elif trailing:
@@ -336,12 +351,41 @@ class Projection(nn.Module):
         else:
             y = jax.lax.dot_general(x, kernel, ((axis, in_axes), ((), ())),
                                     preferred_element_type=jnp.float32)
-        if self.use_bias:
-            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                                    self.names[n_in:]),
-                              self.features, self.param_dtype)
+        if bias is not None:
             y = y + jnp.asarray(bias, jnp.float32)
-        return y.astype(self.out_dtype or self.dtype)
+        y = y.astype(out_dtype)
+        return activation_fn(self.activation)(y) if self.activation else y
+
+
+def activation_fn(name):
+    """The feed-forward activation called `name` (config.ACTIVATIONS; the gated variants' gate)."""
+    return {
+        "relu": jax.nn.relu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "silu": jax.nn.silu,
+        "swiglu": jax.nn.silu,
+        "geglu": lambda x: jax.nn.gelu(x, approximate=True),
+        "none": lambda x: x,
+    }[name]
+
+
+def _native_dense(x, kernel, bias, activation, out_dtype):
+    """act(x W + b) for a few rows through the CPU kernels: the product, then bias, rounding and
+    activation in one pass (`native.bias_activation`); XLA's ops where the computation is not on
+    the CPU."""
+    x2 = x.reshape(-1, x.shape[-1])
+    b = jnp.zeros(kernel.shape[:1], jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
+
+    def on_cpu(x2, kernel, b):
+        return native.bias_activation(native.rows_matmul(x2, kernel), b, activation, out_dtype)
+
+    def elsewhere(x2, kernel, b):
+        y = jax.lax.dot_general(x2, kernel, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return activation_fn(activation)((y + b).astype(out_dtype))
+
+    y = jax.lax.platform_dependent(x2, kernel, b, cpu=on_cpu, default=elsewhere)
+    return y.reshape(x.shape[:-1] + kernel.shape[:1])
 
 
 def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name,

@@ -74,17 +74,6 @@ class Embed(nn.Module):
                                    cpu_kernels=self.cpu_kernels)
 
 
-def _activation(name):
-    return {
-        "relu": jax.nn.relu,
-        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-        "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-        "silu": jax.nn.silu,
-        "swiglu": jax.nn.silu,
-        "geglu": lambda x: jax.nn.gelu(x, approximate=True),
-    }[name]
-
-
 class FeedForward(nn.Module):
     """Eq. 2: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, with other activations by name.
 
@@ -99,20 +88,22 @@ class FeedForward(nn.Module):
     kernel_layout: str = "in_out"
     cpu_kernels: str = "xla"  # see ModelConfig.cpu_kernels
 
-    def _dense(self, features, names, name):
+    def _dense(self, features, names, name, activation=None):
         return projection(features, names, use_bias=self.use_bias, dtype=self.dtype,
                           param_dtype=self.param_dtype, kernel_layout=self.kernel_layout,
-                          cpu_kernels=self.cpu_kernels, name=name)
+                          cpu_kernels=self.cpu_kernels, name=name, activation=activation)
 
     @nn.compact
     def __call__(self, x):
         """x: [B, L, D] -> [B, L, D]."""
-        act = _activation(self.activation)
-        h = self._dense(self.d_ff, ("embed", "mlp"), "wi")(x)
         if self.activation in ("swiglu", "geglu"):
-            h = act(self._dense(self.d_ff, ("embed", "mlp"), "wi_gate")(x)) * h
+            h = self._dense(self.d_ff, ("embed", "mlp"), "wi")(x)
+            gate = self._dense(self.d_ff, ("embed", "mlp"), "wi_gate", activation=self.activation)(x)
+            h = gate * h
         else:
-            h = act(h)
+            # The activation is the projection's own: one native pass with its bias on the CPU
+            # kernels (Projection.activation).
+            h = self._dense(self.d_ff, ("embed", "mlp"), "wi", activation=self.activation)(x)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         return self._dense(x.shape[-1], ("mlp", "embed"), "wo")(h)
 

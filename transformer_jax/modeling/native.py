@@ -10,6 +10,9 @@
   small batched products on one core.
 - `greedy_choice(logits_t)`: each column's first maximum and log-sum-exp over vocabulary-major
   logits [V, B], in two passes where XLA:CPU makes several.
+- `bias_activation(y, bias, activation, dtype)`: a feed-forward layer's first product's bias,
+  rounding and activation (ReLU, tanh-GELU, SiLU) in one pass; XLA:CPU's tanh-GELU over a
+  decoding step's [8, 3072] took ~50 us.
 
 `ModelConfig.cpu_kernels` decides where a model uses them (`use_native`); the figures are in
 `benchmarks/NOTES.md`.
@@ -37,6 +40,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.config import CPU_KERNELS
 
@@ -45,7 +49,10 @@ MAX_ROWS = 16  # tokens per call the weight-product kernel takes (and the attent
 MAX_HEAD_DIM = 256
 _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_cache_attention": "TjCacheAttention",
-            "transformer_jax_greedy_choice": "TjGreedyChoice"}
+            "transformer_jax_greedy_choice": "TjGreedyChoice",
+            "transformer_jax_bias_activation": "TjBiasActivation"}
+# Activations `bias_activation` computes (the kernel's codes); others run in XLA.
+ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu_tanh": 2, "silu": 3}
 _CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
           "-mavx512vl", "-mavx512bf16", "-mfma")
@@ -237,3 +244,55 @@ def greedy_choice(logits_t):
     batch = logits_t.shape[1]
     out = (jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32))
     return jax.ffi.ffi_call("transformer_jax_greedy_choice", out)(logits_t)
+
+
+def _activation_reference(y, bias, activation, dtype):
+    """What `bias_activation` computes, in XLA ops (its gradient, and the path off the CPU)."""
+    h = (y + bias.astype(jnp.float32)).astype(dtype)
+    if activation == "relu":
+        return jax.nn.relu(h)
+    if activation == "gelu_tanh":
+        return jax.nn.gelu(h, approximate=True)
+    if activation == "silu":
+        return jax.nn.silu(h)
+    return h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _bias_activation(y, bias, activation, dtype):
+    # The kernel reads the product's [O, R] output (y.T of `rows_matmul`'s result: no copy) and
+    # writes [R, O].
+    return jax.ffi.ffi_call("transformer_jax_bias_activation", jax.ShapeDtypeStruct(y.shape, dtype))(
+        y.T, bias.astype(jnp.float32), activation=np.int32(ACTIVATION_CODES[activation]))
+
+
+def _bias_activation_fwd(y, bias, activation, dtype):
+    return _bias_activation(y, bias, activation, dtype), (y, bias)
+
+
+def _bias_activation_bwd(activation, dtype, residuals, g):
+    y, bias = residuals
+    _, vjp = jax.vjp(lambda y, b: _activation_reference(y, b, activation, dtype), y, bias)
+    return vjp(g)
+
+
+_bias_activation.defvjp(_bias_activation_fwd, _bias_activation_bwd)
+
+
+def bias_activation(y, bias, activation: str, dtype):
+    """act(round(y + bias)) for a product's float32 output y [R, O] (from `rows_matmul`), bias [O]:
+    the bias added in float32, the sum rounded to `dtype` (float32 or bfloat16), the activation
+    ('none', 'relu', 'gelu_tanh', 'silu') computed in float32 and rounded again, as a projection
+    followed by its activation computes it in XLA. Differentiable (the backward pass is XLA's).
+    Call only where `available()` is True, on the CPU."""
+    dtype = jnp.dtype(dtype)
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"bias_activation: activation {activation!r}; the kernel computes "
+                         f"{', '.join(ACTIVATION_CODES)}")
+    if y.ndim != 2 or y.dtype != jnp.float32 or bias.shape != y.shape[1:]:
+        raise ValueError(f"bias_activation: expected float32 y [R, O] and bias [O], got "
+                         f"{y.dtype}{y.shape} and {bias.shape}")
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"bias_activation: output float32 or bfloat16, not {dtype}")
+    _check_available()
+    return _bias_activation(y, bias, activation, dtype)
