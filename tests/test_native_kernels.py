@@ -224,7 +224,8 @@ def test_bias_activation_equals_the_xla_ops(activation, dtype):
     y = np.concatenate([rng.standard_normal((7, 37)) * 4, np.resize(_SPECIAL, (1, 37))])
     y = y.astype(np.float32)
     bias = jnp.asarray(rng.standard_normal(37), jnp.float32)
-    got = np.asarray(jax.jit(lambda y, b: native.bias_activation(y, b, activation, dtype))(y, bias), np.float32)
+    kernel = jax.jit(lambda y, b: native.bias_activation(y, b, activation, dtype))
+    got = np.asarray(kernel(y, bias), np.float32)
     want = np.asarray(jax.jit(lambda y, b: native._activation_reference(y, b, activation, dtype))(y, bias),
                       np.float32)
     assert got.shape == (8, 37)
