@@ -35,8 +35,10 @@ def _rand(rng, shape, dtype):
     (2, 33, 40),        # odd output count (the last row alone), a vector and a tail
     (8, 768, 768),      # a decoding step's [768, 768] product
     (8, 130, 3072),     # input axis longer than one L1 block: partial sums across blocks
-    (12, 65, 1000),     # the most rows taken two output rows at a time
-    (13, 64, 96),       # one output row at a time
+    (5, 31, 64),        # bf16: 15 accumulators, one masked transposed sum; a group of one left
+    (9, 70, 130),       # bf16: three output rows at a time with 27 accumulators (16 + 11)
+    (12, 65, 1000),     # two output rows at a time
+    (13, 64, 96),       # bf16 two output rows at a time, float32 one
     (16, 300, 5000),    # the most rows, many blocks, a tail
 ])
 def test_rows_matmul_equals_float64_product(dtype, rows, out, inp):
@@ -226,7 +228,7 @@ def test_bias_activation_equals_the_xla_ops(activation, dtype):
     bias = jnp.asarray(rng.standard_normal(37), jnp.float32)
     kernel = jax.jit(lambda y, b: native.bias_activation(y, b, activation, dtype))
     got = np.asarray(kernel(y, bias), np.float32)
-    want = np.asarray(jax.jit(lambda y, b: native._activation_reference(y, b, activation, dtype))(y, bias),
+    want = np.asarray(jax.jit(lambda y, b: native.bias_activation_xla(y, b, activation, dtype))(y, bias),
                       np.float32)
     assert got.shape == (8, 37)
     if dtype == jnp.bfloat16:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from transformer_jax.config import ATTENTION_IMPLS
 from transformer_jax.modeling import masks, native
+from transformer_jax.modeling.activations import activation_fn
 from transformer_jax.modeling.chunked_attention import chunked_attention
 from transformer_jax.modeling.matmul import contract, contract_transposed
 from transformer_jax.modeling.positional import apply_rope
@@ -357,19 +358,6 @@ class Projection(nn.Module):
         return activation_fn(self.activation)(y) if self.activation else y
 
 
-def activation_fn(name):
-    """The feed-forward activation called `name` (config.ACTIVATIONS; the gated variants' gate)."""
-    return {
-        "relu": jax.nn.relu,
-        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-        "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-        "silu": jax.nn.silu,
-        "swiglu": jax.nn.silu,
-        "geglu": lambda x: jax.nn.gelu(x, approximate=True),
-        "none": lambda x: x,
-    }[name]
-
-
 def _native_dense(x, kernel, bias, activation, out_dtype):
     """act(x W + b) for a few rows through the CPU kernels: the product, then bias, rounding and
     activation in one pass (`native.bias_activation`); XLA's ops where the computation is not on
@@ -382,7 +370,7 @@ def _native_dense(x, kernel, bias, activation, out_dtype):
 
     def elsewhere(x2, kernel, b):
         y = jax.lax.dot_general(x2, kernel, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return activation_fn(activation)((y + b).astype(out_dtype))
+        return native.bias_activation_xla(y, b, activation, out_dtype)
 
     y = jax.lax.platform_dependent(x2, kernel, b, cpu=on_cpu, default=elsewhere)
     return y.reshape(x.shape[:-1] + kernel.shape[:1])
