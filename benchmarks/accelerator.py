@@ -16,8 +16,8 @@ downloaded. One run measures the device's own limits and each workload against t
              GPU / Pallas flash on TPU: tokens/s and MFU (target: MFU >= 0.45 of the measured bf16 peak)
   decode     a ~1.3B decoder (d_model 2048, d_ff 8192, 24 layers) with bf16 weights, cached greedy
              decoding of 256 new tokens after a 32-token prompt at batch 1 and 8: ms/step and the
-             fraction of the bandwidth roofline (parameters + whole KV cache read once per step;
-             target at batch 1: >= 0.6)
+             fraction of the bandwidth roofline (parameters + the KV cache up to each step's own
+             position, read once per step; target at batch 1: >= 0.6)
   attention  causal attention, batch 1, 16 heads of 64, bf16, at 4k / 16k / 32k tokens for the
              platform's fused kernel, XLA's and the chunked one: forward ms and peak memory
 

@@ -107,6 +107,35 @@ def test_cache_attention_equals_reference(B, L, H, N, S, K, mask_heads, mask_que
 
 
 @needs_kernels
+@pytest.mark.parametrize("S,windows", [
+    (96, [(0, 33), (0, 96)]),          # a decoding step's cache: positions written so far, then all
+    (300, [(17, 18), (5, 290)]),       # one key; a window that starts and ends inside a block
+    (40, [(16, 32), (31, 40)]),        # edges on block boundaries; the last key
+])
+def test_cache_attention_reads_only_the_visible_window(S, windows):
+    # Each (row, query) sees keys [lo, hi) with a hole in the middle; outside the window the cache
+    # holds NaN and infinities (positions a decoding step has not written yet may hold anything):
+    # the result must be the one computed from a clean cache.
+    rng = np.random.default_rng(S)
+    B, L, H, N, K = 2, len(windows), 4, 2, 32
+    q = _rand(rng, (B, L, H, K), jnp.float32)
+    k, v = _rand(rng, (B, N, S, K), jnp.float32), _rand(rng, (B, N, S, K), jnp.float32)
+    mask = np.zeros((B, 1, L, S), bool)
+    for query, (lo, hi) in enumerate(windows):
+        mask[:, :, query, lo:hi] = True
+        if hi - lo > 2:
+            mask[0, :, query, (lo + hi) // 2] = False
+    outside = ~mask.any(axis=(1, 2))[:, None, :, None]  # [B, 1, S, 1]: no query sees it
+    garbage = np.where(rng.random((B, N, S, K)) < 0.5, np.nan, np.inf).astype(np.float32)
+    dirty_k, dirty_v = (jnp.where(outside, garbage, x) for x in (k, v))
+    want, _ = _reference_attention(q, k, v, jnp.asarray(mask), dropout_rate=0.0, dropout_rng=None,
+                                   deterministic=True, kv_layout="BNSK")
+    got = jax.jit(native.cache_attention)(q, dirty_k, dirty_v, jnp.asarray(mask))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+@needs_kernels
 def test_cache_attention_without_mask_attends_everywhere():
     rng = np.random.default_rng(1)
     q, k, v = (_rand(rng, s, jnp.float32) for s in ((2, 1, 4, 32), (2, 4, 20, 32), (2, 4, 20, 32)))

@@ -336,51 +336,55 @@ struct AttentionShape {
 constexpr int kMaxHeadDim = 256;
 
 // One query q[Kd] over keys/values [S, Kd] with mask m[S] -> out[Kd]. `logits` has room for S
-// rounded up to 16.
+// rounded up to 16. Only the keys and values from the first visible position to the last are
+// read: a decoding step's cache is allocated for the whole generation, and the positions not yet
+// written (and a left-padded prompt's padding) are masked. What lies outside is never loaded, so
+// it cannot change the result, whatever it holds.
 void AttendOne(const float* q, const float* k, const float* v, const bool* m, float* out,
                int64_t S, int64_t Kd, float* logits) {
   const int64_t vecs = (Kd + 15) / 16;
   const __mmask16 tail = (Kd % 16) ? (__mmask16)((1u << (Kd % 16)) - 1u) : (__mmask16)0xffff;
+  int64_t lo = 0, hi = S;  // the visible keys lie in [lo, hi)
+  while (lo < S && !m[lo]) ++lo;
+  while (hi > lo && !m[hi - 1]) --hi;
+  if (lo == hi) {  // no key is visible: zeros, as on every backend
+    for (int64_t d = 0; d < Kd; ++d) out[d] = 0.0f;
+    return;
+  }
+  const int64_t first = lo / 16 * 16;  // blocks of 16 keys, aligned as if they started at 0
   __m512 qv[kMaxHeadDim / 16];
   for (int64_t c = 0; c < vecs; ++c)
     qv[c] = _mm512_maskz_loadu_ps(c == vecs - 1 ? tail : (__mmask16)0xffff, q + c * 16);
-  // Logits, 16 keys at a time (keys past S count as masked).
-  bool any = false;
+  // Logits, 16 keys at a time (keys outside [lo, hi) count as masked).
   float best = -3.0e38f;
-  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+  for (int64_t s0 = first; s0 < hi; s0 += 16) {
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
       acc[j] = _mm512_setzero_ps();
-      if (s0 + j >= S) continue;
+      if (s0 + j < lo || s0 + j >= hi) continue;
       const float* key = k + (s0 + j) * Kd;
       for (int64_t c = 0; c < vecs; ++c)
         acc[j] = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(c == vecs - 1 ? tail : (__mmask16)0xffff,
                                                                key + c * 16), acc[j]);
     }
     _mm512_storeu_ps(logits + s0, Transpose16Sum(acc));
-    for (int j = 0; j < 16 && s0 + j < S; ++j) {
-      if (m[s0 + j]) {
-        any = true;
-        best = std::max(best, logits[s0 + j]);
-      }
+    for (int j = 0; j < 16 && s0 + j < hi; ++j) {
+      if (m[s0 + j]) best = std::max(best, logits[s0 + j]);  // (m is false below lo)
     }
   }
   for (int64_t c = 0; c < vecs; ++c) qv[c] = _mm512_setzero_ps();  // now the output accumulator
-  if (!any) {
-    for (int64_t d = 0; d < Kd; ++d) out[d] = 0.0f;
-    return;
-  }
-  // Weights exp(logit - max) on visible keys, 0 elsewhere; their sum.
+  // Weights exp(logit - max) on visible keys, 0 elsewhere; their sum. The blocks before `first`
+  // would each add zeros: the sums are the same as over all S keys.
   __m512 total = _mm512_setzero_ps();
   const __m512 top = _mm512_set1_ps(best);
-  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+  for (int64_t s0 = first; s0 < hi; s0 += 16) {
     __mmask16 visible = 0;
-    for (int j = 0; j < 16 && s0 + j < S; ++j) visible |= (__mmask16)((m[s0 + j] ? 1u : 0u) << j);
+    for (int j = 0; j < 16 && s0 + j < hi; ++j) visible |= (__mmask16)((m[s0 + j] ? 1u : 0u) << j);
     __m512 p = _mm512_maskz_mov_ps(visible, Exp(_mm512_sub_ps(_mm512_loadu_ps(logits + s0), top)));
     _mm512_storeu_ps(logits + s0, p);
     total = _mm512_add_ps(total, p);
   }
-  for (int64_t s = 0; s < S; ++s) {
+  for (int64_t s = lo; s < hi; ++s) {
     if (!m[s]) continue;
     const __m512 p = _mm512_set1_ps(logits[s]);
     const float* val = v + s * Kd;
