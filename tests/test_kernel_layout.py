@@ -16,7 +16,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError
 from transformer_jax.decoding import generate
 from transformer_jax.decoding.model_steps import LMStep
-from transformer_jax.modeling import matmul
+from transformer_jax.modeling import matmul, native
 from transformer_jax.modeling.attention import dot_product_attention
 from transformer_jax.params import convert_params, param_shapes
 
@@ -183,8 +183,9 @@ def test_out_in_cached_decoding_follows_the_full_forward(dtype):
     tokens = jax.random.randint(jax.random.key(3), (8, 12), 3, config.vocab_size)
     full = jax.jit(tj.TransformerLM(target).apply)({"params": params}, tokens)
     cached, cache = _cached_logits(target, params, tokens)
-    if dtype == "bfloat16" and jax.default_backend() == "cpu":
-        assert cache.layers[0]["k"].dtype == jnp.float32  # see test_bf16_cache_is_float32_on_cpu
+    if dtype == "bfloat16" and jax.default_backend() == "cpu":  # see test_bf16_cache_on_cpu...
+        want = jnp.bfloat16 if native.use_native(target.cpu_kernels) else jnp.float32
+        assert cache.layers[0]["k"].dtype == want
     _close(cached, full, 1e-5 if dtype == "float32" else 3e-2)
 
 
@@ -235,17 +236,22 @@ def test_bf16_queries_read_a_float32_cache_in_float32(impl):
     np.testing.assert_allclose(out, np.einsum("bhls,bhsk->blhk", probs, v64), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_cache_is_float32_on_cpu_with_the_same_results():
-    config = _lm(dtype="bfloat16")
-    want = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+@pytest.mark.parametrize("cpu_kernels", ["auto", "xla"])
+def test_bf16_cache_on_cpu_is_float32_unless_the_cpu_kernels_write_it_with_the_same_results(cpu_kernels):
+    config = _lm(dtype="bfloat16", cpu_kernels=cpu_kernels)
+    on_cpu = jax.default_backend() == "cpu"
+    want = jnp.float32 if on_cpu and not native.use_native(cpu_kernels) else jnp.bfloat16
     assert tj.init_cache(config, 2, 8).layers[0]["k"].dtype == want
     _, params, _ = _model_and_params(config)
     tokens = jax.random.randint(jax.random.key(5), (8, 12), 3, config.vocab_size)
     f32, _ = _cached_logits(config, params, tokens, cache_dtype=jnp.float32)
     bf16, cache = _cached_logits(config, params, tokens, cache_dtype=jnp.bfloat16)
     assert cache.layers[0]["k"].dtype == jnp.bfloat16
-    # The keys and values are bf16 numbers either way; only the attention arithmetic differs.
-    _close(f32, bf16, 2e-2)
+    if on_cpu and native.use_native(cpu_kernels):
+        # The keys and values are bf16 numbers either way, and the kernel widens them exactly.
+        np.testing.assert_array_equal(f32, bf16)
+    else:  # XLA computes the attention in the cache's dtype
+        _close(f32, bf16, 2e-2)
 
 
 def test_out_in_layout_on_a_mesh_equals_one_device():

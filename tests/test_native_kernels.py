@@ -136,6 +136,39 @@ def test_cache_attention_reads_only_the_visible_window(S, windows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("L", [1, 3])
+def test_cache_write_equals_the_xla_update(dtype, L):
+    rng = np.random.default_rng(L)
+    B, N, S, K = 4, 3, 10, 20
+    cache = _rand(rng, (B, N, S, K), dtype)
+    new = _rand(rng, (B, L, N, K), dtype)
+    index = jnp.array([0, 4, S - L, S + 5], jnp.int32)  # the last past the end: moved back, as XLA does
+    want = native.cache_write_xla(cache, new, index)
+    got = jax.jit(native.cache_write)(cache, new, index)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # In a donated buffer, as a decoding loop carries the cache: the same result.
+    donated = jax.jit(native.cache_write, donate_argnums=0)(jnp.array(cache), new, index)
+    np.testing.assert_array_equal(np.asarray(donated, np.float32), np.asarray(want, np.float32))
+    assert np.asarray(cache, np.float32).sum() != np.asarray(want, np.float32).sum()  # cache unchanged
+    with pytest.raises(ValueError, match="new \\[B, L, N, K\\]"):
+        native.cache_write(cache, jnp.ones((B, L, N + 1, K), dtype), index)
+
+
+@needs_kernels
+def test_cache_attention_reads_a_bf16_cache_as_its_exact_float32_values():
+    rng = np.random.default_rng(7)
+    q = _rand(rng, (3, 2, 8, 32), jnp.float32)
+    k, v = (_rand(rng, (3, 4, 50, 32), jnp.bfloat16) for _ in range(2))
+    mask = jnp.asarray(rng.random((3, 1, 2, 50)) < 0.7)
+    bf16 = jax.jit(native.cache_attention)(q, k, v, mask)
+    f32 = jax.jit(native.cache_attention)(q, k.astype(jnp.float32), v.astype(jnp.float32), mask)
+    assert bf16.dtype == jnp.float32
+    np.testing.assert_array_equal(bf16, f32)
+
+
+@needs_kernels
 def test_cache_attention_without_mask_attends_everywhere():
     rng = np.random.default_rng(1)
     q, k, v = (_rand(rng, s, jnp.float32) for s in ((2, 1, 4, 32), (2, 4, 20, 32), (2, 4, 20, 32)))
@@ -227,6 +260,7 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     assert calls.count("transformer_jax_rows_matmul") == 2 * 6 + 1
     assert "transformer_jax_greedy_choice" not in calls  # the model's step; generate chooses
     assert calls.count("transformer_jax_cache_attention") == 2
+    assert calls.count("transformer_jax_cache_write") == 2 * 2  # keys and values, in place
     # wi's bias and tanh-GELU in one pass; exact GELU stays in XLA.
     assert calls.count("transformer_jax_bias_activation") == 2
     gelu = _custom_calls(_lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in",
@@ -237,6 +271,7 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     calls = _custom_calls(_lm())
     assert calls.count("transformer_jax_rows_matmul") == 1
     assert calls.count("transformer_jax_cache_attention") == 2
+    assert calls.count("transformer_jax_cache_write") == 2 * 2
     assert _custom_calls(_lm(kernel_layout="out_in", cpu_kernels="xla")) == []
 
 

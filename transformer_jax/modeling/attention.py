@@ -262,10 +262,11 @@ def dot_product_attention(
     # The KV cache at decoding steps (impl 'xla': no attention weights or dropout, for which
     # resolve_impl says 'reference') may go to the native CPU kernel.
     dense = _materialize(mask)
-    if (kv_layout == "BNSK" and impl == "xla" and native.attention_fits(q, k, dense)
+    if (kv_layout == "BNSK" and impl == "xla" and native.attention_fits(q, k, v, dense)
             and native.use_native(cpu_kernels)):
         plain = lambda q, k, v, m: _reference_attention(
-            q, k, v, m, dropout_rate=0.0, dropout_rng=None, deterministic=True, kv_layout="BNSK")[0]
+            q, k, v, m, dropout_rate=0.0, dropout_rng=None, deterministic=True,
+            kv_layout="BNSK")[0].astype(jnp.float32)
         out = jax.lax.platform_dependent(q, k, v, dense, cpu=native.cache_attention, default=plain)
         return out.astype(v.dtype), None
     if kv_layout == "BNSK" and impl not in ("xla", "reference"):
@@ -481,10 +482,14 @@ class MultiHeadAttention(nn.Module):
             q = apply_rope(q, q_positions, self.rope_theta)
         kv_layout = "BSNK" if precomputed_kv is None else "BNSK"
         if cache is not None:
-            # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max.
-            write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1))
-            k = write(cache["k"], jnp.swapaxes(k, 1, 2).astype(cache["k"].dtype), cache_index)
-            v = write(cache["v"], jnp.swapaxes(v, 1, 2).astype(cache["v"].dtype), cache_index)
+            # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max: on
+            # the CPU kernels in place (a bf16 cache needs them), elsewhere by XLA.
+            if native.use_native(self.cpu_kernels) and cache["k"].dtype in native.CACHE_DTYPES:
+                write = lambda c, x, i: jax.lax.platform_dependent(
+                    c, x, i, cpu=native.cache_write, default=native.cache_write_xla)
+            else:
+                write = native.cache_write_xla
+            k, v = write(cache["k"], k, cache_index), write(cache["v"], v, cache_index)
             cache, kv_layout = {"k": k, "v": v}, "BNSK"
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
 

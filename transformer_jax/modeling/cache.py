@@ -52,13 +52,19 @@ class KVCache:
 
 def cache_dtype(config: ModelConfig):
     """The KV cache's default dtype (self- and cross-attention): the compute dtype, except float32
-    for a 16-bit compute dtype when the default backend is CPU. XLA:CPU has neither a bf16 scatter
-    (the cache write) nor a bf16 batched matmul (the attention products): with a bf16 cache it
-    converts every layer's whole cache to float32 and back on every decoding step. The values are
-    the same either way: keys and values leave their projections already rounded to the compute
-    dtype."""
+    for a 16-bit compute dtype when the default backend is CPU and the model runs XLA's kernels
+    there. XLA:CPU has neither a bf16 scatter (the cache write) nor a bf16 batched matmul (the
+    attention products): with a bf16 cache it converts every layer's whole cache to float32 and
+    back on every decoding step. The package's CPU kernels (`ModelConfig.cpu_kernels`, decided as
+    `native.use_native` does where the cache is made) write and read a bf16 cache in place, half
+    the bytes. The values are the same either way: keys and values leave their projections already
+    rounded to the compute dtype."""
+    from transformer_jax.modeling import native
+
     dtype = config.compute_dtype
     if dtype.itemsize == 2 and jax.default_backend() == "cpu":
+        if dtype == jnp.bfloat16 and native.use_native(config.cpu_kernels):
+            return dtype
         return jnp.dtype(jnp.float32)
     return dtype
 

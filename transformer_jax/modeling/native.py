@@ -6,8 +6,10 @@
   this one reads each thread's weight rows front to back with software prefetches and streams at
   about the rate of a plain sum.
 - `cache_attention(q, k, v, mask)`: softmax(q k^T / sqrt(d)) v for a few queries over the
-  heads-first float32 KV cache, one (row, KV head) per task on every core; XLA:CPU runs these
-  small batched products on one core.
+  heads-first KV cache (float32 or bfloat16), one (row, KV head) per task on every core; XLA:CPU
+  runs these small batched products on one core.
+- `cache_write(cache, new, index)`: a step's keys or values written into the cache in place;
+  XLA:CPU converts a whole bfloat16 cache to float32 and back to write it.
 - `greedy_choice(logits_t)`: each column's first maximum and log-sum-exp over vocabulary-major
   logits [V, B], in two passes where XLA:CPU makes several.
 - `bias_activation(y, bias, activation, dtype)`: a feed-forward layer's first product's bias,
@@ -50,6 +52,7 @@ MAX_ROWS = 16  # tokens per call the weight-product kernel takes (and the attent
 MAX_HEAD_DIM = 256
 _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_cache_attention": "TjCacheAttention",
+            "transformer_jax_cache_write": "TjCacheWrite",
             "transformer_jax_greedy_choice": "TjGreedyChoice",
             "transformer_jax_bias_activation": "TjBiasActivation"}
 # Activations `bias_activation` computes (the kernel's codes); others run in XLA.
@@ -205,18 +208,23 @@ def rows_matmul(x, w):
     return _rows_matmul(x, w)
 
 
-def attention_fits(q, k, mask) -> bool:
-    """Whether `cache_attention` takes these: a few queries, float32 K/V, a dense bool mask or
-    none, a head dimension up to MAX_HEAD_DIM."""
-    return (q.shape[1] <= MAX_ROWS and k.dtype == jnp.float32 and q.shape[-1] <= MAX_HEAD_DIM
+CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def attention_fits(q, k, v, mask) -> bool:
+    """Whether `cache_attention` takes these: a few queries, float32 or bfloat16 K/V of one dtype,
+    a dense bool mask or none, a head dimension up to MAX_HEAD_DIM."""
+    return (q.shape[1] <= MAX_ROWS and k.dtype in CACHE_DTYPES and v.dtype == k.dtype
+            and q.shape[-1] <= MAX_HEAD_DIM
             and (mask is None or (hasattr(mask, "dtype") and mask.dtype == jnp.bool_)))
 
 
 def cache_attention(q, k, v, mask):
-    """Attention of q [B, L, H, K] over a heads-first cache k, v [B, N, S, K] (float32; N divides
-    H), mask bool broadcastable to [B, H, L, S] or None -> float32 [B, L, H, K]. Logits and softmax
-    in float32; a query that sees no key gets zeros (as `attention.dot_product_attention`). Not
-    differentiable: decoding only. Call only where `available()` is True, on the CPU."""
+    """Attention of q [B, L, H, K] over a heads-first cache k, v [B, N, S, K] (float32 or
+    bfloat16, one dtype; N divides H), mask bool broadcastable to [B, H, L, S] or None -> float32
+    [B, L, H, K]. Logits and softmax in float32 (a bf16 cache is widened exactly); a query that sees
+    no key gets zeros (as `attention.dot_product_attention`). Not differentiable: decoding only.
+    Call only where `available()` is True, on the CPU."""
     B, L, H, K = q.shape
     S = k.shape[2]
     _check_available()
@@ -228,9 +236,35 @@ def cache_attention(q, k, v, mask):
     queries = 1 if mask.shape[2] == 1 else L
     mask = jnp.broadcast_to(mask, (B, heads, queries, S))
     q = q.astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
+    if k.dtype not in CACHE_DTYPES or v.dtype != k.dtype:
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     out = jax.ShapeDtypeStruct((B, L, H, K), jnp.float32)
-    return jax.ffi.ffi_call("transformer_jax_cache_attention", out)(
-        q, k.astype(jnp.float32), v.astype(jnp.float32), mask)
+    return jax.ffi.ffi_call("transformer_jax_cache_attention", out)(q, k, v, mask)
+
+
+def cache_write_xla(cache, new, index):
+    """What `cache_write` computes, in XLA ops (the path off the CPU)."""
+    write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1))
+    return write(cache, jnp.swapaxes(new, 1, 2).astype(cache.dtype), index)
+
+
+def cache_write(cache, new, index):
+    """`new` [B, L, N, K] written into the heads-first cache [B, N, S, K] (float32 or bfloat16) at
+    positions index[b] .. index[b] + L - 1 of each row b, a start past S - L moved back to S - L
+    (as `dynamic_update_slice`): the updated cache, in the cache's own buffer where XLA can give
+    it (only the new entries are written). Not differentiable: decoding only. Call only where
+    `available()` is True, on the CPU."""
+    if (cache.ndim != 4 or new.ndim != 4 or new.shape[0] != cache.shape[0] or new.shape[2] != cache.shape[1]
+            or new.shape[3] != cache.shape[3] or new.shape[1] > cache.shape[2]):
+        raise ValueError(f"cache_write: expected cache [B, N, S, K] and new [B, L, N, K] with L <= S, "
+                         f"got {cache.shape} and {new.shape}")
+    if cache.dtype not in CACHE_DTYPES:
+        raise TypeError(f"cache_write: a float32 or bfloat16 cache, not {cache.dtype}")
+    _check_available()
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (cache.shape[0],))
+    out = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+    return jax.ffi.ffi_call("transformer_jax_cache_write", out, input_output_aliases={0: 0})(
+        cache, new.astype(cache.dtype), index)
 
 
 def greedy_choice(logits_t):

@@ -1,6 +1,7 @@
 // CPU kernels for decoding steps, called from JAX through the XLA FFI (see native.py): the
-// weight products (tj_rows_matmul), the attention over the KV cache (tj_cache_attention) and the
-// greedy token choice (tj_greedy_choice).
+// weight products (tj_rows_matmul), the attention over the KV cache (tj_cache_attention), the
+// cache write (tj_cache_write), a feed-forward layer's bias and activation (tj_bias_activation)
+// and the greedy token choice (tj_greedy_choice).
 //
 // tj_rows_matmul: y[o, r] = sum_i w[o, i] * x[r, i] for a weight stored output-major, w [O, I],
 // and a few rows of activations x [R, I] (R <= 16), accumulated in float32, y float32 [O, R].
@@ -304,11 +305,12 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 }
 
 // ---------------------------------------------------------------------------------------------
-// tj_cache_attention: softmax(q k^T) v for a few queries over a heads-first float32 KV cache.
+// tj_cache_attention: softmax(q k^T) v for a few queries over a heads-first KV cache.
 //
-// q [B, L, H, Kd] (already divided by sqrt(Kd)), k and v [B, N, S, Kd] with H = N * G (query head
-// h reads cache head h / G), mask bool [B, Hm, Lm, S] with Hm in {1, H} and Lm in {1, L} (True =
-// attend) -> out [B, L, H, Kd], all float32. As the reference path: logits and softmax in float32,
+// q [B, L, H, Kd] (already divided by sqrt(Kd)), k and v [B, N, S, Kd] (float32, or bfloat16,
+// widened exactly) with H = N * G (query head h reads cache head h / G), mask bool [B, Hm, Lm, S]
+// with Hm in {1, H} and Lm in {1, L} (True = attend) -> out [B, L, H, Kd] float32. As the
+// reference path: logits and softmax in float32,
 // a query that sees no key gets zeros. One task per (b, n): its keys and values are read once
 // from memory for all G * L queries that use them.
 
@@ -340,7 +342,14 @@ constexpr int kMaxHeadDim = 256;
 // read: a decoding step's cache is allocated for the whole generation, and the positions not yet
 // written (and a left-padded prompt's padding) are masked. What lies outside is never loaded, so
 // it cannot change the result, whatever it holds.
-void AttendOne(const float* q, const float* k, const float* v, const bool* m, float* out,
+// 16 cache elements from p (float32, or bf16 widened exactly to float32), lanes outside `lanes` 0.
+inline __m512 LoadCache(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 LoadCache(const uint16_t* p, __mmask16 lanes) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+
+template <typename T>
+void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out,
                int64_t S, int64_t Kd, float* logits) {
   const int64_t vecs = (Kd + 15) / 16;
   const __mmask16 tail = (Kd % 16) ? (__mmask16)((1u << (Kd % 16)) - 1u) : (__mmask16)0xffff;
@@ -362,10 +371,10 @@ void AttendOne(const float* q, const float* k, const float* v, const bool* m, fl
     for (int j = 0; j < 16; ++j) {
       acc[j] = _mm512_setzero_ps();
       if (s0 + j < lo || s0 + j >= hi) continue;
-      const float* key = k + (s0 + j) * Kd;
+      const T* key = k + (s0 + j) * Kd;
       for (int64_t c = 0; c < vecs; ++c)
-        acc[j] = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(c == vecs - 1 ? tail : (__mmask16)0xffff,
-                                                               key + c * 16), acc[j]);
+        acc[j] = _mm512_fmadd_ps(qv[c], LoadCache(key + c * 16, c == vecs - 1 ? tail : (__mmask16)0xffff),
+                                 acc[j]);
     }
     _mm512_storeu_ps(logits + s0, Transpose16Sum(acc));
     for (int j = 0; j < 16 && s0 + j < hi; ++j) {
@@ -387,33 +396,22 @@ void AttendOne(const float* q, const float* k, const float* v, const bool* m, fl
   for (int64_t s = lo; s < hi; ++s) {
     if (!m[s]) continue;
     const __m512 p = _mm512_set1_ps(logits[s]);
-    const float* val = v + s * Kd;
+    const T* val = v + s * Kd;
     for (int64_t c = 0; c < vecs; ++c)
-      qv[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(c == vecs - 1 ? tail : (__mmask16)0xffff, val + c * 16),
-                              qv[c]);
+      qv[c] = _mm512_fmadd_ps(p, LoadCache(val + c * 16, c == vecs - 1 ? tail : (__mmask16)0xffff), qv[c]);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
   for (int64_t c = 0; c < vecs; ++c)
     _mm512_mask_storeu_ps(out + c * 16, c == vecs - 1 ? tail : (__mmask16)0xffff, _mm512_mul_ps(qv[c], inv));
 }
 
-ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
-                              ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || md.size() != 4 || v.dimensions().size() != 4)
-    return ffi::Error::InvalidArgument("tj_cache_attention: expected 4-axis q, k, v and mask");
-  AttentionShape a{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], md[1], md[2]};
-  if (kd[0] != a.B || kd[3] != a.Kd || a.N == 0 || a.H % a.N != 0 || md[0] != a.B || md[3] != a.S ||
-      (a.Hm != 1 && a.Hm != a.H) || (a.Lm != 1 && a.Lm != a.L) || a.Kd > kMaxHeadDim || a.Kd < 1)
-    return ffi::Error::InvalidArgument("tj_cache_attention: shapes do not fit");
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  const bool* mp = mask.typed_data();
-  float* op = out->typed_data();
+template <typename T>
+void CacheAttention(ffi::ThreadPool& pool, const AttentionShape& a, const float* qp, const T* kp,
+                    const T* vp, const bool* mp, float* op) {
   ParallelFor(pool, a.B * a.N, [a, qp, kp, vp, mp, op](int64_t t) {
     const int64_t b = t / a.N, n = t % a.N, G = a.H / a.N;
-    const float* key = kp + (b * a.N + n) * a.S * a.Kd;
-    const float* val = vp + (b * a.N + n) * a.S * a.Kd;
+    const T* key = kp + (b * a.N + n) * a.S * a.Kd;
+    const T* val = vp + (b * a.N + n) * a.S * a.Kd;
     std::unique_ptr<float[]> logits(new float[(a.S + 15) / 16 * 16]);
     for (int64_t l = 0; l < a.L; ++l) {
       for (int64_t g = 0; g < G; ++g) {
@@ -424,6 +422,69 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       }
     }
   });
+}
+
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                              ffi::AnyBuffer v, ffi::Buffer<ffi::PRED> mask,
+                              ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || md.size() != 4 || v.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("tj_cache_attention: expected 4-axis q, k, v and mask");
+  AttentionShape a{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], md[1], md[2]};
+  if (kd[0] != a.B || kd[3] != a.Kd || a.N == 0 || a.H % a.N != 0 || md[0] != a.B || md[3] != a.S ||
+      (a.Hm != 1 && a.Hm != a.H) || (a.Lm != 1 && a.Lm != a.L) || a.Kd > kMaxHeadDim || a.Kd < 1)
+    return ffi::Error::InvalidArgument("tj_cache_attention: shapes do not fit");
+  auto vd = v.dimensions();
+  if (k.element_type() != v.element_type() || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3])
+    return ffi::Error::InvalidArgument("tj_cache_attention: k and v differ in dtype or shape");
+  const float* qp = q.typed_data();
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      CacheAttention(pool, a, qp, static_cast<const float*>(k.untyped_data()),
+                     static_cast<const float*>(v.untyped_data()), mp, op);
+      break;
+    case ffi::DataType::BF16:
+      CacheAttention(pool, a, qp, static_cast<const uint16_t*>(k.untyped_data()),
+                     static_cast<const uint16_t*>(v.untyped_data()), mp, op);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("tj_cache_attention: a float32 or bfloat16 cache only");
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// tj_cache_write: a decoding step's new keys (or values) new [B, L, N, Kd] written into the cache
+// [B, N, S, Kd] at positions start[b] .. start[b] + L - 1 of each row b, where start[b] is index[b]
+// brought into [0, S - L] (as dynamic_update_slice does). The output is the cache's own buffer
+// (input_output_aliases in native.py): only B * N * L rows of Kd elements are written. XLA:CPU
+// writes a bfloat16 cache by converting all of it to float32 and back, every layer, every step.
+
+ffi::Error CacheWriteImpl(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buffer<ffi::S32> index,
+                          ffi::Result<ffi::AnyBuffer> out) {
+  auto cd = cache.dimensions(), ud = update.dimensions(), id = index.dimensions();
+  if (cd.size() != 4 || ud.size() != 4 || id.size() != 1 || ud[0] != cd[0] || ud[2] != cd[1] ||
+      ud[3] != cd[3] || id[0] != cd[0] || ud[1] > cd[2])
+    return ffi::Error::InvalidArgument("tj_cache_write: expected cache [B, N, S, K], new [B, L, N, K] "
+                                       "with L <= S, index [B]");
+  if (cache.element_type() != update.element_type() || out->element_type() != cache.element_type())
+    return ffi::Error::InvalidArgument("tj_cache_write: the cache and the new entries differ in dtype");
+  const int64_t B = cd[0], N = cd[1], S = cd[2], Kd = cd[3], L = ud[1];
+  const size_t bytes = ffi::ByteWidth(cache.element_type());
+  char* dst = static_cast<char*>(out->untyped_data());
+  const char* src = static_cast<const char*>(update.untyped_data());
+  // Aliased, the output is the cache; should XLA ever hand over two buffers, copy it first.
+  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), bytes * B * N * S * Kd);
+  const int32_t* idx = index.typed_data();
+  const size_t row = bytes * Kd;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = std::min<int64_t>(std::max<int64_t>(idx[b], 0), S - L);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < L; ++l)
+        std::memcpy(dst + (((b * N + n) * S) + start + l) * row, src + (((b * L + l) * N) + n) * row, row);
+  }
   return ffi::Error::Success();
 }
 
@@ -589,10 +650,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjCacheAttention, CacheAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjCacheWrite, CacheWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjRowsMatmul, RowsMatmulImpl,
                               ffi::Ffi::Bind()
