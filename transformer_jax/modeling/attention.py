@@ -482,9 +482,9 @@ class MultiHeadAttention(nn.Module):
             q = apply_rope(q, q_positions, self.rope_theta)
         kv_layout = "BSNK" if precomputed_kv is None else "BNSK"
         if cache is not None:
-            # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max: on
-            # the CPU kernels in place (a bf16 cache needs them), elsewhere by XLA.
-            if native.use_native(self.cpu_kernels) and cache["k"].dtype in native.CACHE_DTYPES:
+            # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max: a
+            # bf16 cache on the CPU kernels in place (XLA:CPU would convert all of it), else by XLA.
+            if native.use_native(self.cpu_kernels) and cache["k"].dtype == jnp.bfloat16:
                 write = lambda c, x, i: jax.lax.platform_dependent(
                     c, x, i, cpu=native.cache_write, default=native.cache_write_xla)
             else:
