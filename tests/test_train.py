@@ -748,12 +748,14 @@ def _free_port() -> int:
 GLOO_DEADLINE = "Gloo context initialization failed"
 
 
-def _run_two_processes(command, env, logs_dir, timeout=240, grace=20):
+def _run_two_processes(command, env, logs_dir, timeout=240, grace=20, attempts=3):
     """Runs `command(port) + ['--process_id=i']` for i in 0, 1 with their output in files (a full pipe
     would block a process while the other waits for it in a collective). Once one fails, the other
-    gets `grace` seconds; at `timeout` both are killed. A start that missed gloo's deadline is tried
-    once more on a fresh port. Returns (the attempt that counted, return codes, outputs)."""
-    for attempt in range(2):
+    gets `grace` seconds; at `timeout` both are killed. A start that missed gloo's deadline is stopped
+    as soon as a log shows it (the failed process may hang on its way out, its peer waits for ever)
+    and tried again on a fresh port, up to `attempts` starts in all. Returns (the attempt that
+    counted, return codes, outputs)."""
+    for attempt in range(attempts):
         port = _free_port()
         logs = [logs_dir / f"attempt{attempt}_process{i}.log" for i in range(2)]
         procs = []
@@ -762,16 +764,21 @@ def _run_two_processes(command, env, logs_dir, timeout=240, grace=20):
                 procs.append(subprocess.Popen(command(port, attempt) + [f"--process_id={i}"], env=env,
                                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
+        missed = False
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
                 deadline = min(deadline, time.monotonic() + grace)
+            texts = [log.read_text(errors="replace") for log in logs]
+            if attempt < attempts - 1 and any(GLOO_DEADLINE in text for text in texts):
+                missed = True
+                break
             time.sleep(0.5)
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
         outputs = [log.read_text() for log in logs]
-        if attempt == 0 and any(GLOO_DEADLINE in out for out in outputs):
+        if missed or (attempt < attempts - 1 and any(GLOO_DEADLINE in out for out in outputs)):
             continue
         return attempt, [p.returncode for p in procs], outputs
     raise AssertionError("unreachable")

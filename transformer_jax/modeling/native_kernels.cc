@@ -310,9 +310,8 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // q [B, L, H, Kd] (already divided by sqrt(Kd)), k and v [B, N, S, Kd] (float32, or bfloat16,
 // widened exactly) with H = N * G (query head h reads cache head h / G), mask bool [B, Hm, Lm, S]
 // with Hm in {1, H} and Lm in {1, L} (True = attend) -> out [B, L, H, Kd] float32. As the
-// reference path: logits and softmax in float32,
-// a query that sees no key gets zeros. One task per (b, n): its keys and values are read once
-// from memory for all G * L queries that use them.
+// reference path: logits and softmax in float32, a query that sees no key gets zeros. One task per
+// (b, n): its keys and values are read once from memory for all G * L queries that use them.
 
 // exp(x) for x <= 0 (logits minus their maximum), float32 accuracy: 2^(x log2 e) split into an
 // integer power of two and a degree-6 polynomial on [-0.5, 0.5].
@@ -337,17 +336,17 @@ struct AttentionShape {
 
 constexpr int kMaxHeadDim = 256;
 
-// One query q[Kd] over keys/values [S, Kd] with mask m[S] -> out[Kd]. `logits` has room for S
-// rounded up to 16. Only the keys and values from the first visible position to the last are
-// read: a decoding step's cache is allocated for the whole generation, and the positions not yet
-// written (and a left-padded prompt's padding) are masked. What lies outside is never loaded, so
-// it cannot change the result, whatever it holds.
 // 16 cache elements from p (float32, or bf16 widened exactly to float32), lanes outside `lanes` 0.
 inline __m512 LoadCache(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 inline __m512 LoadCache(const uint16_t* p, __mmask16 lanes) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
 }
 
+// One query q[Kd] over keys/values [S, Kd] (T: float, or uint16_t for bf16) with mask m[S] ->
+// out[Kd]. `logits` has room for S rounded up to 16. Only the keys and values from the first
+// visible position to the last are read: a decoding step's cache is allocated for the whole
+// generation, and the positions not yet written (and a left-padded prompt's padding) are masked.
+// What lies outside is never loaded, so it cannot change the result, whatever it holds.
 template <typename T>
 void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out,
                int64_t S, int64_t Kd, float* logits) {
