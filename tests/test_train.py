@@ -802,6 +802,10 @@ def test_two_processes_train_and_one_restores(data_dir, tmp_path):
             "--config.num_train_steps=4",
             "--config.checkpoint_every_steps=4",
             "--config.mesh.fsdp=2",
+            # Both processes compile: with the persistent cache only process 0 finds its programs
+            # there (entries are per device assignment and only process 0 writes them), and
+            # process 1 then reaches the first collective the whole compile time later.
+            "--config.compilation_cache=False",
             f"--coordinator_address=127.0.0.1:{port}",
             "--num_processes=2",
         ]
