@@ -407,6 +407,22 @@ def test_user_files_in_utf16_are_an_error_and_bad_lines_are_located(data_dir, tm
     assert f"invalid UTF-8: 1 (first at {bom}:5)" in caplog.text
 
 
+def test_user_files_end_lines_at_lf_crlf_and_a_lone_cr(tmp_path, caplog):
+    # Old Mac OS files end lines with CR alone: such a file was read as one line (one example).
+    mac = tmp_path / "mac.tsv"
+    mac.write_bytes(b"cat\tchat\rno tab\rdog\tchien\r\rbird\toiseau\r")
+    with caplog.at_level("WARNING"):
+        assert list(builders.read_lines([str(mac)], tsv=True)) == [
+            ("cat", "chat"), ("dog", "chien"), ("bird", "oiseau")]
+    assert f"no tab: 1 (first at {mac}:2)" in caplog.text
+    assert f"empty or whitespace-only: 1 (first at {mac}:4)" in caplog.text
+    # All three line ends in one file, a CR before CRLF, and a last line without an end.
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_bytes("un\ndeux\r\ntrois\rquatre\r\r\ncinq é\rsix".encode())
+    assert [line for (line,) in builders.read_lines([str(mixed)], tsv=False)] == [
+        "un", "deux", "trois", "quatre", "cinq é", "six"]
+
+
 def test_config_errors(data_dir, tmp_path):
     with pytest.raises(ValueError, match="Unknown dataset 'nope'"):
         inputs.default_dataset_config("nope")

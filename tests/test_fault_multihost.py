@@ -60,10 +60,6 @@ def _start_pair(workdir, data_dir, steps):
         "--config=" + os.path.join(REPO, "configs/tiny.py"),
         f"--workdir={workdir}",
         f"--config.dataset.data_dir={data_dir}",
-        # Both processes compile: with the persistent cache only process 0 finds its programs there
-        # (entries are per device assignment and only process 0 writes them), and process 1 reaches
-        # the first collective the whole compile time later, past gloo's 30 s deadline under load.
-        "--config.compilation_cache=False",
         f"--config.num_train_steps={steps}",
         "--config.log_every_steps=1",
         "--config.checkpoint_every_steps=2",

@@ -155,10 +155,9 @@ def test_user_files_with_garbage_lines(tok, tmp_path_factory, lines, tsv):
 
 
 def _split_like_a_file(part: bytes) -> list[bytes]:
-    """Binary files iterate on b'\\n' only (bytes.splitlines also splits on \\r, \\x0b, ...)."""
-    pieces = part.split(b"\n")
-    out = [p + b"\n" for p in pieces[:-1]]
-    return out + ([pieces[-1]] if pieces[-1] else [])
+    """Lines end at \\n, \\r\\n or a lone \\r: universal newlines, which bytes.splitlines
+    applies (unlike str.splitlines, it leaves \\x0b, \\x0c, \\x85, \\u2028 ... inside lines)."""
+    return part.splitlines(keepends=True)
 
 
 def test_garbage_tsv_trains_a_tokenizer_and_builds_batches(tmp_path, caplog):

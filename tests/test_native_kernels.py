@@ -142,16 +142,20 @@ def test_cache_write_equals_the_xla_update(dtype, L):
     rng = np.random.default_rng(L)
     B, N, S, K = 4, 3, 10, 20
     cache = _rand(rng, (B, N, S, K), dtype)
+    before = np.asarray(cache, np.float32).copy()
     new = _rand(rng, (B, L, N, K), dtype)
     index = jnp.array([0, 4, S - L, S + 5], jnp.int32)  # the last past the end: moved back, as XLA does
     want = native.cache_write_xla(cache, new, index)
     got = jax.jit(native.cache_write)(cache, new, index)
     assert got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(got, np.float32), before)  # the write did something
+    # The caller's cache, not donated, is left as it was (the in-place kernel wrote to a copy).
+    np.testing.assert_array_equal(np.asarray(cache, np.float32), before)
     # In a donated buffer, as a decoding loop carries the cache: the same result.
     donated = jax.jit(native.cache_write, donate_argnums=0)(jnp.array(cache), new, index)
     np.testing.assert_array_equal(np.asarray(donated, np.float32), np.asarray(want, np.float32))
-    assert np.asarray(cache, np.float32).sum() != np.asarray(want, np.float32).sum()  # cache unchanged
+    np.testing.assert_array_equal(np.asarray(cache, np.float32), before)
     with pytest.raises(ValueError, match="new \\[B, L, N, K\\]"):
         native.cache_write(cache, jnp.ones((B, L, N + 1, K), dtype), index)
 

@@ -784,6 +784,28 @@ def _run_two_processes(command, env, logs_dir, timeout=240, grace=20, attempts=3
     raise AssertionError("unreachable")
 
 
+def test_the_compilation_cache_is_refused_only_to_several_cpu_processes(tmp_path, monkeypatch, capsys):
+    assert loop.compilation_cache_conflict("cpu", 1) is None
+    assert loop.compilation_cache_conflict("gpu", 4) is None
+    assert loop.compilation_cache_conflict("tpu", 2) is None
+    assert "2 CPU processes" in loop.compilation_cache_conflict("cpu", 2)
+    # train_and_evaluate asks with this run's backend and process count, and then leaves JAX's
+    # cache directory as it was.
+    def stop(*args):  # the next setup step: the run ends here, after the cache decision
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(loop, "enable_compilation_cache", lambda *a: pytest.fail("cache enabled"))
+    monkeypatch.setattr(parallel, "mesh_from_config", stop)
+    with pytest.raises(KeyboardInterrupt):
+        train_and_evaluate(tiny.get_config(), str(tmp_path))
+    assert "NOTE: config.compilation_cache is off for this run: 2 CPU processes" in capsys.readouterr().out
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    monkeypatch.setattr(loop, "enable_compilation_cache", stop)
+    with pytest.raises(KeyboardInterrupt):  # one process: the cache is enabled
+        train_and_evaluate(tiny.get_config(), str(tmp_path))
+
+
 def test_two_processes_train_and_one_restores(data_dir, tmp_path):
     env = {
         **os.environ,
@@ -802,10 +824,6 @@ def test_two_processes_train_and_one_restores(data_dir, tmp_path):
             "--config.num_train_steps=4",
             "--config.checkpoint_every_steps=4",
             "--config.mesh.fsdp=2",
-            # Both processes compile: with the persistent cache only process 0 finds its programs
-            # there (entries are per device assignment and only process 0 writes them), and
-            # process 1 then reaches the first collective the whole compile time later.
-            "--config.compilation_cache=False",
             f"--coordinator_address=127.0.0.1:{port}",
             "--num_processes=2",
         ]
@@ -815,6 +833,9 @@ def test_two_processes_train_and_one_restores(data_dir, tmp_path):
         assert code == 0, out[-3000:]
     workdir = str(tmp_path / f"multi{attempt}")
     assert "2 processes" in outputs[0] and "parameters:" in outputs[0]
+    # compilation_cache is on by default: train.py turns it off for several CPU processes, which
+    # would otherwise compile unevenly (see compilation_cache_conflict) and miss gloo's deadline.
+    assert "NOTE: config.compilation_cache is off for this run: 2 CPU processes" in outputs[0]
     assert "parameters:" not in outputs[1]  # only process 0 prints and writes logs
     from transformer_jax.training import restore_for_inference
 

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import hashlib
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -249,11 +250,28 @@ def _check_encoding(path: str, head: bytes) -> None:
                             f"{encoding} byte-order mark); save it as UTF-8")
 
 
+_LONE_CR = re.compile(rb"\r(?!\n)")
+
+
+def _physical_lines(f) -> Iterator[bytes]:
+    """The lines of binary file ``f``, each ended by \\n, \\r\\n or a lone \\r (old Mac OS
+    files), as Python's universal newlines end them. A CR byte is never part of a UTF-8
+    multi-byte sequence, so splitting the bytes is safe."""
+    for chunk in f:  # ends at each b"\n"
+        if b"\r" not in chunk:
+            yield chunk
+            continue
+        pieces = _LONE_CR.split(chunk)
+        if not pieces[-1]:  # the chunk ended with its lone CR
+            pieces.pop()
+        yield from pieces
+
+
 def read_lines(paths: Sequence[str], *, tsv: bool) -> Iterator[tuple[str, ...]]:
     """Yields clean lines (or (source, target) pairs) from files; bad lines are skipped, counted
     and reported once at the end with absl logging, each kind with the file and line number of
-    its first case. A file in UTF-16 or UTF-32 (by its byte-order mark) is a :class:`DataError`;
-    a UTF-8 byte-order mark is dropped."""
+    its first case. Lines end at \\n, \\r\\n or a lone \\r. A file in UTF-16 or UTF-32 (by
+    its byte-order mark) is a :class:`DataError`; a UTF-8 byte-order mark is dropped."""
     skipped: collections.Counter = collections.Counter()
     first: dict[str, str] = {}  # kind -> 'path:line' of its first case
 
@@ -263,7 +281,7 @@ def read_lines(paths: Sequence[str], *, tsv: bool) -> Iterator[tuple[str, ...]]:
 
     for path in paths:
         with open(path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
+            for number, raw in enumerate(_physical_lines(f), start=1):
                 if number == 1:
                     _check_encoding(path, raw)
                     raw = raw.removeprefix(_UTF8_BOM)
@@ -297,8 +315,9 @@ def read_lines(paths: Sequence[str], *, tsv: bool) -> Iterator[tuple[str, ...]]:
 
 
 class _FilesBuilder(_Builder, skip_registration=True):
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "First release."}
+    VERSION = tfds.core.Version("1.1.0")  # a new version: files prepared before are read again
+    RELEASE_NOTES = {"1.0.0": "First release.",
+                     "1.1.0": "A lone CR (old Mac OS line end) ends a line; it was part of one."}
     _TSV = False
 
     def _split_generators(self, dl_manager):

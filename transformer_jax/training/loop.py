@@ -34,6 +34,21 @@ def enable_compilation_cache(path: str = "") -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def compilation_cache_conflict(platform: str, process_count: int) -> str | None:
+    """Why the persistent compilation cache must stay off for this run, or None when it may be on.
+
+    Several processes on CPU: JAX writes cache entries from process 0 only, and an entry is kept per
+    device assignment, so each later run finds process 0's programs in the cache and compiles all of
+    process 1's. Process 1 then reaches the first cross-process collective the whole compile time
+    after process 0, and the CPU collectives (gloo) give that rendezvous 30 s: past it the run fails.
+    GPU and TPU collectives wait, so the cache stays on there."""
+    if platform == "cpu" and process_count > 1:
+        return (f"config.compilation_cache is off for this run: {process_count} CPU processes would "
+                "compile unevenly (only process 0 reads its programs from the cache) and could miss "
+                "the collectives' 30 s start-up deadline")
+    return None
+
+
 def _say(text: str) -> None:
     if parallel.is_primary():
         print(text, flush=True)
@@ -164,7 +179,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
             "manifests are written with local file calls); use a local path, or mount the bucket "
             "(e.g. Cloud Storage FUSE) and give its mount point")
     if config.compilation_cache:
-        enable_compilation_cache(config.get("compilation_cache_dir", ""))
+        conflict = compilation_cache_conflict(jax.default_backend(), jax.process_count())
+        if conflict:
+            _say(f"NOTE: {conflict}")
+        else:
+            enable_compilation_cache(config.get("compilation_cache_dir", ""))
     mesh = parallel.mesh_from_config(config.mesh) if mesh is None else mesh
     parallel.check_batch_divisible(config.dataset.batch_size, mesh,
                                    grad_accum_steps=config.optimizer.grad_accum_steps)
