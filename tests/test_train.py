@@ -537,6 +537,8 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("optimizer.learning_rate", float("nan"), r"config.optimizer.learning_rate=nan must be a number"),
         ("optimizer.b2", 2.0, r"config.optimizer.b2=2.0 must be a number in \[0, 1\)"),
         ("optimizer.eps", -1e-8, r"config.optimizer.eps=-1e-08 must be a number in \[0, inf\)"),
+        ("optimizer.eps", 0.0, r"config.optimizer.eps=0.0 is 0 in float32: Adam's update .* 0/0 = NaN"),
+        ("optimizer.eps", 1e-50, r"config.optimizer.eps=1e-50 is 0 in float32"),
         ("optimizer.weight_decay", -1.0, r"optimizer.weight_decay=-1.0 must be a number in \[0, inf\)"),
         ("optimizer.grad_clip_norm", -1.0, r"config.optimizer.grad_clip_norm=-1.0"),
         ("optimizer.warmup_steps", -5, r"config.optimizer.warmup_steps=-5 must be an integer >= 0"),
@@ -592,7 +594,7 @@ def test_numeric_settings_keep_their_none_and_zero_meanings():
     config = tiny.get_config()
     config.max_checkpoints_to_keep = None  # keep every checkpoint
     config.optimizer.decay_steps = None  # num_train_steps
-    config.optimizer.eps = 0.0
+    config.optimizer.eps = 1e-30  # tiny, but not 0 in float32
     check_config(config)
 
 

@@ -10,6 +10,7 @@ import types
 import typing
 
 import ml_collections
+import numpy as np
 from ml_collections import config_dict
 
 from transformer_jax.config import ConfigError, ModelConfig
@@ -124,6 +125,11 @@ def _check_numbers(config) -> None:
     for key in ("b1", "b2"):
         _number_in(opt, key, "config.optimizer", 0.0, 1.0)
     _number_in(opt, "eps", "config.optimizer", 0.0)
+    if float(np.float32(opt.eps)) == 0.0:  # 0, or so small that it is 0 in float32
+        raise ConfigError(
+            f"config.optimizer.eps={opt.eps!r} is 0 in float32: Adam's update m / (sqrt(v) + eps) is "
+            f"then 0/0 = NaN for every parameter whose gradient is still zero (the embedding rows of "
+            f"tokens not yet seen, for one); use a positive eps, e.g. the paper's 1e-9")
     for key in ("weight_decay", "grad_clip_norm", "z_loss", "end_learning_rate_ratio"):
         if key in opt:
             _number_in(opt, key, "config.optimizer", 0.0)
