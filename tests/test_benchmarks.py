@@ -430,6 +430,28 @@ def test_summary_table_of_training_attention_and_compile_rows():
     assert "| 0.1 | ≤ 0.125 (memory / reference) | yes |" in text
 
 
+def test_compile_rows_time_the_training_loop_s_own_step(monkeypatch):
+    """The compile benchmark lowers `steps.train_step` (its guard and metrics included), not a
+    benchmark-only step, from abstract packed batches."""
+    from benchmarks import bench_compile
+    from transformer_jax.training import steps
+
+    seen = []
+    real = steps.train_step
+
+    def spy(state, batch, **kwargs):
+        seen.append(sorted(batch))
+        return real(state, batch, **kwargs)
+
+    monkeypatch.setattr(steps, "train_step", spy)
+    cached = jax.config.jax_enable_compilation_cache
+    row = bench_compile.compile_time(1, scan=False, batch=2, length=16)
+    assert jax.config.jax_enable_compilation_cache == cached  # off for the timing only
+    assert seen == [["targets", "targets_positions", "targets_segment_ids"]]
+    assert row["layers"] == 1 and row["scan"] is False
+    assert row["compile_s"] > 0 and row["total_s"] >= row["lower_s"] + row["compile_s"] - 0.02
+
+
 def test_accelerator_ratios_are_against_the_higher_reading_of_each_limit(monkeypatch):
     """accelerator.run with its sections replaced: the MFU and roofline are set against the higher
     of the start and end readings, each limit on its own (the peak read higher at the start, the

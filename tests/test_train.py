@@ -13,6 +13,7 @@ import time
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -446,6 +447,35 @@ def test_mfu_peak_is_a_16_bit_figure_except_on_tpu(monkeypatch):
     for kind, peak in expected.items():
         monkeypatch.setattr(metrics.jax, "devices", lambda kind=kind: device(kind))
         assert metrics.peak_tflops_per_device(0.0, "bfloat16") == peak, kind
+
+
+def _old_all_finite(tree):  # the guard's former form: an `all` over per-leaf boolean flags
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+@pytest.mark.parametrize("form", ["current", "former"])
+def test_the_finite_guard_compiles_in_size_linear_in_the_leaves(form, monkeypatch):
+    """The step's guard (is every gradient and update finite?) is read by the select of every
+    parameter and optimizer leaf. In the former form XLA copied the whole per-leaf test into each of
+    those fusions: a compiled step quadratic in the number of leaves (the 2+2-layer tiny model took
+    25 s to compile on XLA:CPU, 3+3 layers 55 s; now 4.4 s and 5.9 s)."""
+    if form == "former":
+        monkeypatch.setattr(steps, "_all_finite", _old_all_finite)
+    config = tiny.get_config()
+    config.model.num_encoder_layers = config.model.num_decoder_layers = 1  # the former form: 8 s
+    mesh = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
+    _, state, step, _ = _pieces(config, mesh)
+    B, L = config.dataset.batch_size, config.dataset.max_target_len
+    batch = {k: np.ones((B, L), np.int32) for k in (
+        "inputs", "targets", "inputs_segment_ids", "targets_segment_ids", "inputs_positions",
+        "targets_positions")}
+    hlo = step.lower(state, batch).compile().as_text()
+    leaves = len(jax.tree.leaves(state.params))
+    ands = hlo.count(" and(")  # the former form: the chain of ands, once per select fusion
+    if form == "current":
+        assert ands <= 5 * leaves, (ands, leaves)
+    else:  # the check can fail
+        assert ands > 50 * leaves, (ands, leaves)
 
 
 def test_non_finite_stops_or_skips(data_dir, tmp_path, monkeypatch):

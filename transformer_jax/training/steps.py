@@ -69,7 +69,15 @@ def _loss_sums(model, settings: StepSettings, params, batch, rng=None, train=Tru
 
 
 def _all_finite(tree) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    """Whether every element of every leaf is finite: x * 0 sums to 0, or to NaN where x holds an inf
+    or a NaN; the per-leaf sums are stacked and tested once.
+
+    The form decides the compile time. An `all` over per-leaf boolean flags became, in XLA's
+    simplifier, a chain of scalar ands, which fusion copied into every consumer of the result (the
+    select that keeps or updates each parameter and optimizer leaf): the compiled step grew with the
+    square of the number of leaves (XLA:CPU, the 2+2-layer tiny model: 25 s, 3+3 layers: 55 s)."""
+    sums = jnp.stack([jnp.sum(x * 0, dtype=jnp.float32) for x in jax.tree.leaves(tree)])
+    return jnp.all(jnp.isfinite(sums))
 
 
 def train_step(
@@ -103,7 +111,7 @@ def train_step(
     # The update too, not only its inputs: finite gradients can still give a non-finite update
     # (Adam's 0 / (0 + eps) with eps = 0 where a gradient is exactly 0 -- a dead ReLU unit, an unused
     # embedding row), which the guard let into the parameters and a checkpoint as a good step.
-    finite = jnp.isfinite(loss_sum) & _all_finite(grads) & _all_finite(updates)
+    finite = jnp.isfinite(loss_sum) & _all_finite((grads, updates))
     # A non-finite step changes nothing but the step counter (the loop stops or carries on).
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_state = state.replace(
