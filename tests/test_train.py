@@ -453,6 +453,17 @@ def _old_all_finite(tree):  # the guard's former form: an `all` over per-leaf bo
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def test_the_finite_guard_finds_any_inf_or_nan_and_passes_large_finite_values():
+    check = jax.jit(steps._all_finite)
+    tree = {"w": jnp.ones((5, 7)), "b": jnp.ones(3, jnp.bfloat16), "h": jnp.ones((2, 2), jnp.float16)}
+    assert bool(check(tree))
+    for leaf, value, finite in [("w", 3.4e38, True), ("w", -1e-45, True), ("b", 3.3e38, True),
+                                ("h", 65504.0, True), ("w", np.inf, False), ("w", -np.inf, False),
+                                ("w", np.nan, False), ("b", np.nan, False), ("h", -np.inf, False)]:
+        bad = dict(tree, **{leaf: tree[leaf].ravel().at[-1].set(value).reshape(tree[leaf].shape)})
+        assert bool(check(bad)) is finite, (leaf, value)
+
+
 @pytest.mark.parametrize("form", ["current", "former"])
 def test_the_finite_guard_compiles_in_size_linear_in_the_leaves(form, monkeypatch):
     """The step's guard (is every gradient and update finite?) is read by the select of every
