@@ -25,19 +25,24 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # training) for the end, where one worker runs them while the other idles. The longest files go
 # first instead (seconds of test time on the 2-core CI machine in parentheses); the rest follow in
 # collection order. Each file's own test order is kept.
-LONGEST_FILES_FIRST = (
-    "test_transformer.py",  # 245
-    "test_train.py",  # 138
-    "test_notebooks.py",  # 121
-    "test_kernel_layout.py",  # 115
-    "test_fault_chaos.py",  # 70 (3 kills)
-    "test_checkpoint.py",  # 97
-    "test_generate_cli.py",  # 54
-    "test_chunked_attention.py",  # 52
-    "test_fault_multihost.py",  # 45
-    "test_fault_checkpoint.py",  # 43
-    "test_convert.py",  # 32
-    "test_decoding.py",  # 31
+LONGEST_FILES_FIRST = (  # measured 2026-12-02
+    "test_train.py",  # 229
+    "test_checkpoint.py",  # 190
+    "test_notebooks.py",  # 165
+    "test_transformer.py",  # 159
+    "test_fault_chaos.py",  # 83 (3 kills)
+    "test_fault_multihost.py",  # 79
+    "test_fault_checkpoint.py",  # 66
+    "test_chunked_attention.py",  # 56
+    "test_native_kernels.py",  # 55
+    "test_kernel_layout.py",  # 40
+    "test_convert.py",  # 39
+    "test_generate_cli.py",  # 39
+    "test_losses.py",  # 32
+    "test_vocab_padding.py",  # 30
+    "test_decoding_model.py",  # 27
+    "test_benchmarks.py",  # 25
+    "test_decoding.py",  # 22
 )
 
 

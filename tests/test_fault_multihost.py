@@ -3,7 +3,7 @@ mid-training and the other must exit with an error within a bounded time (the he
 ``TJ_HEARTBEAT_TIMEOUT_S``) instead of hanging; restarting both resumes from the last checkpoint,
 and a SIGTERM to one of them then stops both at the same step with a checkpoint of it.
 
-About 40 s on a 2-core machine (two processes started twice); part of the default run.
+About 80 s on a 2-core machine (two processes started twice); part of the default run.
 ``TJ_FAULT_MULTIHOST=0`` skips it.
 """
 
