@@ -832,11 +832,12 @@ def test_the_compilation_cache_is_refused_only_to_several_cpu_processes(tmp_path
     assert loop.compilation_cache_conflict("gpu", 4) is None
     assert loop.compilation_cache_conflict("tpu", 2) is None
     assert "2 CPU processes" in loop.compilation_cache_conflict("cpu", 2)
-    # train_and_evaluate asks with this run's backend and process count, and then leaves JAX's
-    # cache directory as it was.
+
     def stop(*args):  # the next setup step: the run ends here, after the cache decision
         raise KeyboardInterrupt
 
+    # train_and_evaluate asks with this run's process count: two CPU processes print the NOTE and
+    # leave the cache off; one process turns it on.
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(loop, "enable_compilation_cache", lambda *a: pytest.fail("cache enabled"))
     monkeypatch.setattr(parallel, "mesh_from_config", stop)
