@@ -34,7 +34,8 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
 
 import jax  # noqa: E402
 
@@ -143,8 +144,11 @@ def tensor_parallel_decode_row(quick):
                "--tensor-parallel", str(v["tensor"]), "--batch", str(v["batch"]),
                "--steps", str(64 if quick else 128), "--dtype", v["dtype"], "--kernel-layout", v["layout"]]
     before = hardware.memory_bandwidth(repeats=3)
-    done = subprocess.run(command, env=dict(os.environ, XLA_FLAGS=flags.strip()), capture_output=True,
-                          text=True, timeout=900)
+    # The child runs a script from benchmarks/, so the package must be importable from the checkout
+    # too, as it is here, where it may not be installed.
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(command, env=dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=path),
+                          capture_output=True, text=True, timeout=900)
     after = hardware.memory_bandwidth(repeats=3)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")

@@ -3,6 +3,7 @@ the CPU suite's rows are set against the run's limits."""
 
 import json
 import math
+import os
 
 import jax
 import pytest
@@ -175,6 +176,8 @@ def test_tensor_parallel_row_runs_in_a_child_process_and_a_failure_is_reported(m
     row = run.tensor_parallel_decode_row(quick=True)
     command, env = calls[0]
     assert env["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
+    # the child imports the package from this checkout even where it is not installed
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == os.path.dirname(os.path.dirname(run.__file__))
     assert command[command.index("--tensor-parallel") + 1] == "2"
     assert command[command.index("--steps") + 1] == "64"
     assert row["roofline_frac"] == 0.61  # 305 MB per 20 ms step against 25 GB/s, set in this process
