@@ -182,13 +182,17 @@ def test_cache_attention_without_mask_attends_everywhere():
 
 
 @needs_kernels
-@pytest.mark.parametrize("V,B", [(50257, 8), (7, 1), (1000, 17), (33, 3)])
+@pytest.mark.parametrize("V,B", [(50257, 8), (7, 1), (1000, 17), (33, 3), (8195, 4), (50257, 1), (9000, 16)])
 def test_greedy_choice_equals_the_xla_path(V, B):
     from transformer_jax.decoding.sampling import _greedy_xla
 
     rng = np.random.default_rng(V)
     logits = rng.standard_normal((V, B)).astype(np.float32) * 5
-    logits[[3, 10 % V], 0] = logits[:, 0].max() + 1  # a tie: the first index wins
+    # A tie: the first index wins, also over a later task's rows (4100: the kernel's second task
+    # of 4096 rows) and over rows that share a vector with it.
+    logits[[3, 10 % V, 4100 % V], 0] = logits[:, 0].max() + 1
+    if B > 1:
+        logits[: V // 2, 1] = -np.inf  # a task or lane that sees only -inf adds nothing to the sum
     if B > 2:
         logits[:, 2] = -np.inf
         logits[V // 2, 2] = np.inf  # the maximum is +inf: its index, a NaN sum
