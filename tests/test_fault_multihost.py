@@ -9,12 +9,12 @@ About 80 s on a 2-core machine (two processes started twice); part of the defaul
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from processes import GLOO_DEADLINE, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 10
@@ -39,14 +39,8 @@ def data_dir(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_pair(workdir, data_dir, steps):
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
@@ -92,12 +86,6 @@ def _wait_for_checkpoint(workdir, procs, timeout=240, after=0):
             return
         time.sleep(0.05)
     raise AssertionError("no checkpoint in time")
-
-
-# Gloo's rendezvous at the first collective has a fixed 30 s deadline. On an overloaded 2-core machine
-# (the other test worker busy beside two training processes) one process can get there over 30 s after
-# the other: it fails with this message before any checkpoint, and its peer waits.
-GLOO_DEADLINE = "Gloo context initialization failed"
 
 
 def _start_until_checkpoint(workdir, data_dir, after=0, starts=3):

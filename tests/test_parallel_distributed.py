@@ -1,12 +1,12 @@
 """Multi-process start-up: argument resolution, cluster detection, and two real CPU processes."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from processes import free_port
 
 from transformer_jax import parallel
 from transformer_jax.parallel import distributed
@@ -131,19 +131,13 @@ def test_stop_child_processes_ends_worker_processes():
             worker.kill()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_cpu_processes_form_one_mesh(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SLURM_"))}
     base["PYTHONPATH"] = repo
-    base["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{_free_port()}"
+    base["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{free_port()}"
     base["JAX_NUM_PROCESSES"] = "2"
     procs = [
         subprocess.Popen(

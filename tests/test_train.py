@@ -4,7 +4,6 @@ the non-finite guard, config errors, TensorBoard files, and two processes runnin
 import copy
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from processes import GLOO_DEADLINE, free_port
 
 from configs import tiny
 from transformer_jax import parallel
@@ -779,18 +779,6 @@ def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_a
     assert "Unexpected arguments: ['stray']" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Gloo's rendezvous at the first collective has a fixed 30 s deadline. On an overloaded 2-core machine
-# (the other test worker compiling beside two training processes) one process can get there over 30 s
-# after the other: it fails with this message and its peer waits for ever.
-GLOO_DEADLINE = "Gloo context initialization failed"
-
-
 def _run_two_processes(command, env, logs_dir, timeout=240, grace=20, attempts=3):
     """Runs `command(port) + ['--process_id=i']` for i in 0, 1 with their output in files (a full pipe
     would block a process while the other waits for it in a collective). Once one fails, the other
@@ -799,7 +787,7 @@ def _run_two_processes(command, env, logs_dir, timeout=240, grace=20, attempts=3
     and tried again on a fresh port, up to `attempts` starts in all. Returns (the attempt that
     counted, return codes, outputs)."""
     for attempt in range(attempts):
-        port = _free_port()
+        port = free_port()
         logs = [logs_dir / f"attempt{attempt}_process{i}.log" for i in range(2)]
         procs = []
         for i, log in enumerate(logs):
