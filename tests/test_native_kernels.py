@@ -1,5 +1,6 @@
 """The native CPU decoding kernels (modeling/native.py) against NumPy and the XLA paths."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -28,8 +29,20 @@ def _rand(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
+@contextlib.contextmanager
+def bf16_products(path):
+    """Multiplies bf16 the given way (native.set_bf16_products) inside, then lets the process
+    measure again."""
+    assert native.set_bf16_products(path) == path or path == "auto"
+    try:
+        yield
+    finally:
+        native.set_bf16_products("auto")
+
+
 @needs_kernels
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype,path", [(jnp.bfloat16, "dot"), (jnp.bfloat16, "widen"),
+                                        (jnp.float32, "auto")])
 @pytest.mark.parametrize("rows,out,inp", [
     (1, 5, 7),          # one row, an input axis shorter than one vector
     (2, 33, 40),        # odd output count (the last row alone), a vector and a tail
@@ -41,14 +54,48 @@ def _rand(rng, shape, dtype):
     (13, 64, 96),       # bf16 two output rows at a time, float32 one
     (16, 300, 5000),    # the most rows, many blocks, a tail
 ])
-def test_rows_matmul_equals_float64_product(dtype, rows, out, inp):
+def test_rows_matmul_equals_float64_product(dtype, path, rows, out, inp):
     rng = np.random.default_rng(rows * 1000 + out)
     x, w = _rand(rng, (rows, inp), dtype), _rand(rng, (out, inp), dtype)
-    got = jax.jit(native.rows_matmul)(x, w)
+    with bf16_products(path):
+        got = jax.jit(native.rows_matmul)(x, w)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     assert got.dtype == jnp.float32 and got.shape == (rows, out)
     # float32 accumulation of `inp` products of unit-variance numbers, in another order.
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * inp)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 12, 13, 16])
+def test_bf16_products_agree_between_dot_and_widened(rows):
+    # Both accumulate exact bf16 products in float32, in other orders: their sums may differ by
+    # float32 rounding only. Odd widths (a tail of 1-31 inputs; several blocks of the input axis) and
+    # a last column of 64s (a dropped or doubled tail element shows).
+    rng = np.random.default_rng(rows)
+    inp = {1: 7, 4: 2049, 5: 33, 8: 3072, 12: 1000, 13: 96, 16: 5000}[rows]
+    x = _rand(rng, (rows, inp), jnp.bfloat16)
+    w = _rand(rng, (67, inp), jnp.bfloat16).at[:, inp - 1].set(64.0)
+    got = {}
+    for path in ("dot", "widen"):
+        with bf16_products(path):
+            got[path] = np.asarray(jax.jit(native.rows_matmul)(x, w))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    for path, y in got.items():
+        np.testing.assert_allclose(y, want, rtol=0, atol=2e-6 * inp, err_msg=path)
+    np.testing.assert_allclose(got["dot"], got["widen"], rtol=0, atol=4e-6 * inp)
+
+
+@needs_kernels
+def test_bf16_products_are_measured_and_can_be_set():
+    try:
+        assert native.set_bf16_products("auto") in ("dot", "widen")
+        assert native.bf16_products() in ("dot", "widen")
+        assert native.set_bf16_products("widen") == native.bf16_products() == "widen"
+        assert native.set_bf16_products("dot") == native.bf16_products() == "dot"
+    finally:
+        native.set_bf16_products("auto")
+    with pytest.raises(ValueError, match="'fast'.*auto, dot, widen"):
+        native.set_bf16_products("fast")
 
 
 @needs_kernels

@@ -4,7 +4,8 @@
   (a decoding step's tokens) -> float32 [R, O], bfloat16 or float32 inputs. XLA:CPU's matmul
   kernels stream a weight at 2-16 rows at ~40% of the memory bandwidth on the CPU measured here;
   this one reads each thread's weight rows front to back with software prefetches and streams at
-  about the rate of a plain sum.
+  about the rate of a plain sum. bf16 runs as bf16 dot products or widened to float32 FMAs,
+  whichever is faster on this CPU (`bf16_products`).
 - `cache_attention(q, k, v, mask)`: softmax(q k^T / sqrt(d)) v for a few queries over the
   heads-first KV cache (float32 or bfloat16), one (row, KV head) per task on every core; XLA:CPU
   runs these small batched products on one core.
@@ -104,6 +105,9 @@ def _build(compiler: str) -> Path:
     return lib
 
 
+_LIBRARY: list = []  # the loaded library, once _load has succeeded
+
+
 @functools.cache
 def _load() -> tuple[bool, str]:
     """(True, '') once the kernel is built and registered with XLA, else (False, the reason)."""
@@ -118,6 +122,7 @@ def _load() -> tuple[bool, str]:
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
         handlers = {target: getattr(lib, symbol) for target, symbol in _TARGETS.items()}
+        _LIBRARY.append(lib)
     except FileNotFoundError:
         return False, f"no C++ compiler found (looked for {compiler!r}; set $CXX)"
     except (OSError, AttributeError, RuntimeError, subprocess.TimeoutExpired) as err:
@@ -136,6 +141,30 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     return _load()[1]
+
+
+BF16_PRODUCTS = ("auto", "dot", "widen")
+
+
+def bf16_products() -> str:
+    """How `rows_matmul` multiplies bfloat16 on this CPU: 'dot' (the bf16 dot-product instruction,
+    32 multiply-adds each) or 'widen' (weights and activations widened exactly to float32 and
+    multiplied by float32 FMAs, 16 each). Decided on first use by timing both instructions, since
+    CPUs differ: on AMD Zen 4 the two run at the same rate, so 'dot' does twice the work; on an
+    Intel Xeon measured here the dot product took ~4x as long as an FMA, so 'widen' is faster.
+    Both accumulate in float32; the sums differ only in rounding order."""
+    _check_available()
+    return BF16_PRODUCTS[_LIBRARY[0].tj_bf16_products()]
+
+
+def set_bf16_products(path: str) -> str:
+    """Fixes how bfloat16 products run in this process ('dot' or 'widen'), or measures again
+    ('auto'); returns the path now in use. For tests and measurements: the choice applies to every
+    call from then on, including already-compiled programs."""
+    if path not in BF16_PRODUCTS:
+        raise ValueError(f"set_bf16_products: {path!r}; choose one of {', '.join(BF16_PRODUCTS)}")
+    _check_available()
+    return BF16_PRODUCTS[_LIBRARY[0].tj_set_bf16_products(BF16_PRODUCTS.index(path))]
 
 
 def use_native(setting: str) -> bool:

@@ -15,7 +15,10 @@
 // axis, if a row of x is long) and one float32 accumulator vector per (weight row, activation
 // row), reduced 16 at a time by a transposed sum. Threads come from XLA's own intra-op pool; each
 // owns a run of output rows and then takes what is left of the others' from their far end
-// (ParallelFor), so a thread that starts late does less.
+// (ParallelFor), so a thread that starts late does less. bf16 products run one of two ways,
+// whichever this CPU does faster (measured once per process, Bf16Calibrate): bf16 dot products
+// (vdpbf16ps, 32 multiply-adds each), or weights and activations widened exactly to float32 and
+// multiplied by float32 FMAs (RowGroupWiden).
 //
 // Built by native.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 (AVX-512 with bfloat16
 // dot products); native.py runs it only on CPUs that report those features.
@@ -24,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -82,6 +86,28 @@ constexpr int GroupRows() {
   return R <= 12 ? 2 : 1;
 }
 
+// Adds (or, if `first`, writes) a group's OR * R accumulator sums into y [O, R], which holds them
+// side by side: y[o * R + k] for k = q * R + r. Reduced 16 accumulators at a time into one vector
+// (a horizontal sum each costs ~4x the shuffles), or one by one where there are few.
+template <int R, int OR>
+inline void StoreSums(__m512* acc, float* y, int64_t o, bool first) {
+  float* out = y + o * R;
+  int k0 = 0;
+  for (; k0 + 8 <= OR * R; k0 += 16) {
+    const int n = OR * R - k0 < 16 ? OR * R - k0 : 16;
+    __m512 part[16];
+    for (int j = 0; j < 16; ++j) part[j] = j < n ? acc[k0 + j] : _mm512_setzero_ps();
+    __m512 sums = Transpose16Sum(part);
+    const __mmask16 lanes = (__mmask16)(n >= 16 ? 0xffffu : ((1u << n) - 1u));
+    if (!first) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(lanes, out + k0));
+    _mm512_mask_storeu_ps(out + k0, lanes, sums);
+  }
+  for (int k = k0; k < OR * R; ++k) {
+    const float sum = _mm512_reduce_add_ps(acc[k]);
+    out[k] = first ? sum : out[k] + sum;
+  }
+}
+
 // Output rows o .. o+OR-1 over the input-axis block [i0, i1), adding to y unless `first`.
 // T = uint16_t (bf16 bits) or float. `near` and `far` are the starts of the units to prefetch
 // (into L1 and L2) while this one is read: their row q, offset along the block as this one's.
@@ -134,34 +160,97 @@ inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int
       }
     }
   }
-  // y [O, R] holds this group's sums side by side, y[o * R + k] for k = q * R + r: reduced 16
-  // accumulators at a time into one vector (a horizontal sum each costs ~4x the shuffles), or one
-  // by one where there are few.
-  float* out = y + o * R;
-  int k0 = 0;
-  for (; k0 + 8 <= OR * R; k0 += 16) {
-    const int n = OR * R - k0 < 16 ? OR * R - k0 : 16;
-    __m512 part[16];
-    for (int j = 0; j < 16; ++j) part[j] = j < n ? acc[k0 + j] : _mm512_setzero_ps();
-    __m512 sums = Transpose16Sum(part);
-    const __mmask16 lanes = (__mmask16)(n >= 16 ? 0xffffu : ((1u << n) - 1u));
-    if (!first) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(lanes, out + k0));
-    _mm512_mask_storeu_ps(out + k0, lanes, sums);
+  StoreSums<R, OR>(acc, y, o, first);
+}
+
+// The bf16 product widened to float32 (`Bf16Path::kWiden`): on CPUs whose bf16 dot-product
+// instruction is slow next to their float32 FMAs (measured on one Intel Xeon: vdpbf16ps at one per
+// ~0.8 ns, a float32 FMA at one per ~0.2 ns per core; on AMD Zen 4 the two run at the same rate,
+// and the dot product does twice the work).
+//
+// A 64-byte load holds 32 bf16 weights as 16 pairs; a pair's first element widens by a shift of
+// its 32-bit lane, the second by clearing the lane's low half (bf16 is float32's top 16 bits, so
+// both are exact). The activations are widened once per call (WidenRows) into float32 in the same
+// order: each run of 32 inputs as its 16 first-of-pair elements, then its 16 second-of-pair ones,
+// the row padded with zeros to a multiple of 32 (the weights' tail loads as zeros).
+inline void WidenPairs(__m512i v, __m512* first, __m512* second) {
+  *first = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  *second = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+inline int64_t Padded32(int64_t n) { return (n + 31) / 32 * 32; }
+
+// x [R, I] bf16 -> xw [R, Padded32(I)] float32 in the order above.
+void WidenRows(const uint16_t* x, float* xw, int64_t R, int64_t I) {
+  const int64_t Ip = Padded32(I);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < Ip; i += 32) {
+      const int64_t n = std::min<int64_t>(32, I - i);
+      const __mmask32 m = (__mmask32)(n >= 32 ? 0xffffffffu : ((1u << n) - 1u));
+      __m512 first, second;
+      WidenPairs(_mm512_maskz_loadu_epi16(m, x + r * I + i), &first, &second);
+      _mm512_storeu_ps(xw + r * Ip + i, first);
+      _mm512_storeu_ps(xw + r * Ip + i + 16, second);
+    }
   }
-  for (int k = k0; k < OR * R; ++k) {
-    const float sum = _mm512_reduce_add_ps(acc[k]);
-    out[k] = first ? sum : out[k] + sum;
+}
+
+// RowGroup's bf16 product on widened activations xw [R, Ip]; [i0, i1) starts at a multiple of 32.
+template <int R, int OR>
+inline void RowGroupWiden(const uint16_t* w, const float* xw, float* y, int64_t I, int64_t Ip, int64_t o,
+                          int64_t i0, int64_t i1, bool first, const char* near, const char* far) {
+  const int64_t full = i0 + ((i1 - i0) / 32) * 32;
+  const int64_t tail = i1 - full;
+  const int64_t stride = I * 2;
+  __m512 acc[OR * R];
+  for (int k = 0; k < OR * R; ++k) acc[k] = _mm512_setzero_ps();
+  const uint16_t* row = w + o * I;
+  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+  // One pass over 32 inputs: the OR rows' first-of-pair elements against each activation row,
+  // then their second-of-pair ones (6 widened weight vectors and 24 accumulators at R = 8, OR = 3,
+  // within the 32 registers).
+  for (int64_t i = i0; i < i1; i += 32) {
+    const int64_t ahead = (i - i0) * 2;
+    const __mmask32 m = i < full ? (__mmask32)0xffffffffu : (__mmask32)((1u << tail) - 1u);
+    if (i < full) {
+      for (int q = 0; q < OR; ++q) {
+        if constexpr (PrefetchL1<R, uint16_t>()) _mm_prefetch(near + q * stride + ahead, _MM_HINT_T0);
+        _mm_prefetch(far + q * stride + ahead, _MM_HINT_T1);
+      }
+    }
+    __m512i v[OR];
+    for (int q = 0; q < OR; ++q) v[q] = _mm512_maskz_loadu_epi16(m, row + q * I + i);
+    for (int r = 0; r < R; ++r) {
+      __m512 xa = _mm512_load_ps(xw + r * Ip + i);
+      asm("" : "+v"(xa));  // one load into a register, not one folded into each row's FMA
+      for (int q = 0; q < OR; ++q)
+        acc[q * R + r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16)), xa, acc[q * R + r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 xb = _mm512_load_ps(xw + r * Ip + i + 16);
+      asm("" : "+v"(xb));
+      for (int q = 0; q < OR; ++q)
+        acc[q * R + r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v[q], high)), xb, acc[q * R + r]);
+    }
   }
+  StoreSums<R, OR>(acc, y, o, first);
 }
 
 // Output rows [o0, o1): the units (a group of weight rows over one block of the input axis) in
 // the order block by block, group by group, each prefetching the ones kPrefetch*Units after it.
 // Past the last unit the prefetches run on into the rows after o1 (the thread's next task, as a
-// rule).
-template <int R, typename T>
-void RowsRange(const T* w, const T* x, float* y, int64_t I, int64_t o0, int64_t o1) {
-  constexpr int kGroup = GroupRows<R, T>();
-  const int64_t block = std::max<int64_t>(kBlockBytes / (R * (int64_t)sizeof(T)), 64);
+// rule). x is T [R, I], or with Widen the widened activations float32 [R, Padded32(I)].
+// Weight rows per pass of the widened bf16 product: its accumulators, 2 * OR widened weight
+// vectors and the activation vector must stay within the 32 registers.
+template <int R>
+constexpr int WidenGroupRows() { return R <= 4 ? 3 : (R <= 12 ? 2 : 1); }
+
+template <int R, typename T, bool Widen>
+void RowsRange(const T* w, const void* x, float* y, int64_t I, int64_t o0, int64_t o1) {
+  constexpr int kGroup = Widen ? WidenGroupRows<R>() : GroupRows<R, T>();
+  constexpr int64_t kXBytes = Widen ? 4 : sizeof(T);
+  int64_t block = std::max<int64_t>(kBlockBytes / (R * kXBytes), 64);
+  if constexpr (Widen) block = block / 32 * 32;
   const int64_t blocks = (I + block - 1) / block, groups = (o1 - o0 + kGroup - 1) / kGroup;
   const int64_t units = blocks * groups;
   // Addresses as integers: a prefetch may point past the weight (it never faults).
@@ -175,22 +264,83 @@ void RowsRange(const T* w, const T* x, float* y, int64_t I, int64_t o0, int64_t 
     const int64_t o = o0 + (u % groups) * kGroup, i0 = (u / groups) * block, i1 = std::min(I, i0 + block);
     const char* near = start(u + kPrefetchL1Units);
     const char* far = start(u + kPrefetchL2Units);
-    if (o + kGroup <= o1) {
-      RowGroup<R, kGroup, T>(w, x, y, I, o, i0, i1, i0 == 0, near, far);
+    if constexpr (Widen) {
+      const float* xw = static_cast<const float*>(x);
+      const int64_t Ip = Padded32(I);
+      if (o + kGroup <= o1) {
+        RowGroupWiden<R, kGroup>(w, xw, y, I, Ip, o, i0, i1, i0 == 0, near, far);
+      } else {
+        for (int64_t p = o; p < o1; ++p) RowGroupWiden<R, 1>(w, xw, y, I, Ip, p, i0, i1, i0 == 0, near, far);
+      }
     } else {
-      for (int64_t p = o; p < o1; ++p) RowGroup<R, 1, T>(w, x, y, I, p, i0, i1, i0 == 0, near, far);
+      const T* xt = static_cast<const T*>(x);
+      if (o + kGroup <= o1) {
+        RowGroup<R, kGroup, T>(w, xt, y, I, o, i0, i1, i0 == 0, near, far);
+      } else {
+        for (int64_t p = o; p < o1; ++p) RowGroup<R, 1, T>(w, xt, y, I, p, i0, i1, i0 == 0, near, far);
+      }
     }
   }
 }
 
 template <typename T>
-using RangeFn = void (*)(const T*, const T*, float*, int64_t, int64_t, int64_t);
+using RangeFn = void (*)(const T*, const void*, float*, int64_t, int64_t, int64_t);
 
-template <typename T, int... Rs>
+template <typename T, bool Widen, int... Rs>
 RangeFn<T> PickRows(int rows, std::integer_sequence<int, Rs...>) {
   RangeFn<T> fn = nullptr;
-  ((rows == Rs + 1 ? (fn = &RowsRange<Rs + 1, T>, 0) : 0), ...);
+  ((rows == Rs + 1 ? (fn = &RowsRange<Rs + 1, T, Widen>, 0) : 0), ...);
   return fn;
+}
+
+// How bf16 products run: 0 not yet decided, else a Bf16Path. Decided on the first bf16 product
+// by Bf16Calibrate (or set by tj_set_bf16_products, for tests and measurements).
+enum Bf16Path : int { kUndecided = 0, kDot = 1, kWiden = 2 };
+std::atomic<int> g_bf16_path{kUndecided};
+
+// Nanoseconds per instruction of 12 independent chains of `op` (the inner loops' mix, without
+// memory): the least of five tries of 2048 rounds.
+template <typename Op>
+double NsPerOp(Op op) {
+  double best = 1e30;
+  for (int t = 0; t < 5; ++t) {
+    __m512 acc[12];
+    for (int k = 0; k < 12; ++k) acc[k] = _mm512_set1_ps(1e-3f * k);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 2048; ++i) {
+      for (int k = 0; k < 12; ++k) acc[k] = op(acc[k]);
+      asm volatile("" : : : "memory");
+    }
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+    float sum = 0;
+    for (int k = 0; k < 12; ++k) sum += _mm512_reduce_add_ps(acc[k]);
+    asm volatile("" : : "x"(sum));
+    best = std::min(best, ns / (2048.0 * 12));
+  }
+  return best;
+}
+
+// The faster way to multiply bf16 on this CPU, measured: a bf16 dot product does 32 multiply-adds,
+// a float32 FMA 16, and widening costs about one more operation per 16 multiply-adds at a few rows.
+int Bf16Calibrate() {
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a83);
+  const __m512 fa = _mm512_set1_ps(1.0f), fb = _mm512_set1_ps(1e-3f);
+  double dot = 1e30, fma = 1e30;
+  for (int t = 0; t < 3; ++t) {
+    dot = std::min(dot, NsPerOp([&](__m512 c) { return _mm512_dpbf16_ps(c, a, b); }));
+    fma = std::min(fma, NsPerOp([&](__m512 c) { return _mm512_fmadd_ps(fa, fb, c); }));
+  }
+  return 2.25 * fma < dot ? kWiden : kDot;
+}
+
+int Bf16Path() {
+  int path = g_bf16_path.load(std::memory_order_relaxed);
+  if (path == kUndecided) {
+    int undecided = kUndecided;
+    path = Bf16Calibrate();
+    if (!g_bf16_path.compare_exchange_strong(undecided, path)) path = undecided;
+  }
+  return path;
 }
 
 // Tasks 0..n-1 split into one contiguous range per thread. Each thread runs its own range front
@@ -268,7 +418,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t tasks, Task task) {
 }
 
 template <typename T>
-void Run(ffi::ThreadPool& pool, RangeFn<T> fn, const T* w, const T* x, float* y, int64_t O, int64_t I) {
+void Run(ffi::ThreadPool& pool, RangeFn<T> fn, const T* w, const void* x, float* y, int64_t O, int64_t I) {
   ParallelFor(pool, (O + kRowsPerTask - 1) / kRowsPerTask, [fn, w, x, y, O, I](int64_t t) {
     int64_t o0 = t * kRowsPerTask;
     fn(w, x, y, I, o0, std::min(O, o0 + kRowsPerTask));
@@ -292,13 +442,25 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   auto seq = std::make_integer_sequence<int, kMaxRows>{};
   switch (x.element_type()) {
-    case ffi::DataType::BF16:
-      Run<uint16_t>(pool, PickRows<uint16_t>((int)R, seq), static_cast<const uint16_t*>(w.untyped_data()),
-                    static_cast<const uint16_t*>(x.untyped_data()), out, O, I);
+    case ffi::DataType::BF16: {
+      const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
+      const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+      if (Bf16Path() == kWiden) {
+        // The calling thread's buffer: it outlives the call (ParallelFor returns when all is done).
+        // 64-byte aligned: a vector load across two cache lines costs two.
+        thread_local std::vector<float> widened;
+        widened.resize(R * Padded32(I) + 16);
+        float* xw = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
+        WidenRows(xp, xw, R, I);
+        Run<uint16_t>(pool, PickRows<uint16_t, true>((int)R, seq), wp, xw, out, O, I);
+      } else {
+        Run<uint16_t>(pool, PickRows<uint16_t, false>((int)R, seq), wp, xp, out, O, I);
+      }
       return ffi::Error::Success();
+    }
     case ffi::DataType::F32:
-      Run<float>(pool, PickRows<float>((int)R, seq), static_cast<const float*>(w.untyped_data()),
-                 static_cast<const float*>(x.untyped_data()), out, O, I);
+      Run<float>(pool, PickRows<float, false>((int)R, seq), static_cast<const float*>(w.untyped_data()),
+                 x.untyped_data(), out, O, I);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("tj_rows_matmul: bfloat16 or float32 only");
@@ -829,3 +991,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjBiasActivation, BiasActivationImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("activation"));
+
+// How bf16 products run (1: bf16 dot products, 2: widened to float32), deciding it by measurement
+// if not yet decided; and setting it (0: measure again, 1 or 2) for tests and measurements. Called
+// through ctypes.
+extern "C" int tj_bf16_products() { return Bf16Path(); }
+extern "C" int tj_set_bf16_products(int path) {
+  g_bf16_path.store(path == kDot || path == kWiden ? path : Bf16Calibrate());
+  return g_bf16_path.load();
+}
