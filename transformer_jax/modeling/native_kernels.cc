@@ -141,7 +141,8 @@ inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int
       __m512 a[OR];
       for (int q = 0; q < OR; ++q) a[q] = _mm512_loadu_ps(row + q * I + i);
       for (int r = 0; r < R; ++r) {
-        const __m512 b = _mm512_loadu_ps(x + r * I + i);
+        __m512 b = _mm512_loadu_ps(x + r * I + i);
+        asm("" : "+v"(b));  // one load into a register, not one folded into each row's FMA
         for (int q = 0; q < OR; ++q) acc[q * R + r] = _mm512_fmadd_ps(a[q], b, acc[q * R + r]);
       }
     }
