@@ -166,8 +166,8 @@ inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int
 
 // The bf16 product widened to float32 (`Bf16Path::kWiden`): on CPUs whose bf16 dot-product
 // instruction is slow next to their float32 FMAs (measured on one Intel Xeon: vdpbf16ps at one per
-// ~0.8 ns, a float32 FMA at one per ~0.2 ns per core; on AMD Zen 4 the two run at the same rate,
-// and the dot product does twice the work).
+// ~0.8 ns, a float32 FMA at one per ~0.2 ns per core, where a dot product does twice an FMA's
+// work; on the AMD Zen 4 host measured, dot products at 8 rows kept pace with memory).
 //
 // A 64-byte load holds 32 bf16 weights as 16 pairs; a pair's first element widens by a shift of
 // its 32-bit lane, the second by clearing the lane's low half (bf16 is float32's top 16 bits, so
@@ -208,8 +208,7 @@ inline void RowGroupWiden(const uint16_t* w, const float* xw, float* y, int64_t 
   const uint16_t* row = w + o * I;
   const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
   // One pass over 32 inputs: the OR rows' first-of-pair elements against each activation row,
-  // then their second-of-pair ones (6 widened weight vectors and 24 accumulators at R = 8, OR = 3,
-  // within the 32 registers).
+  // then their second-of-pair ones (at R = 8: two rows, 16 accumulators, 4 widened weight vectors).
   for (int64_t i = i0; i < i1; i += 32) {
     const int64_t ahead = (i - i0) * 2;
     const __mmask32 m = i < full ? (__mmask32)0xffffffffu : (__mmask32)((1u << tail) - 1u);
@@ -237,15 +236,16 @@ inline void RowGroupWiden(const uint16_t* w, const float* xw, float* y, int64_t 
   StoreSums<R, OR>(acc, y, o, first);
 }
 
+// Weight rows per pass of the widened bf16 product: its accumulators, 2 * OR widened weight
+// vectors and the activation vector must stay within the 32 registers (measured in the C++
+// harness: two rows at 8 activation rows, 55-59 GMAC/s per core, against 41-43 with three).
+template <int R>
+constexpr int WidenGroupRows() { return R <= 4 ? 3 : (R <= 12 ? 2 : 1); }
+
 // Output rows [o0, o1): the units (a group of weight rows over one block of the input axis) in
 // the order block by block, group by group, each prefetching the ones kPrefetch*Units after it.
 // Past the last unit the prefetches run on into the rows after o1 (the thread's next task, as a
 // rule). x is T [R, I], or with Widen the widened activations float32 [R, Padded32(I)].
-// Weight rows per pass of the widened bf16 product: its accumulators, 2 * OR widened weight
-// vectors and the activation vector must stay within the 32 registers.
-template <int R>
-constexpr int WidenGroupRows() { return R <= 4 ? 3 : (R <= 12 ? 2 : 1); }
-
 template <int R, typename T, bool Widen>
 void RowsRange(const T* w, const void* x, float* y, int64_t I, int64_t o0, int64_t o1) {
   constexpr int kGroup = Widen ? WidenGroupRows<R>() : GroupRows<R, T>();
@@ -324,11 +324,12 @@ double NsPerOp(Op op) {
 // The faster way to multiply bf16 on this CPU, measured: a bf16 dot product does 32 multiply-adds,
 // a float32 FMA 16, and widening costs about one more operation per 16 multiply-adds at a few rows.
 int Bf16Calibrate() {
-  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a83);
-  const __m512 fa = _mm512_set1_ps(1.0f), fb = _mm512_set1_ps(1e-3f);
+  __m512i a = _mm512_set1_epi16(0x3f80), b = _mm512_set1_epi16(0x3a83);
+  __m512 fa = _mm512_set1_ps(1.0f), fb = _mm512_set1_ps(1e-3f);
+  asm volatile("" : "+v"(a), "+v"(b), "+v"(fa), "+v"(fb));  // not constants the compiler can fold
   double dot = 1e30, fma = 1e30;
   for (int t = 0; t < 3; ++t) {
-    dot = std::min(dot, NsPerOp([&](__m512 c) { return _mm512_dpbf16_ps(c, a, b); }));
+    dot = std::min(dot, NsPerOp([&](__m512 c) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }));
     fma = std::min(fma, NsPerOp([&](__m512 c) { return _mm512_fmadd_ps(fa, fb, c); }));
   }
   return 2.25 * fma < dot ? kWiden : kDot;
