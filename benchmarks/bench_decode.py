@@ -23,9 +23,12 @@ For each (model, batch, new tokens) it reports
 The no-cache baseline runs the whole model over the full (prompt + new tokens) buffer each step
 (static shapes, as a jit-compiled decoder without a cache must); its per-step cost does not depend on
 the step, so a few steps measure it. `speedup_at_512` = cached / no-cache decode tokens per second.
-Bandwidth is measured in the same run, at its start and end (`hardware.memory_bandwidth`: the faster
-of a jitted sum and a matrix-vector product over a 512 MiB float32 array), because timings on a
-shared machine vary 1.5-2x: compare ratios from one run. Prints one JSON object.
+The parameters are placed on transparent huge pages first, as the generate command does on a CPU
+(`huge_pages_mb`: how much moved; `transformer_jax.decoding.huge_pages`).
+Bandwidth is measured in the same run, at its start and end (`hardware.memory_bandwidth`: the
+fastest of a jitted sum and a matrix-vector product over a 512 MiB float32 array, on ordinary and
+on huge pages), because timings on a shared machine vary 1.5-2x: compare ratios from one run.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 
 import transformer_jax as tj
 from transformer_jax.decoding import generate
+from transformer_jax.decoding.huge_pages import place_on_huge_pages
 from transformer_jax.decoding.model_steps import (
     LMStep,
     RecomputeLMStep,
@@ -137,6 +141,7 @@ def bench_lm(config, batches, new_tokens, no_cache_steps, bandwidth, repeats):
 
 def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
     batch = prompt.shape[0]
+    huge = place_on_huge_pages(params)  # as `python -m transformer_jax.generate` does on a CPU
     make_cache = lambda: tj.init_cache(config, batch, PROMPT + steps)
     prefill = jax.jit(LMStep(model))
     prefill_s = best_time(lambda: prefill(params, prompt, make_cache(), lengths), repeats + 1)
@@ -156,6 +161,7 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
         decode_step_s=decode_s,  # unrounded, for ratios computed later (a tiny model's ms round to 0)
         bytes_per_step=step_bytes,
         roofline_frac=round(step_bytes / bandwidth / decode_s, 3),
+        huge_pages_mb=round(huge.placed / 2**20),
     )
 
 
@@ -226,6 +232,7 @@ def bench_seq2seq(config, batches, new_tokens, bandwidth, repeats):
 
 def seq2seq_row(config, model, params, src, steps, bandwidth, repeats):
     batch = src.shape[0]
+    huge = place_on_huge_pages(params)
     start = jnp.full((batch, 1), config.decoder_start_id, jnp.int32)
     encode = lambda: encode_source(model, params, src, steps)
     encode_s = best_time(encode, repeats + 1)
@@ -248,6 +255,7 @@ def seq2seq_row(config, model, params, src, steps, bandwidth, repeats):
         decode_step_s=decode_s,  # unrounded, for ratios computed later (a tiny model's ms round to 0)
         bytes_per_step=step_bytes,
         roofline_frac=round(step_bytes / bandwidth / decode_s, 3),
+        huge_pages_mb=round(huge.placed / 2**20),
     )
 
 

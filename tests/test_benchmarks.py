@@ -242,13 +242,25 @@ def test_hardware_limits_are_the_fastest_reading_in_bytes_and_flops(monkeypatch)
     matrix-vector product; the matmul peak the fastest of its shapes at 2 FLOPs per multiply-add;
     weight streaming counts bytes of the given dtype; `measure` reports each dtype's own peak."""
     from benchmarks import hardware
+    from transformer_jax.decoding import huge_pages
 
     times = []
     monkeypatch.setattr(hardware, "median_time", lambda fn, repeats=5: times.pop(0))
-    times[:] = [0.004, 0.001]  # the sum, then the product over 1 MiB
+    # The sum, then the product over 1 MiB as allocated, then both again on huge pages where the
+    # system has them: the fastest of the four; without huge pages, of the first two.
+    placed = []
+    monkeypatch.setattr(huge_pages, "place_on_huge_pages",
+                        lambda tree: placed.append(tree) or huge_pages.HugePages(2**21, 2**21, 2**21))
+    times[:] = [0.004, 0.001, 0.003, 0.002]
     assert hardware.memory_bandwidth(mib=1, repeats=1) == 2**20 / 0.001
+    times[:] = [0.004, 0.003, 0.0005, 0.002]
+    assert hardware.memory_bandwidth(mib=1, repeats=1) == 2**20 / 0.0005
+    assert [[x.size for x in tree] for tree in placed] == [[2**18, 2**18]] * 2  # the array and its matrix
+    monkeypatch.setattr(huge_pages, "place_on_huge_pages", lambda tree: huge_pages.HugePages(0, 2**21, 2**21))
     times[:] = [0.001, 0.004]
     assert hardware.memory_bandwidth(mib=1, repeats=1) == 2**20 / 0.001
+    monkeypatch.undo()
+    monkeypatch.setattr(hardware, "median_time", lambda fn, repeats=5: times.pop(0))
     # [768, 768] x [768, 768] in 1 s, [768, 384] x [384, 768] in 0.25 s, [768, 768] x [768, 3072] in 4 s
     times[:] = [1.0, 0.25, 4.0]
     assert hardware.peak_matmul_flops("float32", n=768, repeats=1) == 2 * 768 * 384 * 768 / 0.25

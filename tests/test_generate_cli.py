@@ -442,3 +442,27 @@ def test_bad_words_ids_in_config_json_are_banned_without_a_generation_config(tmp
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert cli.load_hf_generator(str(tmp_path)).banned_ids == (config["pad_token_id"],)
     assert cli.load_hf_generator(src).banned_ids == ()  # its generation_config.json bans none
+
+
+def test_the_parameters_go_onto_huge_pages_unless_asked_not_to(tmp_path, monkeypatch):
+    import flax.linen as nn
+    import jax
+
+    from transformer_jax.decoding import huge_pages
+    from transformer_jax.params import build_model, dummy_inputs
+
+    config, _, _ = _tiny_workdir(str(tmp_path))
+    placed = []
+    real = huge_pages.place_on_huge_pages
+    monkeypatch.setattr(huge_pages, "place_on_huge_pages", lambda tree: placed.append(tree) or real(tree))
+    args = (f"--workdir={tmp_path}", "--prompt=the tired engineer", "--max_new_tokens=4",
+            "--kernel_layout=out_in")
+    lines = run_cli(*args)
+    # What is placed is what decodes: the parameters after the conversion to 'out_in'.
+    out_in = config.replace(kernel_layout="out_in")
+    expected = nn.unbox(jax.eval_shape(build_model(out_in).init, jax.random.key(0), *dummy_inputs(out_in)))
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+    assert len(placed) == 1 and shapes(placed[0]) == shapes(expected["params"])
+    assert shapes(placed[0]) != shapes(jax.eval_shape(lambda: nn.unbox(build_model(config).init(
+        jax.random.key(0), *dummy_inputs(config)))["params"]))
+    assert run_cli(*args, "--nohuge_pages") == lines and len(placed) == 1

@@ -67,6 +67,13 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     string("kernel_layout", None, "Decode with kernels stored this way: 'out_in' is faster on CPU "
                                   "(ModelConfig.kernel_layout; default: the checkpoint's).")
     flags.DEFINE_bool(
+        "huge_pages",
+        True,
+        "On a CPU, move the parameters onto transparent huge pages before decoding (Linux 6.1+; "
+        "each step reads them ~8% faster; transformer_jax.decoding.huge_pages).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_bool(
         "truncate",
         False,
         "Cut inputs longer than the model allows instead of failing.",
@@ -501,6 +508,12 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
         else:
             gen = load_workdir_generator(fv.workdir, fv.step)
         gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=fv.kernel_layout)
+        if fv.huge_pages:
+            from transformer_jax.decoding.huge_pages import place_on_huge_pages
+
+            placed = place_on_huge_pages(gen.params)
+            logging.info("parameters on huge pages: %d of %d MiB (%s)", placed.placed >> 20,
+                         placed.requested >> 20, placed.reason or "all moved")
         progress = fv.input_file is not None and len(texts) > opts.batch_size
         outputs = generate_texts(gen, texts, opts, progress=progress)
     except (GenerateError, ConversionError, ConfigError) as e:

@@ -11,6 +11,7 @@ all have the batch as their leading axis. ``model_steps`` builds step functions 
 """
 
 from transformer_jax.decoding.beam_search import BeamOutput, beam_search, length_penalty
+from transformer_jax.decoding.huge_pages import HugePages, place_on_huge_pages
 from transformer_jax.decoding.model_steps import (
     LMStep,
     RecomputeLMStep,
@@ -33,6 +34,7 @@ from transformer_jax.decoding.sampling import (
 __all__ = [
     "BeamOutput",
     "GenerateOutput",
+    "HugePages",
     "LMStep",
     "RecomputeLMStep",
     "SamplingConfig",
@@ -46,6 +48,7 @@ __all__ = [
     "lm_step_fn",
     "pad_prompts",
     "pad_to_bucket",
+    "place_on_huge_pages",
     "recompute_cache",
     "seq2seq_step_fn",
 ]
