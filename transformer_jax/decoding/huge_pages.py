@@ -68,8 +68,10 @@ def _cpu_buffers(tree):
 
 
 def place_on_huge_pages(tree) -> HugePages:
-    """Moves the memory under `tree`'s CPU arrays onto transparent huge pages (see the module
-    docstring); returns what moved. Values, addresses and shardings are unchanged."""
+    """Moves the memory under `tree`'s CPU arrays (every addressable shard) onto transparent huge
+    pages (see the module docstring), once the computations writing them are done; returns what
+    moved. Leaves that are not arrays, deleted arrays and accelerator memory are skipped. Values,
+    addresses and shardings are unchanged; calling it again moves only what had not moved."""
     size = huge_page_size()
     if size is None:
         return HugePages(0, 0, 0, "this system has no transparent huge pages")
