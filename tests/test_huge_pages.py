@@ -51,8 +51,8 @@ def test_the_memory_under_an_array_is_on_huge_pages_afterwards_with_its_values()
     assert _anon_huge_bytes_around(start, end) >= result.placed
     np.testing.assert_array_equal(np.asarray(x), values)
     assert x.unsafe_buffer_pointer() == address
-    # Again: nothing left to move, nothing changes.
-    assert place_on_huge_pages(x).placed == result.placed
+    # Again: what moved stays (a range refused for want of a free huge page may move now).
+    assert place_on_huge_pages(x).placed >= result.placed
     np.testing.assert_array_equal(np.asarray(x), values)
 
 
@@ -106,17 +106,15 @@ def test_a_kernel_that_refuses_the_call_is_reported_and_nothing_breaks(monkeypat
     """On a kernel before Linux 6.1 madvise(MADV_COLLAPSE) fails with EINVAL everywhere."""
     import ctypes
     import errno
+    import types
 
-    class RefusingLibc:
-        class madvise:  # noqa: N801 - stands in for the C function
-            argtypes = restype = None
-
-            def __new__(cls, address, length, advice):
-                ctypes.set_errno(errno.EINVAL)
-                return -1
+    def refusing_madvise(address, length, advice):
+        ctypes.set_errno(errno.EINVAL)
+        return -1
 
     monkeypatch.setattr(huge_pages, "huge_page_size", lambda: 2 << 20)
-    monkeypatch.setattr(ctypes, "CDLL", lambda name, use_errno: RefusingLibc)
+    libc = types.SimpleNamespace(madvise=refusing_madvise)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, use_errno: libc)
     x = jnp.ones((3 << 20) // 4, jnp.float32)
     result = place_on_huge_pages(x)
     assert result.placed == 0 and result.requested >= 3 << 20
