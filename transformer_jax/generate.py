@@ -31,7 +31,7 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 _DECODINGS = ("greedy", "sample", "beam")
-_SAMPLING_FLAGS = ("temperature", "top_k", "top_p")
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
 _BEAM_FLAGS = ("beam_size", "alpha")
 
 
