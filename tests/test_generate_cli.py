@@ -469,3 +469,41 @@ def test_the_parameters_go_onto_huge_pages_unless_asked_not_to(tmp_path, monkeyp
     assert shapes(placed[0]) != shapes(jax.eval_shape(lambda: nn.unbox(build_model(config).init(
         jax.random.key(0), *dummy_inputs(config)))["params"]))
     assert run_cli(*args, "--nohuge_pages") == lines and len(placed) == 1
+
+
+def test_auto_layout_picks_out_in_where_the_native_kernels_take_every_step(monkeypatch):
+    """`--kernel_layout=auto` (the default) converts to 'out_in' only where the decoding steps'
+    weight products run on the native CPU kernels: at most 16 rows a step (the batch the inputs
+    fill, times the beams), kernels the model lets it use, a checkpoint not already 'out_in'."""
+    import transformer_jax as tj
+    from transformer_jax.modeling import native
+
+    config = tj.presets.tiny(num_encoder_layers=0, vocab_size=100)
+    opts, beam = cli.DecodeOptions(), cli.DecodeOptions(decoding="beam", beam_size=4)
+    monkeypatch.setattr(native, "use_native", lambda setting: setting != "xla")
+    assert cli.auto_kernel_layout(config, opts, 1) == "out_in"
+    assert cli.auto_kernel_layout(config, opts, 1000) == "out_in"  # batches of 16
+    assert cli.auto_kernel_layout(config, cli.DecodeOptions(batch_size=32), 17) is None  # 32 rows
+    assert cli.auto_kernel_layout(config, cli.DecodeOptions(batch_size=32), 16) == "out_in"
+    assert cli.auto_kernel_layout(config, beam, 4) == "out_in"  # 4 inputs x 4 beams
+    assert cli.auto_kernel_layout(config, beam, 5) is None  # a batch of 8 x 4 beams
+    assert cli.auto_kernel_layout(config.replace(cpu_kernels="xla"), opts, 1) is None
+    assert cli.auto_kernel_layout(config.replace(kernel_layout="out_in"), opts, 1) is None
+    monkeypatch.setattr(native, "use_native", lambda setting: False)  # another backend, another CPU
+    assert cli.auto_kernel_layout(config, opts, 1) is None
+
+
+def test_the_default_layout_is_chosen_per_run_and_gives_the_same_text(tmp_path, monkeypatch):
+    from transformer_jax.modeling import native
+
+    _tiny_workdir(str(tmp_path))
+    asked = []
+    real = cli.for_decoding
+    record = lambda gen, **kw: asked.append(kw["kernel_layout"]) or real(gen, **kw)  # noqa: E731
+    monkeypatch.setattr(cli, "for_decoding", record)
+    args = (f"--workdir={tmp_path}", "--prompt=the tired engineer", "--max_new_tokens=8")
+    lines = run_cli(*args)
+    assert asked == ["out_in" if native.use_native("auto") else None]
+    assert run_cli(*args, "--kernel_layout=in_out") == lines and asked[-1] == "in_out"
+    run_cli(*args, "--decoding=beam", "--beam_size=17")  # 17 rows a step: the checkpoint's layout
+    assert asked[-1] is None

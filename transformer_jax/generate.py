@@ -64,8 +64,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     integer("batch_size", 16, "Inputs decoded together.")
     string("dtype", None, "Decode in this compute and weight dtype (e.g. bfloat16; default: the "
                           "checkpoint's).")
-    string("kernel_layout", None, "Decode with kernels stored this way: 'out_in' is faster on CPU "
-                                  "(ModelConfig.kernel_layout; default: the checkpoint's).")
+    string("kernel_layout", "auto", "Decode with kernels stored this way (ModelConfig.kernel_layout): "
+                                    "'auto' converts to 'out_in' where the native CPU kernels will run "
+                                    "the steps' products, else keeps the checkpoint's; 'in_out' or "
+                                    "'out_in' to choose.")
     flags.DEFINE_bool(
         "huge_pages",
         True,
@@ -157,6 +159,24 @@ def for_decoding(gen: Generator, *, dtype: str | None = None,
         return gen
     target = gen.config.replace(**changes)  # ConfigError names a bad value
     return dataclasses.replace(gen, config=target, params=convert_params(gen.params, gen.config, target))
+
+
+def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int) -> str | None:
+    """The layout ``--kernel_layout=auto`` decodes with: 'out_in' where the decoding steps' weight
+    products will run on the native CPU kernels (a CPU they run on, ``config.cpu_kernels`` allowing
+    them, at most `native.MAX_ROWS` rows a step: the batch, times the beams for beam search), since
+    they take kernels stored output axes first; None (the checkpoint's layout) elsewhere. The
+    outputs are the same function of the same weights; only the float32 order of summation
+    differs from XLA's products."""
+    from transformer_jax.modeling import native
+
+    if config.kernel_layout == "out_in":
+        return None
+    batch = min(opts.batch_size, 1 << (max(num_inputs, 1) - 1).bit_length())  # as generate_texts
+    rows = batch * (opts.beam_size if opts.decoding == "beam" else 1)
+    if rows > native.MAX_ROWS or not native.use_native(config.cpu_kernels):
+        return None
+    return "out_in"
 
 
 # ----------------------------------------------------------------------------- decoding settings
@@ -507,7 +527,11 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
             gen = load_hf_generator(fv.hf_checkpoint)
         else:
             gen = load_workdir_generator(fv.workdir, fv.step)
-        gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=fv.kernel_layout)
+        layout = fv.kernel_layout
+        if layout == "auto":
+            layout = auto_kernel_layout(gen.config, opts, len(texts))
+            logging.info("kernel layout: %s (--kernel_layout=auto)", layout or gen.config.kernel_layout)
+        gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=layout)
         if fv.huge_pages:
             from transformer_jax.decoding.huge_pages import place_on_huge_pages
 
