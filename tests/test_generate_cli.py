@@ -507,3 +507,17 @@ def test_the_default_layout_is_chosen_per_run_and_gives_the_same_text(tmp_path, 
     assert run_cli(*args, "--kernel_layout=in_out") == lines and asked[-1] == "in_out"
     run_cli(*args, "--decoding=beam", "--beam_size=17")  # 17 rows a step: the checkpoint's layout
     assert asked[-1] is None
+
+
+def test_auto_layout_keeps_the_checkpoints_where_a_converted_copy_would_not_fit(monkeypatch, caplog):
+    import transformer_jax as tj
+    from transformer_jax.modeling import native
+
+    config = tj.presets.tiny(num_encoder_layers=0, vocab_size=100)
+    monkeypatch.setattr(native, "use_native", lambda setting: True)
+    monkeypatch.setattr(cli, "_available_memory", lambda: 10 << 30)
+    assert cli.auto_kernel_layout(config, cli.DecodeOptions(), 1, param_bytes=7 << 30) == "out_in"
+    assert cli.auto_kernel_layout(config, cli.DecodeOptions(), 1, param_bytes=9 << 30) is None
+    assert "needs another 9.0 GiB, and 10.0 GiB are available" in caplog.text
+    monkeypatch.setattr(cli, "_available_memory", lambda: None)  # no /proc/meminfo: no limit known
+    assert cli.auto_kernel_layout(config, cli.DecodeOptions(), 1, param_bytes=9 << 30) == "out_in"

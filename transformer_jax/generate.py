@@ -161,13 +161,26 @@ def for_decoding(gen: Generator, *, dtype: str | None = None,
     return dataclasses.replace(gen, config=target, params=convert_params(gen.params, gen.config, target))
 
 
-def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int) -> str | None:
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int, param_bytes: int = 0) -> str | None:
     """The layout ``--kernel_layout=auto`` decodes with: 'out_in' where the decoding steps' weight
     products will run on the native CPU kernels (a CPU they run on, ``config.cpu_kernels`` allowing
     them, at most `native.MAX_ROWS` rows a step: the batch, times the beams for beam search), since
-    they take kernels stored output axes first; None (the checkpoint's layout) elsewhere. The
-    outputs are the same function of the same weights; only the float32 order of summation
-    differs from XLA's products."""
+    they take kernels stored output axes first; None (the checkpoint's layout) elsewhere, and where
+    the converted copy of the `param_bytes` of parameters would not fit in the memory available
+    (the conversion holds both copies for a moment). The outputs are the same function of the same
+    weights; only the float32 order of summation differs from XLA's products."""
     from transformer_jax.modeling import native
 
     if config.kernel_layout == "out_in":
@@ -175,6 +188,12 @@ def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int) -> str | No
     batch = min(opts.batch_size, 1 << (max(num_inputs, 1) - 1).bit_length())  # as generate_texts
     rows = batch * (opts.beam_size if opts.decoding == "beam" else 1)
     if rows > native.MAX_ROWS or not native.use_native(config.cpu_kernels):
+        return None
+    available = _available_memory()
+    if available is not None and param_bytes * 5 // 4 > available:
+        logging.warning("--kernel_layout=auto keeps the checkpoint's layout: converting the parameters "
+                        "needs another %.1f GiB, and %.1f GiB are available", param_bytes / 2**30,
+                        available / 2**30)
         return None
     return "out_in"
 
@@ -514,6 +533,8 @@ def _escape_newlines(text: str) -> str:
 
 def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
     """Generates for the parsed flags and writes one line per input to ``out`` (stdout)."""
+    import jax
+
     from transformer_jax.config import ConfigError
     from transformer_jax.convert import ConversionError
 
@@ -529,7 +550,8 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
             gen = load_workdir_generator(fv.workdir, fv.step)
         layout = fv.kernel_layout
         if layout == "auto":
-            layout = auto_kernel_layout(gen.config, opts, len(texts))
+            param_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
+            layout = auto_kernel_layout(gen.config, opts, len(texts), param_bytes)
             logging.info("kernel layout: %s (--kernel_layout=auto)", layout or gen.config.kernel_layout)
         gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=layout)
         if fv.huge_pages:
