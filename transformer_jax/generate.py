@@ -161,6 +161,12 @@ def for_decoding(gen: Generator, *, dtype: str | None = None,
     return dataclasses.replace(gen, config=target, params=convert_params(gen.params, gen.config, target))
 
 
+def _batch_size(opts: DecodeOptions, num_inputs: int) -> int:
+    """Inputs decoded together: ``opts.batch_size``, or fewer inputs rounded up to a power of two
+    (fewer distinct shapes to compile)."""
+    return min(opts.batch_size, 1 << (max(num_inputs, 1) - 1).bit_length())
+
+
 def _available_memory() -> int | None:
     """MemAvailable from /proc/meminfo in bytes; None where there is no such file."""
     try:
@@ -185,8 +191,7 @@ def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int, param_bytes
 
     if config.kernel_layout == "out_in":
         return None
-    batch = min(opts.batch_size, 1 << (max(num_inputs, 1) - 1).bit_length())  # as generate_texts
-    rows = batch * (opts.beam_size if opts.decoding == "beam" else 1)
+    rows = _batch_size(opts, num_inputs) * (opts.beam_size if opts.decoding == "beam" else 1)
     if rows > native.MAX_ROWS or not native.use_native(config.cpu_kernels):
         return None
     available = _available_memory()
@@ -419,7 +424,7 @@ def generate_texts(
     opts.check()
     encoded = encode_inputs(gen, texts, opts)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
-    batch = min(opts.batch_size, 1 << (len(encoded) - 1).bit_length())
+    batch = _batch_size(opts, len(encoded))
     chunks = [order[i : i + batch] for i in range(0, len(order), batch)]
     if progress:
         from tqdm import tqdm
