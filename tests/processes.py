@@ -15,3 +15,13 @@ def free_port() -> int:
 # the other: it fails with this message before its first step, and its peer waits for ever. Tests that
 # start processes stop such a start and make it again.
 GLOO_DEADLINE = "Gloo context initialization failed"
+
+
+def child_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a child process with `devices` host devices, compiling at the suite's
+    optimisation level (set in conftest.py; the results are the same, the compiles faster)."""
+    import os
+
+    level = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if f.startswith("--xla_backend_optimization_level")]
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", *level])

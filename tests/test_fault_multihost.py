@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from processes import GLOO_DEADLINE, free_port
+from processes import GLOO_DEADLINE, child_xla_flags, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 10
@@ -43,7 +43,7 @@ def _start_pair(workdir, data_dir, steps):
     port = free_port()
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": child_xla_flags(2),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": REPO,
         "TJ_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),

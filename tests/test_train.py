@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from processes import GLOO_DEADLINE, free_port
+from processes import GLOO_DEADLINE, child_xla_flags, free_port
 
 from configs import tiny
 from transformer_jax import parallel
@@ -841,7 +841,7 @@ def test_the_compilation_cache_is_refused_only_to_several_cpu_processes(tmp_path
 def test_two_processes_train_and_one_restores(data_dir, tmp_path):
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": child_xla_flags(2),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": REPO,
     }
