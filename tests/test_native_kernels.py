@@ -32,7 +32,9 @@ def _rand(rng, shape, dtype):
 @contextlib.contextmanager
 def bf16_products(path):
     """Multiplies bf16 the given way (native.set_bf16_products) inside, then lets the process
-    measure again."""
+    measure again. AVX2 has no bf16 dot product: there 'dot' is skipped."""
+    if path == "dot" and native.isa() == "avx2":
+        pytest.skip("AVX2 has no bf16 dot product (bf16 runs widened)")
     assert native.set_bf16_products(path) == path or path == "auto"
     try:
         yield
@@ -91,7 +93,9 @@ def test_bf16_products_are_measured_and_can_be_set():
         assert native.set_bf16_products("auto") in ("dot", "widen")
         assert native.bf16_products() in ("dot", "widen")
         assert native.set_bf16_products("widen") == native.bf16_products() == "widen"
-        assert native.set_bf16_products("dot") == native.bf16_products() == "dot"
+        # Without a bf16 dot product (AVX2), asking for it leaves the widened product.
+        dot = "widen" if native.isa() == "avx2" else "dot"
+        assert native.set_bf16_products("dot") == native.bf16_products() == dot
     finally:
         native.set_bf16_products("auto")
     with pytest.raises(ValueError, match="'fast'.*auto, dot, widen"):
@@ -490,7 +494,7 @@ def test_build_goes_to_the_cache_directory_once(tmp_path):
     cxx.chmod(0o755)
     cache = tmp_path / "cache"
     script = ("import os; from transformer_jax.modeling import native; "
-              "print(native.available(), native._build(os.environ['CXX']))")
+              "print(native.available(), native._build(os.environ['CXX'], native.isa()))")
     env = dict(os.environ, TRANSFORMER_JAX_CACHE=str(cache), CXX=str(cxx))
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,

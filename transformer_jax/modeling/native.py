@@ -58,9 +58,19 @@ _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_bias_activation": "TjBiasActivation"}
 # Activations `bias_activation` computes (the kernel's codes); others run in XLA.
 ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu_tanh": 2, "silu": 3}
-_CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw",
-          "-mavx512vl", "-mavx512bf16", "-mfma")
+HEADERS = tuple(SOURCE.with_name(name) for name in ("native_avx512.h", "native_avx2.h"))
+# The instruction sets the kernels are written for, best first: the CPU features each needs and its
+# compiler flags. AVX-512 with bf16 dot products (native_avx512.h), else AVX2 with FMA
+# (native_avx2.h: 8-lane vectors, bf16 always widened to float32).
+ISAS = {
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
+    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma")),
+}
+_BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+# Names an instruction set to build for instead of the best this CPU has (tests and measurements
+# of the AVX2 kernels on an AVX-512 CPU).
+ISA_ENV = "TRANSFORMER_JAX_NATIVE_ISA"
 
 
 def _cpu_flags() -> set[str]:
@@ -79,11 +89,33 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build(compiler: str) -> Path:
+def _pick_isa(flags: set[str]) -> tuple[str | None, str]:
+    """(the instruction set to build for, '') or (None, why none can be)."""
+    wanted = os.environ.get(ISA_ENV, "")
+    if wanted and wanted not in ISAS:
+        return None, f"${ISA_ENV}={wanted!r}; choose one of {', '.join(ISAS)}"
+    for name, (features, _) in ISAS.items():
+        if wanted and name != wanted:
+            continue
+        missing = [f for f in features if f not in flags]
+        if not missing:
+            return name, ""
+        if wanted or name == "avx2":
+            return None, f"this CPU lacks {', '.join(missing)}"
+    raise AssertionError("unreachable")
+
+
+def _flags(isa_name: str) -> tuple[str, ...]:
+    return (*_BASE_FLAGS, *ISAS[isa_name][1])
+
+
+def _build(compiler: str, isa_name: str = "avx512") -> Path:
     import jaxlib
 
     include = jax.ffi.include_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode() + jaxlib.__version__.encode()
+    flags = _flags(isa_name)
+    sources = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    key = hashlib.sha256(sources + " ".join(flags).encode() + jaxlib.__version__.encode()
                          + compiler.encode()).hexdigest()[:16]
     lib = _cache_dir() / f"native_kernels-{key}.so"
     if lib.exists():
@@ -94,7 +126,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=lib.stem + ".", suffix=".tmp.so")
     os.close(fd)
     try:
-        cmd = [*shlex.split(compiler), *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+        cmd = [*shlex.split(compiler), *flags, f"-I{include}", str(SOURCE), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
@@ -106,6 +138,7 @@ def _build(compiler: str) -> Path:
 
 
 _LIBRARY: list = []  # the loaded library, once _load has succeeded
+_ISA: list = []  # the instruction set it was built for
 
 
 @functools.cache
@@ -113,14 +146,15 @@ def _load() -> tuple[bool, str]:
     """(True, '') once the kernel is built and registered with XLA, else (False, the reason)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False, f"needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
-    missing = [f for f in _CPU_FEATURES if f not in _cpu_flags()]
-    if missing:
-        return False, f"this CPU lacks {', '.join(missing)}"
-    if not SOURCE.is_file():
-        return False, f"the kernels' source {SOURCE} is missing from this installation"
+    isa_name, reason = _pick_isa(_cpu_flags())
+    if isa_name is None:
+        return False, reason
+    for path in (SOURCE, *HEADERS):
+        if not path.is_file():
+            return False, f"the kernels' source {path} is missing from this installation"
     compiler = os.environ.get("CXX", "c++")
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, isa_name)))
         handlers = {target: getattr(lib, symbol) for target, symbol in _TARGETS.items()}
         _LIBRARY.append(lib)
     except FileNotFoundError:
@@ -131,6 +165,7 @@ def _load() -> tuple[bool, str]:
         return False, str(err)
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    _ISA.append(isa_name)
     return True, ""
 
 
@@ -141,6 +176,12 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     return _load()[1]
+
+
+def isa() -> str | None:
+    """The instruction set the kernels run in here ('avx512' or 'avx2'; see `ISAS`), or None where
+    they cannot run."""
+    return _ISA[0] if available() else None
 
 
 BF16_PRODUCTS = ("auto", "dot", "widen")

@@ -1,0 +1,469 @@
+// The kernels' vector code for CPUs with AVX-512 and bfloat16 dot products (included by
+// native_kernels.cc, which holds what both instruction sets share; native_avx2.h is the other).
+
+constexpr bool kHasBf16Dot = true;
+constexpr int kActivationVectors = 4;
+
+// Lane j of the result = the sum of the lanes of a[j], for 16 vectors.
+inline __m512 Transpose16Sum(__m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k)
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)
+    d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0xEE));
+  // Lane 4j + t now holds the sum of a[4t + j]; put the sum of a[m] in lane m.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+// Weight rows read together: each load of an activation vector feeds them all. bf16 takes three
+// at up to 9 activation rows (27 accumulators): with two, the loads and prefetches per dot product
+// left it at ~half of the CPU's dot-product rate even with the weight in cache; float32 streams
+// best with two.
+template <int R, typename T>
+constexpr int GroupRows() {
+  if constexpr (sizeof(T) == 2) return R <= 9 ? 3 : (R <= 14 ? 2 : 1);
+  return R <= 12 ? 2 : 1;
+}
+
+// Adds (or, if `first`, writes) a group's OR * R accumulator sums into y [O, R], which holds them
+// side by side: y[o * R + k] for k = q * R + r. Reduced 16 accumulators at a time into one vector
+// (a horizontal sum each costs ~4x the shuffles), or one by one where there are few.
+template <int R, int OR>
+inline void StoreSums(__m512* acc, float* y, int64_t o, bool first) {
+  float* out = y + o * R;
+  int k0 = 0;
+  for (; k0 + 8 <= OR * R; k0 += 16) {
+    const int n = OR * R - k0 < 16 ? OR * R - k0 : 16;
+    __m512 part[16];
+    for (int j = 0; j < 16; ++j) part[j] = j < n ? acc[k0 + j] : _mm512_setzero_ps();
+    __m512 sums = Transpose16Sum(part);
+    const __mmask16 lanes = (__mmask16)(n >= 16 ? 0xffffu : ((1u << n) - 1u));
+    if (!first) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(lanes, out + k0));
+    _mm512_mask_storeu_ps(out + k0, lanes, sums);
+  }
+  for (int k = k0; k < OR * R; ++k) {
+    const float sum = _mm512_reduce_add_ps(acc[k]);
+    out[k] = first ? sum : out[k] + sum;
+  }
+}
+
+// Output rows o .. o+OR-1 over the input-axis block [i0, i1), adding to y unless `first`.
+// T = uint16_t (bf16 bits) or float. `near` and `far` are the starts of the units to prefetch
+// (into L1 and L2) while this one is read: their row q, offset along the block as this one's.
+template <int R, int OR, typename T>
+inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int64_t i0, int64_t i1,
+                     bool first, const char* near, const char* far) {
+  constexpr int64_t kLanes = sizeof(T) == 2 ? 32 : 16;  // elements per 64-byte vector
+  const int64_t width = i1 - i0;
+  const int64_t full = i0 + (width / kLanes) * kLanes;
+  const int64_t tail = i1 - full;
+  const __mmask32 tail_mask16 = (__mmask32)((tail >= 32) ? 0xffffffffu : ((1u << tail) - 1u));
+  const __mmask16 tail_mask32 = (__mmask16)((tail >= 16) ? 0xffffu : ((1u << tail) - 1u));
+  const int64_t stride = I * (int64_t)sizeof(T);
+  __m512 acc[OR * R];  // acc[q * R + r]: weight row o + q, activation row r
+  for (int k = 0; k < OR * R; ++k) acc[k] = _mm512_setzero_ps();
+  const T* row = w + o * I;
+  for (int64_t i = i0; i < full; i += kLanes) {
+    const int64_t ahead = (i - i0) * (int64_t)sizeof(T);
+    for (int q = 0; q < OR; ++q) {
+      if constexpr (PrefetchL1<R, T>()) _mm_prefetch(near + q * stride + ahead, _MM_HINT_T0);
+      _mm_prefetch(far + q * stride + ahead, _MM_HINT_T1);
+    }
+    if constexpr (sizeof(T) == 2) {
+      __m512bh a[OR];
+      for (int q = 0; q < OR; ++q) a[q] = (__m512bh)_mm512_loadu_si512(row + q * I + i);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh b = (__m512bh)_mm512_loadu_si512(x + r * I + i);
+        for (int q = 0; q < OR; ++q) acc[q * R + r] = _mm512_dpbf16_ps(acc[q * R + r], a[q], b);
+      }
+    } else {
+      __m512 a[OR];
+      for (int q = 0; q < OR; ++q) a[q] = _mm512_loadu_ps(row + q * I + i);
+      for (int r = 0; r < R; ++r) {
+        __m512 b = _mm512_loadu_ps(x + r * I + i);
+        asm("" : "+v"(b));  // one load into a register, not one folded into each row's FMA
+        for (int q = 0; q < OR; ++q) acc[q * R + r] = _mm512_fmadd_ps(a[q], b, acc[q * R + r]);
+      }
+    }
+  }
+  if (tail) {
+    for (int q = 0; q < OR; ++q) {
+      for (int r = 0; r < R; ++r) {
+        if constexpr (sizeof(T) == 2) {
+          acc[q * R + r] = _mm512_dpbf16_ps(acc[q * R + r],
+                                            (__m512bh)_mm512_maskz_loadu_epi16(tail_mask16, row + q * I + full),
+                                            (__m512bh)_mm512_maskz_loadu_epi16(tail_mask16, x + r * I + full));
+        } else {
+          acc[q * R + r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask32, row + q * I + full),
+                                           _mm512_maskz_loadu_ps(tail_mask32, x + r * I + full), acc[q * R + r]);
+        }
+      }
+    }
+  }
+  StoreSums<R, OR>(acc, y, o, first);
+}
+
+// The bf16 product widened to float32 (`Bf16Path::kWiden`): on CPUs whose bf16 dot-product
+// instruction is slow next to their float32 FMAs (measured on one Intel Xeon: vdpbf16ps at one per
+// ~0.8 ns, a float32 FMA at one per ~0.2 ns per core, where a dot product does twice an FMA's
+// work; on the AMD Zen 4 host measured, dot products at 8 rows kept pace with memory).
+//
+// A 64-byte load holds 32 bf16 weights as 16 pairs; a pair's first element widens by a shift of
+// its 32-bit lane, the second by clearing the lane's low half (bf16 is float32's top 16 bits, so
+// both are exact). The activations are widened once per call (WidenRows) into float32 in the same
+// order: each run of 32 inputs as its 16 first-of-pair elements, then its 16 second-of-pair ones,
+// the row padded with zeros to a multiple of 32 (the weights' tail loads as zeros).
+inline void WidenPairs(__m512i v, __m512* first, __m512* second) {
+  *first = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  *second = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+// Inputs per run of the widened order (a 64-byte load of bf16), and a row length padded to whole runs.
+constexpr int64_t kWidenRun = 32;
+inline int64_t PaddedWiden(int64_t n) { return (n + kWidenRun - 1) / kWidenRun * kWidenRun; }
+
+// x [R, I] bf16 -> xw [R, PaddedWiden(I)] float32 in the order above.
+void WidenRows(const uint16_t* x, float* xw, int64_t R, int64_t I) {
+  const int64_t Ip = PaddedWiden(I);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < Ip; i += 32) {
+      const int64_t n = std::min<int64_t>(32, I - i);
+      const __mmask32 m = (__mmask32)(n >= 32 ? 0xffffffffu : ((1u << n) - 1u));
+      __m512 first, second;
+      WidenPairs(_mm512_maskz_loadu_epi16(m, x + r * I + i), &first, &second);
+      _mm512_storeu_ps(xw + r * Ip + i, first);
+      _mm512_storeu_ps(xw + r * Ip + i + 16, second);
+    }
+  }
+}
+
+// RowGroup's bf16 product on widened activations xw [R, Ip]; [i0, i1) starts at a multiple of 32.
+template <int R, int OR>
+inline void RowGroupWiden(const uint16_t* w, const float* xw, float* y, int64_t I, int64_t Ip, int64_t o,
+                          int64_t i0, int64_t i1, bool first, const char* near, const char* far) {
+  const int64_t full = i0 + ((i1 - i0) / 32) * 32;
+  const int64_t tail = i1 - full;
+  const int64_t stride = I * 2;
+  __m512 acc[OR * R];
+  for (int k = 0; k < OR * R; ++k) acc[k] = _mm512_setzero_ps();
+  const uint16_t* row = w + o * I;
+  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+  // One pass over 32 inputs: the OR rows' first-of-pair elements against each activation row,
+  // then their second-of-pair ones (at R = 8: two rows, 16 accumulators, 4 widened weight vectors).
+  for (int64_t i = i0; i < i1; i += 32) {
+    const int64_t ahead = (i - i0) * 2;
+    const __mmask32 m = i < full ? (__mmask32)0xffffffffu : (__mmask32)((1u << tail) - 1u);
+    if (i < full) {
+      for (int q = 0; q < OR; ++q) {
+        if constexpr (PrefetchL1<R, uint16_t>()) _mm_prefetch(near + q * stride + ahead, _MM_HINT_T0);
+        _mm_prefetch(far + q * stride + ahead, _MM_HINT_T1);
+      }
+    }
+    __m512i v[OR];
+    for (int q = 0; q < OR; ++q) v[q] = _mm512_maskz_loadu_epi16(m, row + q * I + i);
+    for (int r = 0; r < R; ++r) {
+      __m512 xa = _mm512_load_ps(xw + r * Ip + i);
+      asm("" : "+v"(xa));  // one load into a register, not one folded into each row's FMA
+      for (int q = 0; q < OR; ++q)
+        acc[q * R + r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16)), xa, acc[q * R + r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 xb = _mm512_load_ps(xw + r * Ip + i + 16);
+      asm("" : "+v"(xb));
+      for (int q = 0; q < OR; ++q)
+        acc[q * R + r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v[q], high)), xb, acc[q * R + r]);
+    }
+  }
+  StoreSums<R, OR>(acc, y, o, first);
+}
+
+// Weight rows per pass of the widened bf16 product: its accumulators, 2 * OR widened weight
+// vectors and the activation vector must stay within the 32 registers (measured in the C++
+// harness: two rows at 8 activation rows, 55-59 GMAC/s per core, against 41-43 with three).
+template <int R>
+constexpr int WidenGroupRows() { return R <= 4 ? 3 : (R <= 12 ? 2 : 1); }
+
+// Nanoseconds per instruction of 12 independent chains of `op` (the inner loops' mix, without
+// memory): the least of five tries of 2048 rounds.
+template <typename Op>
+double NsPerOp(Op op) {
+  double best = 1e30;
+  for (int t = 0; t < 5; ++t) {
+    __m512 acc[12];
+    for (int k = 0; k < 12; ++k) acc[k] = _mm512_set1_ps(1e-3f * k);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 2048; ++i) {
+      for (int k = 0; k < 12; ++k) acc[k] = op(acc[k]);
+      asm volatile("" : : : "memory");
+    }
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+    float sum = 0;
+    for (int k = 0; k < 12; ++k) sum += _mm512_reduce_add_ps(acc[k]);
+    asm volatile("" : : "x"(sum));
+    best = std::min(best, ns / (2048.0 * 12));
+  }
+  return best;
+}
+
+// The faster way to multiply bf16 on this CPU, measured: a bf16 dot product does 32 multiply-adds,
+// a float32 FMA 16, and widening costs about one more operation per 16 multiply-adds at a few rows.
+int Bf16Calibrate() {
+  __m512i a = _mm512_set1_epi16(0x3f80), b = _mm512_set1_epi16(0x3a83);
+  __m512 fa = _mm512_set1_ps(1.0f), fb = _mm512_set1_ps(1e-3f);
+  asm volatile("" : "+v"(a), "+v"(b), "+v"(fa), "+v"(fb));  // not constants the compiler can fold
+  double dot = 1e30, fma = 1e30;
+  for (int t = 0; t < 3; ++t) {
+    dot = std::min(dot, NsPerOp([&](__m512 c) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }));
+    fma = std::min(fma, NsPerOp([&](__m512 c) { return _mm512_fmadd_ps(fa, fb, c); }));
+  }
+  return 2.25 * fma < dot ? kWiden : kDot;
+}
+
+// exp(x) for x <= 0 (logits minus their maximum), float32 accuracy: 2^(x log2 e) split into an
+// integer power of two and a degree-6 polynomial on [-0.5, 0.5].
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // exp(-87) ~ 1.6e-38, and no inf - inf below
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]; 2^f = exp(f ln 2)
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6182945e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 cache elements from p (float32, or bf16 widened exactly to float32), lanes outside `lanes` 0.
+inline __m512 LoadCache(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 LoadCache(const uint16_t* p, __mmask16 lanes) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+
+// One query q[Kd] over keys/values [S, Kd] (T: float, or uint16_t for bf16) with mask m[S] ->
+// out[Kd]. `logits` has room for S rounded up to 16. Only the keys and values from the first
+// visible position to the last are read: a decoding step's cache is allocated for the whole
+// generation, and the positions not yet written (and a left-padded prompt's padding) are masked.
+// What lies outside is never loaded, so it cannot change the result, whatever it holds.
+// While it reads each key it prefetches the key's value row and, where next_k / next_v are given
+// (the next task's keys and values), the same row of those: in a decoding step the cache comes
+// from memory (the weights read between two layers' attention push it out of every cache level),
+// and a (row, head) task of 64 positions is too short for the hardware prefetcher to get ahead.
+// GPT-2 small, bf16 cache, batch 8, 64 visible positions: 175-210 -> 112-117 us per layer.
+template <typename T>
+void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out,
+               int64_t S, int64_t Kd, float* logits, const T* next_k, const T* next_v) {
+  const int64_t vecs = (Kd + 15) / 16;
+  const __mmask16 tail = (Kd % 16) ? (__mmask16)((1u << (Kd % 16)) - 1u) : (__mmask16)0xffff;
+  int64_t lo = 0, hi = S;  // the visible keys lie in [lo, hi)
+  while (lo < S && !m[lo]) ++lo;
+  while (hi > lo && !m[hi - 1]) --hi;
+  if (lo == hi) {  // no key is visible: zeros, as on every backend
+    for (int64_t d = 0; d < Kd; ++d) out[d] = 0.0f;
+    return;
+  }
+  const int64_t first = lo / 16 * 16;  // blocks of 16 keys, aligned as if they started at 0
+  const int64_t row_bytes = Kd * sizeof(T);
+  __m512 qv[kMaxHeadDim / 16];
+  for (int64_t c = 0; c < vecs; ++c)
+    qv[c] = _mm512_maskz_loadu_ps(c == vecs - 1 ? tail : (__mmask16)0xffff, q + c * 16);
+  // Logits, 16 keys at a time (keys outside [lo, hi) count as masked).
+  float best = -3.0e38f;
+  for (int64_t s0 = first; s0 < hi; s0 += 16) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (s0 + j < lo || s0 + j >= hi) continue;
+      // This query's value row, and the next task's key row, start coming from memory.
+      PrefetchRows(v + (s0 + j) * Kd, 1, row_bytes);
+      if (next_k != nullptr) PrefetchRows(next_k + (s0 + j) * Kd, 1, row_bytes);
+      const T* key = k + (s0 + j) * Kd;
+      for (int64_t c = 0; c < vecs; ++c)
+        acc[j] = _mm512_fmadd_ps(qv[c], LoadCache(key + c * 16, c == vecs - 1 ? tail : (__mmask16)0xffff),
+                                 acc[j]);
+    }
+    _mm512_storeu_ps(logits + s0, Transpose16Sum(acc));
+    for (int j = 0; j < 16 && s0 + j < hi; ++j) {
+      if (m[s0 + j]) best = std::max(best, logits[s0 + j]);  // (m is false below lo)
+    }
+  }
+  for (int64_t c = 0; c < vecs; ++c) qv[c] = _mm512_setzero_ps();  // now the output accumulator
+  // Weights exp(logit - max) on visible keys, 0 elsewhere; their sum. The blocks before `first`
+  // would each add zeros: the sums are the same as over all S keys.
+  __m512 total = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(best);
+  for (int64_t s0 = first; s0 < hi; s0 += 16) {
+    __mmask16 visible = 0;
+    for (int j = 0; j < 16 && s0 + j < hi; ++j) visible |= (__mmask16)((m[s0 + j] ? 1u : 0u) << j);
+    __m512 p = _mm512_maskz_mov_ps(visible, Exp(_mm512_sub_ps(_mm512_loadu_ps(logits + s0), top)));
+    _mm512_storeu_ps(logits + s0, p);
+    total = _mm512_add_ps(total, p);
+  }
+  for (int64_t s = lo; s < hi; ++s) {
+    if (!m[s]) continue;
+    const __m512 p = _mm512_set1_ps(logits[s]);
+    if (next_v != nullptr) PrefetchRows(next_v + s * Kd, 1, row_bytes);
+    const T* val = v + s * Kd;
+    for (int64_t c = 0; c < vecs; ++c)
+      qv[c] = _mm512_fmadd_ps(p, LoadCache(val + c * 16, c == vecs - 1 ? tail : (__mmask16)0xffff), qv[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  for (int64_t c = 0; c < vecs; ++c)
+    _mm512_mask_storeu_ps(out + c * 16, c == vecs - 1 ? tail : (__mmask16)0xffff, _mm512_mul_ps(qv[c], inv));
+}
+
+// Rows [v0, v1) of columns [b0, b0 + 16) (or of all B columns, P = 16 / B rows per vector, where
+// B divides 16): one partial per lane, lane l holding column b0 + l % B' (B' = 16 / P) over rows
+// v = l / B' (mod P). `lanes` marks the lanes in use.
+void GreedyLanes(const float* l, int64_t B, int64_t b0, int64_t P, __mmask16 lanes, int64_t v0, int64_t v1,
+                 GreedyPartial* out) {
+  const int64_t Bv = 16 / P;  // columns per vector
+  // Row of each lane at the vector for row v: v + lane / Bv.
+  const __m512i lane_row = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             (unsigned)__builtin_ctzll((unsigned long long)Bv));
+  auto at_row = [&](int64_t v) { return P == 1 ? (const float*)(l + v * B + b0) : l + v * B; };
+  // The lanes of the vector at row v that hold rows before v1 (all but in the last, where V is not
+  // a multiple of P).
+  auto within = [&](int64_t v) {
+    return v + P <= v1 ? lanes : (__mmask16)(lanes & ((1u << ((v1 - v) * Bv)) - 1u));
+  };
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i at = _mm512_setzero_si512();
+  __mmask16 nan = 0, seen = 0;  // lanes that met a NaN / a value that is not NaN
+  for (int64_t v = v0; v < v1; v += P) {
+    const __mmask16 in = within(v);
+    const __m512 x = _mm512_maskz_loadu_ps(in, at_row(v));
+    const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q) & in;
+    // Greater, or the first number of the lane (a -inf equals the starting maximum).
+    const __mmask16 more = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ) | (number & (__mmask16)~seen);
+    nan |= (__mmask16)(in & ~number);
+    seen |= number;
+    best = _mm512_mask_mov_ps(best, more, x);
+    at = _mm512_mask_mov_epi32(at, more, _mm512_add_epi32(lane_row, _mm512_set1_epi32((int32_t)v)));
+  }
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t s0 = v0; s0 < v1; s0 += kGreedyBlock) {
+    __m512 block = _mm512_setzero_ps();
+    for (int64_t v = s0; v < std::min(v1, s0 + kGreedyBlock); v += P) {
+      const __mmask16 in = within(v);
+      const __m512 x = _mm512_maskz_loadu_ps(in, at_row(v));
+      // (Exp clamps at -87: a logit that far below the maximum adds ~1e-38 instead of 0.)
+      const __m512 diff = _mm512_sub_ps(x, best);
+      // -inf - -inf and inf - inf are NaN, as in the XLA path's exp(logits - max). A NaN x only
+      // sets the lane's nan flag (the column's sum is NaN either way), and lanes past the last
+      // row add nothing.
+      const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q) & in;
+      const __mmask16 bad = _mm512_cmp_ps_mask(diff, diff, _CMP_UNORD_Q) & number;
+      block = _mm512_add_ps(block, _mm512_maskz_mov_ps(number, _mm512_mask_mov_ps(Exp(diff), bad, diff)));
+    }
+    total = _mm512_add_ps(total, block);
+  }
+  alignas(64) float b[16], t[16];
+  alignas(64) int32_t a[16];
+  _mm512_store_ps(b, best);
+  _mm512_store_ps(t, total);
+  _mm512_store_si512(a, at);
+  for (int j = 0; j < 16; ++j) {
+    out[j].best = b[j];
+    out[j].at = a[j];
+    out[j].seen = (seen >> j) & 1;
+    out[j].nan = (nan >> j) & 1;
+    out[j].sum = t[j];
+  }
+}
+
+inline __m512 RoundToBf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// exp(v) for any float32 v, within about an ulp, overflowing to inf and underflowing to 0 where
+// exp does: v = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so n ln 2 is exact), then
+// e^r by its Taylor series to r^7 / 7! and scaled by 2^n. Exp above (for the softmax's v <= 0)
+// reduces v * log2(e) in one rounding, which costs ~5 ulp at |v| ~ 7: enough for a sum of
+// probabilities, not for SiLU in bf16, where XLA's exp decides between two bf16 neighbours.
+inline __m512 ExpAny(__m512 v) {
+  v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);  // exact: 9 bits of ln 2
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The activation of h, each operation rounded as `round` says: in a bf16 model to bf16 after
+// every step, in the order jax.nn.gelu / jax.nn.silu take them, as XLA computes those functions
+// on bf16 arrays (the tanh and logistic themselves in float32); in float32 not at all.
+template <int Act, typename Round>
+inline __m512 Activation(__m512 h, Round round) {
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  if constexpr (Act == 1) {
+    return _mm512_max_ps(zero, h);  // h where h is NaN (the second operand), as max(h, 0) in XLA
+  } else if constexpr (Act == 2) {
+    // h * (0.5 (1 + tanh(c (h + k h^3)))); tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2 |u|) <= 1.
+    // In bf16 the constants are bf16 too.
+    const __m512 c = round(_mm512_set1_ps(0.7978845608028654f)), k = round(_mm512_set1_ps(0.044715f));
+    const __m512 h3 = round(_mm512_mul_ps(round(_mm512_mul_ps(h, h)), h));
+    const __m512 u = round(_mm512_mul_ps(round(_mm512_add_ps(h, round(_mm512_mul_ps(h3, k)))), c));
+    const __m512 e = Exp(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(u)));
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    t = round(_mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(u, zero, _CMP_LT_OQ), zero, t));
+    const __m512 cdf = round(_mm512_mul_ps(round(_mm512_add_ps(t, one)), _mm512_set1_ps(0.5f)));
+    return round(_mm512_mul_ps(h, cdf));
+  } else if constexpr (Act == 3) {  // h * (1 / (1 + exp(-h)))
+    const __m512 d = round(_mm512_add_ps(round(ExpAny(round(_mm512_sub_ps(zero, h)))), one));
+    return round(_mm512_mul_ps(h, round(_mm512_div_ps(one, d))));
+  } else {
+    return h;
+  }
+}
+
+template <int Act, bool Bf16>
+void BiasActivationColumns(const float* yp, const float* bp, void* outp, int64_t O, int64_t R, int64_t o0,
+                           int64_t o1) {
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int32_t)R));
+  auto round = [](__m512 v) { return Bf16 ? RoundToBf16(v) : v; };
+  auto mask = [o1](int64_t o) {
+    const int64_t n = std::min<int64_t>(16, o1 - o);
+    return (__mmask16)(n >= 16 ? 0xffffu : ((1u << n) - 1u));
+  };
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t o = o0; o < o1; o += 16 * kActivationVectors) {
+      __m512 h[kActivationVectors];
+      __mmask16 m[kActivationVectors];
+      for (int j = 0; j < kActivationVectors; ++j) {
+        const int64_t oj = std::min<int64_t>(o + 16 * j, o1);
+        m[j] = oj < o1 ? mask(oj) : (__mmask16)0;
+        h[j] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m[j], lanes, yp + oj * R + r, 4);
+        h[j] = round(_mm512_add_ps(h[j], _mm512_maskz_loadu_ps(m[j], bp + oj)));
+      }
+      for (int j = 0; j < kActivationVectors; ++j) h[j] = Activation<Act>(h[j], round);
+      for (int j = 0; j < kActivationVectors; ++j) {
+        const int64_t oj = std::min<int64_t>(o + 16 * j, o1);
+        if (Bf16) {
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(outp) + r * O + oj, m[j], (__m256i)_mm512_cvtneps_pbh(h[j]));
+        } else {
+          _mm512_mask_storeu_ps(static_cast<float*>(outp) + r * O + oj, m[j], h[j]);
+        }
+      }
+    }
+  }
+}
+
