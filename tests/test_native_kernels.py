@@ -502,3 +502,39 @@ def test_build_goes_to_the_cache_directory_once(tmp_path):
         assert out.returncode == 0 and out.stdout.startswith("True"), out.stderr
     built = list(cache.iterdir())
     assert len(built) == 1 and built[0].suffix == ".so" and str(built[0]) in out.stdout
+
+
+def test_the_kernels_run_in_the_instruction_set_named():
+    named = os.environ.get(native.ISA_ENV)
+    if not native.available():
+        assert native.isa() is None
+    elif named:
+        assert native.isa() == named
+    else:
+        assert native.isa() in native.ISAS
+
+
+def test_an_unknown_instruction_set_is_refused(monkeypatch):
+    monkeypatch.setenv(native.ISA_ENV, "sse2")
+    assert native._pick_isa({"avx2", "fma"}) == (None, f"${native.ISA_ENV}='sse2'; choose one of avx512, avx2")
+    monkeypatch.setenv(native.ISA_ENV, "avx512")
+    assert native._pick_isa({"avx2", "fma"})[1].startswith("this CPU lacks avx512f")
+    monkeypatch.delenv(native.ISA_ENV)
+    assert native._pick_isa({"avx2", "fma", "avx512f"}) == ("avx2", "")
+    assert native._pick_isa({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma"}) == ("avx512", "")
+    assert native._pick_isa({"sse2"}) == (None, "this CPU lacks avx2, fma")
+
+
+@pytest.mark.skipif(os.environ.get(native.ISA_ENV) is not None, reason="already a named build")
+def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():
+    # On an AVX-512 CPU the tests above run the AVX-512 build; the AVX2 one (for CPUs without
+    # AVX-512) then runs the checks of every kernel against NumPy and XLA in a child process.
+    if native.isa() != "avx512":
+        pytest.skip(f"the kernels here are the {native.isa()} build, which the tests above check")
+    selected = ("rows_matmul_equals or cache_attention_equals or visible_window or cache_write_equals "
+                "or greedy_choice_equals or bit_for_bit or instruction_set_named")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected],
+                         env=dict(os.environ, **{native.ISA_ENV: "avx2"}), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert re.search(r"\b[1-9]\d* passed", out.stdout) and " failed" not in out.stdout, out.stdout[-2000:]

@@ -72,7 +72,7 @@ class ModelConfig:
     # Projection kernels stored inputs first ([D, F], Flax's order) or outputs first ([F, D],
     # PyTorch's); 'out_in' decodes faster on CPU. tj.params.convert_params converts.
     kernel_layout: str = "in_out"
-    # Decoding steps on a CPU: this package's own AVX-512 kernels for the weight products of
+    # Decoding steps on a CPU: this package's own AVX-512 / AVX2 kernels for the weight products of
     # 'out_in' kernels and the tied output projection, and for the attention over the KV cache
     # ('auto': where they build and run, outside a multi-device mesh; 'native': an error where they
     # cannot; 'xla': XLA's own). See modeling/native.py; no effect on other platforms.

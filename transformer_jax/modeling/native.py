@@ -24,8 +24,10 @@ The C++ source ships with the package and is compiled on first use with the syst
 compiler (``$CXX``, else ``c++``) against the FFI headers of the installed jaxlib, into
 ``$TRANSFORMER_JAX_CACHE`` (default ``~/.cache/transformer_jax``), keyed by the source, the
 compiler flags and the jaxlib version. It needs Linux on x86-64 with AVX-512 and bfloat16 dot
-products (avx512_bf16). `available()` says whether it can run here, and `unavailable_reason()`
-why not; a model asks for it with ``ModelConfig.cpu_kernels``.
+products (avx512_bf16; `native_avx512.h`), or else AVX2 with FMA (`native_avx2.h`: the same
+kernels in 8-lane vectors, bf16 products always widened); `isa()` says which. `available()` says
+whether it can run here, and `unavailable_reason()` why not; a model asks for it with
+``ModelConfig.cpu_kernels``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@
 //   which is what XLA computes.
 
 constexpr bool kHasBf16Dot = false;
+// The L1 prefetch one unit ahead, always: on an AMD Zen 3 host, alternating processes over the 49
+// products of a GPT-2-small step (the best of 15 runs each), bf16 at 1 row 14.8-18.8 ms with it
+// against 17.6-20.3 without (six pairs), at 8 rows 21.8-25.1 against 21.4-26.9; float32 at 1 row
+// 25.7-32.0 against 23.5-34.7, at 8 rows 31.7-37.3 against 32.5-45.9 (four pairs).
+template <int R, typename T>
+constexpr bool PrefetchL1() { return true; }
 constexpr int kActivationVectors = 4;
 
 // Lanes 0..n-1 set (n in 0..8), as the mask argument of maskload / maskstore.

@@ -2,6 +2,9 @@
 // native_kernels.cc, which holds what both instruction sets share; native_avx2.h is the other).
 
 constexpr bool kHasBf16Dot = true;
+// The L1 prefetch one unit ahead: for bf16 at 6 rows or more (at 1 row, and for float32, it cost ~5%).
+template <int R, typename T>
+constexpr bool PrefetchL1() { return sizeof(T) == 2 && R >= 6; }
 constexpr int kActivationVectors = 4;
 
 // Lane j of the result = the sum of the lanes of a[j], for 16 vectors.

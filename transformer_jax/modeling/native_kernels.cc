@@ -20,8 +20,10 @@
 // (vdpbf16ps, 32 multiply-adds each), or weights and activations widened exactly to float32 and
 // multiplied by float32 FMAs (RowGroupWiden).
 //
-// Built by native.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 (AVX-512 with bfloat16
-// dot products); native.py runs it only on CPUs that report those features.
+// The vector code is written twice, for AVX-512 with bfloat16 dot products (native_avx512.h, built
+// with -mavx512f -mavx512bw -mavx512vl -mavx512bf16) and for AVX2 with FMA (native_avx2.h: 8-lane
+// vectors, 16 registers, bf16 always widened); this file holds what they share. native.py builds
+// the best one the CPU reports the features of.
 
 #include <immintrin.h>
 
@@ -45,14 +47,12 @@ namespace {
 constexpr int kMaxRows = 16;
 // Software prefetches run ahead of the reads by whole units of work (a group of weight rows over
 // one block of the input axis, in the order a thread reads them): eight units ahead into L2 and,
-// for bf16 at 6 rows or more, one unit ahead into L1. Measured on a 2-core AVX-512 CPU over the
-// products of a GPT-2-small decoding step (248 MB of bf16 weights): at 8 rows, 13.0 ms with the
-// previous scheme (2 KB / 8 KB ahead along each row, two rows per pass, one horizontal sum per
-// accumulator) and 10.3 ms with this one; at 1 row, and for float32, the L1 prefetch cost ~5%.
+// where the instruction set's PrefetchL1 says so, one unit ahead into L1. Measured on a 2-core
+// AVX-512 CPU over the products of a GPT-2-small decoding step (248 MB of bf16 weights): at 8 rows,
+// 13.0 ms with the previous scheme (2 KB / 8 KB ahead along each row, two rows per pass, one
+// horizontal sum per accumulator) and 10.3 ms with this one.
 constexpr int64_t kPrefetchL1Units = 1;
 constexpr int64_t kPrefetchL2Units = 8;
-template <int R, typename T>
-constexpr bool PrefetchL1() { return sizeof(T) == 2 && R >= 6; }
 // Activation bytes kept in L1 at once (all rows of one block of the input axis).
 constexpr int64_t kBlockBytes = 24 * 1024;
 // Output rows per unit of work handed out to a thread (a multiple of the row groups, 2 and 3).
