@@ -516,12 +516,14 @@ def test_the_kernels_run_in_the_instruction_set_named():
 
 def test_an_unknown_instruction_set_is_refused(monkeypatch):
     monkeypatch.setenv(native.ISA_ENV, "sse2")
-    assert native._pick_isa({"avx2", "fma"}) == (None, f"${native.ISA_ENV}='sse2'; choose one of avx512, avx2")
+    refused = f"${native.ISA_ENV}='sse2'; choose one of avx512, avx2"
+    assert native._pick_isa({"avx2", "fma"}) == (None, refused)
     monkeypatch.setenv(native.ISA_ENV, "avx512")
     assert native._pick_isa({"avx2", "fma"})[1].startswith("this CPU lacks avx512f")
     monkeypatch.delenv(native.ISA_ENV)
     assert native._pick_isa({"avx2", "fma", "avx512f"}) == ("avx2", "")
-    assert native._pick_isa({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma"}) == ("avx512", "")
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma"}
+    assert native._pick_isa(avx512) == ("avx512", "")
     assert native._pick_isa({"sse2"}) == (None, "this CPU lacks avx2, fma")
 
 
@@ -533,8 +535,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():
         pytest.skip(f"the kernels here are the {native.isa()} build, which the tests above check")
     selected = ("rows_matmul_equals or cache_attention_equals or visible_window or cache_write_equals "
                 "or greedy_choice_equals or bit_for_bit or instruction_set_named")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected],
-                         env=dict(os.environ, **{native.ISA_ENV: "avx2"}), capture_output=True, text=True,
-                         timeout=600)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected]
+    out = subprocess.run(command, env=dict(os.environ, **{native.ISA_ENV: "avx2"}), capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert re.search(r"\b[1-9]\d* passed", out.stdout) and " failed" not in out.stdout, out.stdout[-2000:]
