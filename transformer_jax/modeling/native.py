@@ -111,7 +111,7 @@ def _flags(isa_name: str) -> tuple[str, ...]:
     return (*_BASE_FLAGS, *ISAS[isa_name][1])
 
 
-def _build(compiler: str, isa_name: str = "avx512") -> Path:
+def _build(compiler: str, isa_name: str) -> Path:
     import jaxlib
 
     include = jax.ffi.include_dir()

@@ -19,7 +19,7 @@ constexpr bool kHasBf16Dot = false;
 // 25.7-32.0 against 23.5-34.7, at 8 rows 31.7-37.3 against 32.5-45.9 (four pairs).
 template <int R, typename T>
 constexpr bool PrefetchL1() { return true; }
-constexpr int kActivationVectors = 4;
+constexpr int kActivationVectors = 4;  // as in native_avx512.h, of 8 lanes each
 
 // Lanes 0..n-1 set (n in 0..8), as the mask argument of maskload / maskstore.
 inline __m256i FirstLanes(int64_t n) {

@@ -90,9 +90,8 @@ struct GreedyPartial {
 constexpr int64_t kGreedyRows = 4096;
 constexpr int64_t kGreedyBlock = 256;
 
-// Output columns per task of tj_bias_activation, and vectors of 16 computed side by side: the
-// activations are long chains of dependent operations, so four independent ones keep the core busy
-// (a [3072, 8] bf16 tanh-GELU took ~60 us one vector at a time on one core).
+// Output columns per task of tj_bias_activation (the vectors computed side by side within one are
+// kActivationVectors, in the instruction set's header).
 constexpr int64_t kActivationColumns = 256;
 
 #if defined(__AVX512F__)
