@@ -8,7 +8,6 @@ import json
 import os
 import pickle
 import shutil
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from test_convert_fixtures import (  # noqa: E402
     gpt2_checkpoint,
     hf_model,
     marian_checkpoint,
+    scratch_directory,
 )
 
 from transformer_jax.convert import (  # noqa: E402
@@ -371,7 +371,7 @@ def test_safetensors_reader_handles_bfloat16_and_float16(tmp_path):
 
 
 def _copy_checkpoint(src, edit_config=None):
-    directory = tempfile.mkdtemp(prefix="tj_bad_")
+    directory = scratch_directory()
     for name in os.listdir(src):
         shutil.copy(os.path.join(src, name), directory)
     if edit_config:

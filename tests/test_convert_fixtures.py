@@ -4,10 +4,12 @@ from configs, tokenizers trained on a few sentences here."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import io
 import json
 import os
+import shutil
 import tempfile
 
 CORPUS = [
@@ -75,8 +77,16 @@ MARIAN_CONFIGS = {
 }
 
 
-def _root() -> str:
-    return tempfile.mkdtemp(prefix="tj_convert_")
+_SCRATCH: list[str] = []
+
+
+def scratch_directory() -> str:
+    """A new directory under one per-process root that is removed when the process exits (the
+    fixtures are cached across tests, so pytest's per-test tmp_path would not outlive them)."""
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="tj_convert_"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], True)
+    return tempfile.mkdtemp(dir=_SCRATCH[0])
 
 
 def write_bpe_tokenizer(directory: str) -> int:
@@ -141,7 +151,7 @@ def gpt2_checkpoint(name: str, safe_serialization: bool = True) -> str:
     import torch
     import transformers
 
-    directory = _root()
+    directory = scratch_directory()
     eos = write_bpe_tokenizer(directory)
     config = transformers.GPT2Config(vocab_size=300, bos_token_id=eos, eos_token_id=eos, **GPT2_CONFIGS[name])
     torch.manual_seed(sum(map(ord, name)))
@@ -158,7 +168,7 @@ def marian_checkpoint(name: str) -> str:
     import torch
     import transformers
 
-    directory = _root()
+    directory = scratch_directory()
     vocab = write_marian_tokenizer(directory)
     pad = vocab["<pad>"]
     config = transformers.MarianConfig(
