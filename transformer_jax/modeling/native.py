@@ -203,7 +203,8 @@ def bf16_products() -> str:
 def set_bf16_products(path: str) -> str:
     """Fixes how bfloat16 products run in this process ('dot' or 'widen'), or measures again
     ('auto'); returns the path now in use. For tests and measurements: the choice applies to every
-    call from then on, including already-compiled programs."""
+    call from then on, including already-compiled programs. The AVX2 build has no bfloat16 dot
+    product, so there 'dot' (and 'auto') give 'widen', which the return value says."""
     if path not in BF16_PRODUCTS:
         raise ValueError(f"set_bf16_products: {path!r}; choose one of {', '.join(BF16_PRODUCTS)}")
     _check_available()
