@@ -4,6 +4,7 @@ the non-finite guard, config errors, TensorBoard files, and two processes runnin
 import copy
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -193,8 +194,19 @@ def test_meshes_give_the_same_losses(data_dir, tmp_path):
     assert reference[-1] < reference[0]
     # data + FSDP + tensor parallel at once (pure data parallelism over 8 devices is compared with
     # one device in test_checkpoint.py's restore onto another mesh)
-    losses = _losses_on(parallel.create_mesh(2, 2, 2), config, batches)
+    mesh = parallel.create_mesh(2, 2, 2)
+    losses = _losses_on(mesh, config, batches)
     np.testing.assert_allclose(losses, reference, rtol=2e-5, err_msg="mesh (2, 2, 2)")
+    # No activation is gathered whole across the batch: the embedding lookup from a table split over
+    # fsdp and tensor once came out split on its embedding axis, and XLA replicated it (and its
+    # gradient) to reach the batch's sharding ("Involuntary full rematerialization").
+    _, state, step, _ = _pieces(config, mesh)
+    with parallel.sharding_context(mesh):
+        hlo = step.lower(state, parallel.shard_batch(batches[0], mesh)).compile().as_text()
+    global_batch = "{},{}".format(*batches[0]["targets"].shape)
+    kinds = "all-gather|all-reduce|all-to-all|collective-permute"
+    collectives = re.findall(rf"= \w+\[([\d,]*)\][^=]*? (?:{kinds})\(", hlo)
+    assert collectives and not [c for c in collectives if c.startswith(global_batch)], collectives
 
 
 def test_short_run_loss_falls_and_writes_everything(data_dir, tmp_path):

@@ -61,6 +61,12 @@ class Embed(nn.Module):
     def __call__(self, ids):
         """ids: int [B, L] -> [B, L, D] in the compute dtype, times `scale`."""
         table = jnp.asarray(self.embedding, self.dtype)
+        # Under a mesh: the lookup is gathered with the ids' batch sharding, from the table with its
+        # embedding axis whole (still split over the vocabulary). Gathering from a table split on
+        # both axes gave rows split on the embedding axis, which XLA could only turn into the
+        # batch's sharding by replicating them ("Involuntary full rematerialization").
+        table = nn.with_logical_constraint(table, (self.names[0], None))
+        ids = nn.with_logical_constraint(ids, ("batch", "length")[-ids.ndim:])
         if table.dtype.itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
             out = _take_rows(table, ids)
         else:
