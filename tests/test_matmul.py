@@ -169,3 +169,57 @@ def test_bf16_gradients_on_a_mesh_equal_one_device():
     loss8, grads8 = _lm_grads(config, tokens, parallel.create_mesh(2, 2, 2))
     np.testing.assert_allclose(loss8, loss1, rtol=1e-3)
     assert _relative_error(grads8, grads1) < 0.1  # bf16 sums in another order: about 5%
+
+
+def test_a_cpu_without_bf16_matrix_instructions_is_told_by_its_flags(monkeypatch):
+    from transformer_jax.modeling import native
+
+    cases = [("x86_64", {"avx2", "fma"}, False), ("x86_64", {"avx2", "fma", "avx512f", "avx512bw"}, False),
+             ("x86_64", {"avx512f", "avx512_bf16"}, True), ("x86_64", {"avx2", "amx_bf16"}, True),
+             ("x86_64", set(), True), ("aarch64", {"asimd"}, True)]
+    try:
+        for machine, flags, expected in cases:
+            monkeypatch.setattr(native.platform, "machine", lambda m=machine: m)
+            monkeypatch.setattr(native, "_cpu_flags", lambda f=flags: f)
+            native.cpu_multiplies_bf16.cache_clear()
+            assert native.cpu_multiplies_bf16() is expected, (machine, flags)
+    finally:
+        native.cpu_multiplies_bf16.cache_clear()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="about XLA:CPU's bf16 kernel")
+def test_bf16_products_of_many_rows_run_in_float32_on_a_cpu_without_bf16_matrix_instructions(monkeypatch):
+    """There XLA:CPU's bf16 matmul is slower than converting to float32 first: from
+    MIN_TOKENS_TO_WIDEN rows both products and their gradients run in float32, with the same
+    values; fewer rows, or a CPU with bf16 instructions, keep the bf16 products."""
+    from transformer_jax.modeling import native
+
+    rows = matmul.MIN_TOKENS_TO_WIDEN
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (rows, IN[-1]), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (IN[-1], OUT[0]), jnp.float32) * 0.3).astype(jnp.bfloat16)
+    table = w.T  # [V, D]
+    plain = {"contract": lambda a, b: a.astype(jnp.float32) @ b.astype(jnp.float32),
+             "contract_transposed": lambda a, b: a.astype(jnp.float32) @ b.astype(jnp.float32).T}
+    products = {"contract": (matmul.contract, w), "contract_transposed": (matmul.contract_transposed, table)}
+
+    def dot_kinds(product, *args):
+        hlo = jax.jit(jax.grad(_loss(product), argnums=(0, 1))).lower(*args).compile().as_text()
+        return set(_dot_operand_dtypes(hlo))
+
+    for multiplies, n, widened in ((False, rows, True), (False, rows - 1, False), (True, rows, False)):
+        monkeypatch.setattr(native, "cpu_multiplies_bf16", lambda m=multiplies: m)
+        for name, (product, weight) in products.items():
+            kinds = dot_kinds(product, x[:n], weight)
+            expected = {("f32", "f32")} if widened else {("bf16", "bf16")}
+            assert kinds == expected, (name, multiplies, n, kinds)
+            if widened:
+                _close(jax.jit(product)(x, weight), jax.jit(plain[name])(x, weight), 1e-6)
+                grads = jax.jit(jax.grad(_loss(product), argnums=(0, 1)))(x, weight)
+                reference = jax.jit(jax.grad(_loss(plain[name]), argnums=(0, 1)))(x, weight)
+                for g, r in zip(grads, reference):
+                    assert g.dtype == jnp.bfloat16
+                    _close(g, r.astype(jnp.bfloat16), 1e-2)
+    monkeypatch.setattr(matmul, "WIDEN_BF16", "sometimes")
+    with pytest.raises(ValueError, match=r"matmul.WIDEN_BF16='sometimes'; choose 'auto'"):
+        matmul.contract(x, w)

@@ -17,6 +17,12 @@ one pass over x and W; the products then run in bf16.
 The incoming gradient is rounded to the input dtype before the backward products, as it would be
 if the product's output were bf16. For a projection whose output is cast to bf16 anyway (every
 `Projection`) this rounding is exact; for float32 logits it rounds dL/dlogits to bf16.
+
+A CPU without bf16 matrix instructions (AVX2, or AVX-512 without its bf16 extension; see
+`native.cpu_multiplies_bf16`) is the exception: there XLA:CPU's bf16 kernel runs at ~0.6x of its
+float32 one, so bf16 products of `MIN_TOKENS_TO_WIDEN` rows or more convert both operands to
+float32 and multiply those (`widen_bf16`). The values are the same products of bf16-rounded
+numbers, summed in float32; the backward products then keep the incoming gradient in float32.
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ from transformer_jax.modeling import native
 MIN_TOKENS_FOR_TRANSPOSED_COPY = 64
 # Up to this many tokens per call (decoding steps), a weight stored [out, in] is the left operand.
 WEIGHTS_FIRST_MAX_TOKENS = 32
+# From this many tokens per call, bf16 products on a CPU without bf16 matrix instructions run in
+# float32 (see the module doc). Fewer keep the bf16 paths: converting the weight is a pass of its
+# own that writes a float32 copy, which a product of few rows does not win back (AMD Zen 3, bf16
+# against float32 after conversion: 768 x 3072 at 64 rows 3.0 against 3.2-4.3 ms, at 256 rows 11.7
+# against 7.2-8.1, at 1024 47.4 against 28.5; the 50257 x 768 table at 256 rows 209-233 against
+# 207-243 ms, at 1024 880-896 against 615-638).
+MIN_TOKENS_TO_WIDEN = 256
+# 'auto' as above; 'always' or 'never' fix the choice (tests and measurements).
+WIDEN_BF16 = "auto"
 
 
 def _dims(n_lhs: int, n_contract: int) -> tuple:
@@ -61,6 +76,23 @@ def transposed_copy(a, perm: tuple[int, ...]):
     """`jnp.transpose(a, perm)`; on CPU materialised as a row-major array (see the module doc)."""
     return lax.platform_dependent(
         a, cpu=partial(_cpu_transposed_copy, perm=perm), default=partial(jnp.transpose, axes=perm))
+
+
+def widen_bf16(rows: int) -> bool:
+    """Whether a bf16 product of `rows` rows in a CPU computation being traced runs in float32."""
+    if WIDEN_BF16 not in ("auto", "always", "never"):
+        raise ValueError(f"matmul.WIDEN_BF16={WIDEN_BF16!r}; choose 'auto', 'always' or 'never'")
+    if WIDEN_BF16 == "never" or jax.default_backend() != "cpu":
+        return False
+    return WIDEN_BF16 == "always" or (rows >= MIN_TOKENS_TO_WIDEN and not native.cpu_multiplies_bf16())
+
+
+def _widened(x, w, n_in):
+    return _dot(x.astype(jnp.float32), w.astype(jnp.float32), n_in)
+
+
+def _widened_t(x2, w2):
+    return _plain_t(x2.astype(jnp.float32), w2.astype(jnp.float32))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -135,6 +167,8 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
       memory bandwidth;
     - r <= WEIGHTS_FIRST_MAX_TOKENS (decoding steps), on CPU: w_t x^T, weights as the left operand,
       which XLA:CPU streams 1.5x (float32) to 2x (bf16) faster than x w at 2-16 rows;
+    - bfloat16 with r >= MIN_TOKENS_TO_WIDEN on a CPU without bf16 matrix instructions: in float32
+      (`widen_bf16`);
     - bfloat16 with r >= MIN_TOKENS_FOR_TRANSPOSED_COPY: x times a transposed copy of w_t, with the
       backward pass reading w_t as it is (see the module doc);
     - otherwise one `lax.dot_general`.
@@ -153,10 +187,15 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     if (1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
             and native.use_native(cpu_kernels)):
         y = lax.platform_dependent(x2, w2, cpu=native.rows_matmul, default=_plain_t)
-    elif rows <= WEIGHTS_FIRST_MAX_TOKENS:
+    elif rows <= WEIGHTS_FIRST_MAX_TOKENS and not (x.dtype == jnp.bfloat16 and widen_bf16(rows)):
         y = lax.platform_dependent(x2, w2, cpu=_cpu_weights_first, default=_plain_t)
     elif x.dtype == jnp.bfloat16 and rows >= MIN_TOKENS_FOR_TRANSPOSED_COPY:
-        y = _low_precision_contract_t(x2, w2)
+        if widen_bf16(rows):
+            y = lax.platform_dependent(x2, w2, cpu=_widened_t, default=_low_precision_contract_t)
+        else:
+            y = _low_precision_contract_t(x2, w2)
+    elif x.dtype == jnp.bfloat16 and widen_bf16(rows):
+        y = lax.platform_dependent(x2, w2, cpu=_widened_t, default=_plain_t)
     else:
         y = _plain_t(x2, w2)
     return y.reshape(lead + out_shape)
@@ -165,9 +204,13 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
 def contract(x, w, n_in: int = 1):
     """x [..., in...] times w [in..., out...] over the `n_in` `in` axes -> float32 [..., out...].
 
-    x and w must share a dtype; bfloat16 inputs take the backward pass described above."""
+    x and w must share a dtype; bfloat16 inputs take the backward pass described above (or, on a
+    CPU without bf16 matrix instructions and from MIN_TOKENS_TO_WIDEN rows, run in float32)."""
     if x.dtype != w.dtype:
         raise TypeError(f"contract: x is {x.dtype} but w is {w.dtype}; cast both to the compute dtype")
     if x.dtype == jnp.bfloat16:
+        if widen_bf16(math.prod(x.shape[:x.ndim - n_in])):
+            return lax.platform_dependent(x, w, cpu=partial(_widened, n_in=n_in),
+                                          default=lambda x, w: _low_precision_contract(x, w, n_in))
         return _low_precision_contract(x, w, n_in)
     return _dot(x, w, n_in)
