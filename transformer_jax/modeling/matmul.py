@@ -165,10 +165,10 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     - 1 <= r <= native.MAX_ROWS on CPU, bfloat16 or float32, where `native.use_native(cpu_kernels)`:
       the package's own kernel (`native.rows_matmul`), which streams the weight at about the
       memory bandwidth;
-    - r <= WEIGHTS_FIRST_MAX_TOKENS (decoding steps), on CPU: w_t x^T, weights as the left operand,
-      which XLA:CPU streams 1.5x (float32) to 2x (bf16) faster than x w at 2-16 rows;
     - bfloat16 with r >= MIN_TOKENS_TO_WIDEN on a CPU without bf16 matrix instructions: in float32
       (`widen_bf16`);
+    - r <= WEIGHTS_FIRST_MAX_TOKENS (decoding steps), on CPU: w_t x^T, weights as the left operand,
+      which XLA:CPU streams 1.5x (float32) to 2x (bf16) faster than x w at 2-16 rows;
     - bfloat16 with r >= MIN_TOKENS_FOR_TRANSPOSED_COPY: x times a transposed copy of w_t, with the
       backward pass reading w_t as it is (see the module doc);
     - otherwise one `lax.dot_general`.
@@ -187,15 +187,14 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     if (1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
             and native.use_native(cpu_kernels)):
         y = lax.platform_dependent(x2, w2, cpu=native.rows_matmul, default=_plain_t)
-    elif rows <= WEIGHTS_FIRST_MAX_TOKENS and not (x.dtype == jnp.bfloat16 and widen_bf16(rows)):
+    elif x.dtype == jnp.bfloat16 and widen_bf16(rows):
+        # elsewhere than on CPU, what the rules below give
+        default = _low_precision_contract_t if rows >= MIN_TOKENS_FOR_TRANSPOSED_COPY else _plain_t
+        y = lax.platform_dependent(x2, w2, cpu=_widened_t, default=default)
+    elif rows <= WEIGHTS_FIRST_MAX_TOKENS:
         y = lax.platform_dependent(x2, w2, cpu=_cpu_weights_first, default=_plain_t)
     elif x.dtype == jnp.bfloat16 and rows >= MIN_TOKENS_FOR_TRANSPOSED_COPY:
-        if widen_bf16(rows):
-            y = lax.platform_dependent(x2, w2, cpu=_widened_t, default=_low_precision_contract_t)
-        else:
-            y = _low_precision_contract_t(x2, w2)
-    elif x.dtype == jnp.bfloat16 and widen_bf16(rows):
-        y = lax.platform_dependent(x2, w2, cpu=_widened_t, default=_plain_t)
+        y = _low_precision_contract_t(x2, w2)
     else:
         y = _plain_t(x2, w2)
     return y.reshape(lead + out_shape)
