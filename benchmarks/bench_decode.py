@@ -19,7 +19,11 @@ For each (model, batch, new tokens) it reports
                     source's) once at the measured memory bandwidth, divided by the measured step
                     time. The cache is allocated for the whole generation; the positions not yet
                     written need not be read (this package's CPU attention kernel skips them, XLA's
-                    attention reads them).
+                    attention reads them). The encoder's parameters and the cross-attention's
+                    key and value projections are applied to the source before the steps.
+  flops_per_step    2 per multiply-add of a step: each row through every matrix it reads, every
+                    query head over the keys and values it attends to (benchmarks/run.py sets it
+                    against the run's matmul peak: `compute_bound_ms`, `roofline_ceiling`).
 The no-cache baseline runs the whole model over the full (prompt + new tokens) buffer each step
 (static shapes, as a jit-compiled decoder without a cache must); its per-step cost does not depend on
 the step, so a few steps measure it. `speedup_at_512` = cached / no-cache decode tokens per second.
@@ -76,20 +80,57 @@ def step_param_bytes(config, params, batch: int) -> int:
     """Bytes of the decoder's parameters that one decoding step of `batch` rows reads: all of them,
     except tables read only by lookup (learned positions; the input embedding when the output
     projection is a kernel of its own), of which a step reads one row per batch row. The encoder's
-    parameters are not read after the source is encoded."""
+    parameters, and the cross-attention's key and value projections, are not read after the source
+    is encoded."""
     from flax.traverse_util import flatten_dict
 
     total = 0
     for path, leaf in flatten_dict(params).items():
         leaf = getattr(leaf, "value", leaf)  # LogicallyPartitioned boxes
         name = "/".join(str(p) for p in path)
-        if name.startswith("encoder/") or name.startswith("source_embed/"):
+        if _not_read_by_a_step(name):
             continue
-        lookup_only = name.endswith("position_embed/embedding") or (
-            not config.tie_output and name in ("embed/embedding", "target_embed/embedding"))
+        lookup_only = _read_by_lookup(config, name)
         size = leaf.size * leaf.dtype.itemsize
         total += min(size, batch * leaf.shape[-1] * leaf.dtype.itemsize) if lookup_only else size
     return total
+
+
+def _read_by_lookup(config, name: str) -> bool:
+    return name.endswith("position_embed/embedding") or (
+        not config.tie_output and name in ("embed/embedding", "target_embed/embedding"))
+
+
+def _not_read_by_a_step(name: str) -> bool:
+    """The encoder's parameters, and the cross-attention's key and value projections, which were
+    applied to the encoded source once, before the first step (their results are in the cache)."""
+    return (name.startswith(("encoder/", "source_embed/"))
+            or "/cross_attention/key/" in name or "/cross_attention/value/" in name)
+
+
+def step_flops(config, params, batch: int, cached_elements: float) -> int:
+    """Floating-point operations of one decoding step of `batch` rows, 2 per multiply-add: each row
+    through every matrix of the decoder (its kernels and the tied output projection; not the tables
+    read only by lookup, nor the encoder, nor vectors such as biases and norm scales), and every
+    query head over the `cached_elements` key and value elements the step attends to (the query-key
+    logits and the probabilities times the values; a cached head serves num_heads / num_kv_heads
+    query heads). With the machine's matmul peak it bounds how fast the step can run, as its bytes
+    and the bandwidth do."""
+    from flax.traverse_util import flatten_dict
+
+    matrices = 0
+    for path, leaf in flatten_dict(params).items():
+        leaf = getattr(leaf, "value", leaf)
+        name = "/".join(str(p) for p in path)
+        matrix = path[-1] == "kernel" or (path[-1] == "embedding" and not _read_by_lookup(config, name))
+        if matrix and not _not_read_by_a_step(name):
+            matrices += leaf.size
+    queries_per_cached_head = config.num_heads // (config.num_kv_heads or config.num_heads)
+    return round(2 * batch * matrices + 2 * queries_per_cached_head * cached_elements)
+
+
+def tree_size(tree) -> int:
+    return sum(x.size for x in jax.tree.leaves(tree))
 
 
 def best_time(fn, repeats: int) -> float:
@@ -150,6 +191,7 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
     # The timed steps follow the prefill: the first attends to the prompt and its own position.
     visible = visible_cache_fraction(PROMPT + 1, steps - 1, PROMPT + steps)
     step_bytes = step_param_bytes(config, params, batch) + round(tree_bytes(make_cache().layers) * visible)
+    flops = step_flops(config, params, batch, tree_size(make_cache().layers) * visible)
     return dict(
         model="gpt2_small",
         batch=batch,
@@ -160,6 +202,7 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
         decode_step_ms=round(1e3 * decode_s, 2),
         decode_step_s=decode_s,  # unrounded, for ratios computed later (a tiny model's ms round to 0)
         bytes_per_step=step_bytes,
+        flops_per_step=flops,
         roofline_frac=round(step_bytes / bandwidth / decode_s, 3),
         huge_pages_mb=round(huge.placed / 2**20),
     )
@@ -244,6 +287,7 @@ def seq2seq_row(config, model, params, src, steps, bandwidth, repeats):
     visible = visible_cache_fraction(1, steps, steps)
     step_bytes = (step_param_bytes(config, params, batch) + round(tree_bytes(cache.layers) * visible)
                   + tree_bytes(cache.cross))
+    flops = step_flops(config, params, batch, tree_size(cache.layers) * visible + tree_size(cache.cross))
     return dict(
         model="transformer_base",
         batch=batch,
@@ -254,6 +298,7 @@ def seq2seq_row(config, model, params, src, steps, bandwidth, repeats):
         decode_step_ms=round(1e3 * decode_s, 2),
         decode_step_s=decode_s,  # unrounded, for ratios computed later (a tiny model's ms round to 0)
         bytes_per_step=step_bytes,
+        flops_per_step=flops,
         roofline_frac=round(step_bytes / bandwidth / decode_s, 3),
         huge_pages_mb=round(huge.placed / 2**20),
     )

@@ -186,7 +186,23 @@ def against_run_limits(results, peaks: dict, bandwidth_gb_s: float) -> tuple[dic
         else:
             r["roofline_frac"] = round(r["roofline_frac"] * r["bandwidth_gb_s"] / bandwidth_gb_s, 3)
         r["run_bandwidth_gb_s"] = round(bandwidth_gb_s, 2)
+        if "flops_per_step" in r and "bytes_per_step" in r:
+            r.update(arithmetic_bound(r, peaks, bandwidth_gb_s))
     return peaks, bandwidth_gb_s
+
+
+def arithmetic_bound(row, peaks: dict, bandwidth_gb_s: float) -> dict:
+    """How far the arithmetic alone lets a decoding row go: its step's FLOPs at the run's fastest
+    matmul rate for its dtype (float32: the float32 peak; bf16: the faster of the two peaks, since a
+    CPU without bf16 arithmetic multiplies bf16 widened to float32) as `compute_bound_ms`, and
+    `roofline_ceiling`, the roofline fraction a step would reach if it ran at the slower of that and
+    the bandwidth, memory and arithmetic fully overlapped (1.0: the bytes bound it, not the FLOPs)."""
+    dtype = row.get("dtype", "float32")
+    peak = peaks["float32"] if dtype == "float32" else max(peaks.values())
+    compute_s = row["flops_per_step"] / (peak * 1e12)
+    memory_s = row["bytes_per_step"] / (bandwidth_gb_s * 1e9)
+    return dict(compute_bound_ms=round(compute_s * 1e3, 2),
+                roofline_ceiling=round(memory_s / max(memory_s, compute_s), 3))
 
 
 def summarise(results, peaks, bandwidth) -> list[dict]:
@@ -223,6 +239,9 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
             continue
         streaming = (f"; b{r['batch']} matmuls stream {r['weight_stream_gb_s']:.1f} GB/s, "
                      f"step at {r['stream_frac']:.2f} of that" if "stream_frac" in r else "")
+        if "roofline_ceiling" in r:
+            streaming += (f"; its FLOPs at the run's matmul peak take {r['compute_bound_ms']:.1f} ms, "
+                          f"so at most {r['roofline_ceiling']:.2f}")
         variant = f"{r.get('dtype', 'float32')} {r.get('kernel_layout', 'in_out')}"
         if r.get("cpu_kernels") == "xla" or (r.get("cpu_kernels") and not r.get("native")):
             variant += " XLA kernels only"

@@ -120,12 +120,68 @@ def test_decoding_roofline_counts_one_row_of_lookup_only_tables():
     vocab = config.padded_vocab_size * config.d_model * 4
     assert bench_decode.step_param_bytes(config, params, 3) == (
         bench_decode.tree_bytes(params) - table - vocab + 2 * 3 * config.d_model * 4)
-    # encoder-decoder: nothing of the encoder (its layers, positions, source table) is read
+    # encoder-decoder: nothing of the encoder (its layers, positions, source table) is read, nor the
+    # cross-attention's key and value projections, applied to the encoded source before the steps
     config = tj.presets.tiny(position="learned", max_len=128, share_embeddings=False)
     params = bench_decode.random_params(tj.Transformer(config), ones, ones, dtype="float32")
+    cross_kv = [params["decoder"][f"layer_{i}"]["cross_attention"][name] for i in range(2)
+                for name in ("key", "value")]
     decoder_side = bench_decode.tree_bytes(params) - bench_decode.tree_bytes(
-        (params["encoder"], params["source_embed"]))
+        (params["encoder"], params["source_embed"], cross_kv))
     assert bench_decode.step_param_bytes(config, params, 2) == decoder_side - table + 2 * config.d_model * 4
+
+
+def test_decoding_flops_count_every_matrix_once_per_row_and_the_attention():
+    import transformer_jax as tj
+    from benchmarks import bench_decode
+
+    ones = jax.numpy.ones((1, 8), jax.numpy.int32)
+    d, ff, vocab = 32, 64, 64  # tiny: 4 heads of 8, 2 layers
+    # decoder-only: per layer Q, K, V, out (d x d each) and the feed-forward's two; the tied table
+    # once, as the output projection; biases, norms and the position table are no matrices
+    config = tj.presets.tiny(num_encoder_layers=0, position="learned", max_len=128)
+    params = bench_decode.random_params(tj.TransformerLM(config), ones, dtype="float32")
+    matrices = 2 * (4 * d * d + 2 * d * ff) + vocab * d
+    assert bench_decode.step_flops(config, params, 3, 100) == 2 * 3 * matrices + 2 * 100
+    # grouped-query: K and V at 2 of the 4 heads; each cached head serves two query heads
+    config = config.replace(num_kv_heads=2)
+    params = bench_decode.random_params(tj.TransformerLM(config), ones, dtype="float32")
+    matrices = 2 * (3 * d * d + 2 * d * ff) + vocab * d
+    assert bench_decode.step_flops(config, params, 3, 100) == 2 * 3 * matrices + 2 * 2 * 100
+    # untied: the output kernel is a matrix, the input table a lookup
+    config = tj.presets.tiny(num_encoder_layers=0, tie_output=False)
+    params = bench_decode.random_params(tj.TransformerLM(config), ones, dtype="float32")
+    matrices = 2 * (4 * d * d + 2 * d * ff) + d * vocab
+    assert bench_decode.step_flops(config, params, 1, 0) == 2 * matrices
+    # encoder-decoder: the decoder's self-attention, the cross-attention's query and output
+    # projections and the feed-forward; nothing of the encoder
+    config = tj.presets.tiny()
+    params = bench_decode.random_params(tj.Transformer(config), ones, ones, dtype="float32")
+    matrices = 2 * (4 * d * d + 2 * d * d + 2 * d * ff) + vocab * d
+    assert bench_decode.step_flops(config, params, 2, 10) == 2 * 2 * matrices + 2 * 10
+
+
+def test_decoding_rows_show_the_bound_their_arithmetic_sets():
+    from benchmarks import run
+
+    # GPT-2 small's step at batch 8: ~1.99 GFLOP. In bf16 (266 MB) on a CPU whose float32 matmul
+    # peak (0.184 TFLOP/s) beats its bf16 one, the FLOPs take 10.82 ms and the bytes 5.95 ms at
+    # 44.7 GB/s: no step can reach more than 0.55 of the roofline. In float32 (532 MB) the bytes
+    # take longer than the FLOPs: 1.0.
+    row = dict(batch=8, new_tokens=64, decode_tok_s=450.0, decode_step_ms=17.7, decode_step_s=0.0177,
+               bandwidth_gb_s=44.7, roofline_frac=0.336, flops_per_step=1.99e9)
+    bf16, f32 = dict(row, dtype="bfloat16", bytes_per_step=266e6), dict(row, dtype="float32",
+                                                                         bytes_per_step=532e6)
+    results = {"decode": {"rows": [bf16, f32]}}
+    peaks, bandwidth = run.against_run_limits(results, dict(float32=0.184, bfloat16=0.105), 44.7)
+    assert bf16["compute_bound_ms"] == 10.82 and bf16["roofline_ceiling"] == 0.55
+    assert f32["roofline_ceiling"] == 1.0
+    table = run.summarise(results, peaks, bandwidth)
+    assert "take 10.8 ms, so at most 0.55" in table[0]["limit"]
+    # a CPU with bf16 arithmetic (bf16 peak 0.386): the bf16 row is bound by its bytes
+    bf16 = dict(row, dtype="bfloat16", bytes_per_step=266e6)
+    run.against_run_limits({"decode": {"rows": [bf16]}}, dict(float32=0.195, bfloat16=0.386), 44.7)
+    assert bf16["compute_bound_ms"] == 5.16 and bf16["roofline_ceiling"] == 1.0
 
 
 def test_tensor_parallel_decoding_row_counts_the_padded_model_and_is_labelled():
