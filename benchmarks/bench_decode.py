@@ -82,16 +82,10 @@ def step_param_bytes(config, params, batch: int) -> int:
     projection is a kernel of its own), of which a step reads one row per batch row. The encoder's
     parameters, and the cross-attention's key and value projections, are not read after the source
     is encoded."""
-    from flax.traverse_util import flatten_dict
-
     total = 0
-    for path, leaf in flatten_dict(params).items():
-        leaf = getattr(leaf, "value", leaf)  # LogicallyPartitioned boxes
-        name = "/".join(str(p) for p in path)
-        if _not_read_by_a_step(name):
-            continue
-        lookup_only = _read_by_lookup(config, name)
+    for name, leaf in _step_leaves(params):
         size = leaf.size * leaf.dtype.itemsize
+        lookup_only = _read_by_lookup(config, name)
         total += min(size, batch * leaf.shape[-1] * leaf.dtype.itemsize) if lookup_only else size
     return total
 
@@ -101,11 +95,17 @@ def _read_by_lookup(config, name: str) -> bool:
         not config.tie_output and name in ("embed/embedding", "target_embed/embedding"))
 
 
-def _not_read_by_a_step(name: str) -> bool:
-    """The encoder's parameters, and the cross-attention's key and value projections, which were
-    applied to the encoded source once, before the first step (their results are in the cache)."""
-    return (name.startswith(("encoder/", "source_embed/"))
-            or "/cross_attention/key/" in name or "/cross_attention/value/" in name)
+def _step_leaves(params):
+    """(name, array) of every parameter a decoding step reads: not the encoder's, nor the
+    cross-attention's key and value projections, which were applied to the encoded source once,
+    before the first step (their results are in the cache)."""
+    from flax.traverse_util import flatten_dict
+
+    for path, leaf in flatten_dict(params).items():
+        name = "/".join(str(p) for p in path)
+        if not (name.startswith(("encoder/", "source_embed/"))
+                or "/cross_attention/key/" in name or "/cross_attention/value/" in name):
+            yield name, getattr(leaf, "value", leaf)  # LogicallyPartitioned boxes
 
 
 def step_flops(config, params, batch: int, cached_elements: float) -> int:
@@ -116,14 +116,10 @@ def step_flops(config, params, batch: int, cached_elements: float) -> int:
     logits and the probabilities times the values; a cached head serves num_heads / num_kv_heads
     query heads). With the machine's matmul peak it bounds how fast the step can run, as its bytes
     and the bandwidth do."""
-    from flax.traverse_util import flatten_dict
-
     matrices = 0
-    for path, leaf in flatten_dict(params).items():
-        leaf = getattr(leaf, "value", leaf)
-        name = "/".join(str(p) for p in path)
-        matrix = path[-1] == "kernel" or (path[-1] == "embedding" and not _read_by_lookup(config, name))
-        if matrix and not _not_read_by_a_step(name):
+    for name, leaf in _step_leaves(params):
+        last = name.rsplit("/", 1)[-1]
+        if last == "kernel" or (last == "embedding" and not _read_by_lookup(config, name)):
             matrices += leaf.size
     queries_per_cached_head = config.num_heads // (config.num_kv_heads or config.num_heads)
     return round(2 * batch * matrices + 2 * queries_per_cached_head * cached_elements)
@@ -190,8 +186,9 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
     decode_s = max(total_s - prefill_s, 1e-9) / (steps - 1)
     # The timed steps follow the prefill: the first attends to the prompt and its own position.
     visible = visible_cache_fraction(PROMPT + 1, steps - 1, PROMPT + steps)
-    step_bytes = step_param_bytes(config, params, batch) + round(tree_bytes(make_cache().layers) * visible)
-    flops = step_flops(config, params, batch, tree_size(make_cache().layers) * visible)
+    layers = jax.eval_shape(make_cache).layers  # shapes only: no cache is allocated to count it
+    step_bytes = step_param_bytes(config, params, batch) + round(tree_bytes(layers) * visible)
+    flops = step_flops(config, params, batch, tree_size(layers) * visible)
     return dict(
         model="gpt2_small",
         batch=batch,
