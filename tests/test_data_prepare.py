@@ -1,5 +1,6 @@
 """Multi-process dataset preparation: process 0 builds, the others wait for the finished files."""
 
+import tempfile
 import threading
 import time
 
@@ -45,3 +46,23 @@ def test_waiting_times_out_with_a_clear_message(tmp_path, monkeypatch):
         assert "shared by all hosts" in str(e)
     else:
         raise AssertionError("expected a TimeoutError")
+
+
+def test_built_in_and_file_builders_leave_no_temporary_directories(tmp_path, monkeypatch):
+    # TFDS makes an empty directory for metadata it would fetch from its bucket and leaves it behind;
+    # our builders' metadata is never there, so constructing and preparing one makes none.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    pairs, lines = tmp_path / "pairs.tsv", tmp_path / "lines.txt"
+    pairs.write_text("a cat\tun chat\n")
+    lines.write_text("one line\n")
+    data_dir = str(tmp_path / "data")
+    made = [builders.prepare(_builder(data_dir)),
+            builders.StdlibLm(config=builders._PY, data_dir=data_dir, file_format="array_record"),
+            builders.TranslationFiles(config=builders.files_config([str(pairs)], []), data_dir=data_dir,
+                                      file_format="array_record"),
+            builders.TextFiles(config=builders.files_config([str(lines)], []), data_dir=data_dir,
+                               file_format="array_record")]
+    assert [b.name for b in made] == ["enfr_builtin", "stdlib_lm", "translation_files", "text_files"]
+    assert sorted(p.name for p in scratch.iterdir()) == []

@@ -54,6 +54,18 @@ class EnfrConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
 
+class _LocalInfo(tfds.core.DatasetInfo):
+    """The metadata of a dataset built on this machine.
+
+    Before its files are prepared, TFDS looks for a builder's metadata in its public bucket, making
+    an empty temporary directory to copy it into, which it never removes: one more `/tmp/tmp*tfds`
+    per builder constructed. These datasets are never in that bucket, so there is nothing to look
+    up."""
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 class _Builder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """Base of our builders: nothing to download, so no checksums file to look up.
 
@@ -85,7 +97,7 @@ class EnfrBuiltin(_Builder):
     ]
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self,
             description="Synthetic English-French pairs: agreement, adjective position, "
                         "elision, four tenses, negation, possessives.",
@@ -175,7 +187,7 @@ class StdlibLm(_Builder):
     ]
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self,
             description="Python standard library sources (code and docstrings).",
             features=tfds.features.FeaturesDict({"text": tfds.features.Text(),
@@ -340,7 +352,7 @@ class TranslationFiles(_FilesBuilder):
     _TSV = True
 
     def _info(self):
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self, description="Translation pairs from user TSV files.",
             features=tfds.features.FeaturesDict(
                 {"source": tfds.features.Text(), "target": tfds.features.Text()}),
@@ -356,7 +368,7 @@ class TextFiles(_FilesBuilder):
     name = "text_files"
 
     def _info(self):
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self, description="Monolingual text from user files.",
             features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
         )
