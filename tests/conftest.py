@@ -50,12 +50,12 @@ LONGEST_FILES_FIRST = (  # measured 2026-12-02
 
 # Each worker builds up a heap of over a million long-lived objects (JAX's tracing and compilation
 # caches), and every full collection walks all of it again: 20-35 of 0.5-2 s per worker over a run,
-# and at exit four more (JAX's clean-up collects before it checks for leaked clients), long enough
+# and at exit five more (pytest collects five times to report unraisable exceptions), long enough
 # that xdist's shutdown, which gives a finished worker 5 s, interrupted it with a KeyboardInterrupt.
 # What survives a full collection moves to the permanent generation as the collection ends (nothing
 # garbage is left at that moment), so later collections walk only what came after: full collections
-# 55 -> 19 s over the two workers of a run, none over 0.2 s at exit. Frozen objects are still freed
-# when their last reference goes.
+# 55 -> 19 s over the two workers of a run, and the five at exit 1.6-2 s -> ~2 ms each. Frozen
+# objects are still freed when their last reference goes.
 def _freeze_survivors(phase, info):
     if phase == "stop" and info["generation"] == 2:
         gc.freeze()

@@ -28,7 +28,8 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 600
 
 
-COMPILE_BOUND = {"02_anatomy_of_attention", "04_scaling_out"}  # keep conftest.py's lowered optimisation level (see above)
+# keep conftest.py's lowered optimisation level (see above)
+COMPILE_BOUND = {"02_anatomy_of_attention", "04_scaling_out"}
 
 
 def _kernel_env(tmp: pathlib.Path, compile_bound: bool = False) -> dict[str, str]:
