@@ -486,6 +486,8 @@ def test_missing_eval_split_is_an_error_not_replaced(data_dir, tmp_path):
 
 # Stand-ins for the prepared WMT and LM1B datasets: same names, configs, features and splits.
 # The real builders import TensorFlow; our reader never imports them, it reads prepared files.
+# (Their metadata is `builders._LocalInfo`, so that preparing them leaves no empty temporary
+# directory behind, see there.)
 
 
 class _FakeWmt(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -495,7 +497,7 @@ class _FakeWmt(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="de-en")]
 
     def _info(self):
-        return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(
+        return builders._LocalInfo(builder=self, features=tfds.features.Translation(
             languages=("de", "en")), supervised_keys=("de", "en"))
 
     def _split_generators(self, dl_manager):
@@ -512,7 +514,7 @@ class _FakeLm1b(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     VERSION = tfds.core.Version("1.1.0")
 
     def _info(self):
-        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+        return builders._LocalInfo(builder=self, features=tfds.features.FeaturesDict(
             {"text": tfds.features.Text()}))
 
     def _split_generators(self, dl_manager):
