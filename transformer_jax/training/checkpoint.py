@@ -512,7 +512,8 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
             if problem is None:
                 try:
                     args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
-                    params = manager.restore(step, args=args)["params"]
+                    with integrity.quiet_abandoned_reads():
+                        params = manager.restore(step, args=args)["params"]
                 except Exception as e:  # noqa: BLE001 (an unreadable step is a corrupt one)
                     problem = f"orbax could not restore it ({integrity.first_line(e)})"
             if problem is not None:
