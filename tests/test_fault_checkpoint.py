@@ -143,6 +143,30 @@ def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys, monkeyp
     assert [str(u.exc_value) for u in reported] == ["x"]
 
 
+def test_failed_restores_leave_one_quieting_hook(monkeypatch):
+    reported = []
+
+    def recorder(unraisable):
+        reported.append(unraisable)
+
+    monkeypatch.setattr(sys, "unraisablehook", recorder)
+    with integrity.quiet_abandoned_reads():  # a restore that succeeds leaves no hook behind
+        assert sys.unraisablehook is not recorder
+    assert sys.unraisablehook is recorder
+    hooks = []
+    for _ in range(3):
+        with pytest.raises(OSError), integrity.quiet_abandoned_reads():
+            raise OSError("a file cut short")
+        hooks.append(sys.unraisablehook)
+    assert hooks[0] is not recorder and hooks == [hooks[0]] * 3  # one hook, not a chain
+    with integrity.quiet_abandoned_reads():
+        pass
+    assert sys.unraisablehook is hooks[0]  # the left one stays
+    sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"),
+                                             exc_traceback=None, object=None))
+    assert [str(u.exc_value) for u in reported] == ["x"]
+
+
 def test_training_falls_back_and_rewrites_the_step(workdir, trained, data_dir, capsys):
     flip_byte(biggest_file(workdir, 10))
     final = train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)

@@ -340,13 +340,18 @@ def _is_abandoned_read(unraisable) -> bool:
 def quiet_abandoned_reads():
     """Drops the reports of `_is_abandoned_read` while an orbax restore runs, and, once one has
     failed, for the rest of the process (its abandoned reads end after it has returned). Every
-    other unraisable exception goes to the hook that was installed before."""
+    other unraisable exception goes to the hook that was installed before. One left in place by an
+    earlier failed restore serves the later ones too, so failures do not stack hooks."""
     previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_reads", False):
+        yield
+        return
 
     def hook(unraisable):
         if not _is_abandoned_read(unraisable):
             previous(unraisable)
 
+    hook.drops_abandoned_reads = True
     sys.unraisablehook = hook
     try:
         yield
