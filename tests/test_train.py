@@ -613,6 +613,15 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("dataset.length_policy", "split", r"config.dataset.length_policy='split' is not one of "
                                            r"\['truncate', 'drop'\] for dataset 'enfr_builtin'"),
         ("dataset.length_policy", "cut", r"config.dataset.length_policy='cut' is not one of"),
+        # grain's shuffle, the packer and the tokenizer's trainer: tracebacks that named no key
+        ("dataset.seed", -1, r"config.dataset.seed=-1 must be an integer >= 0"),
+        ("dataset.seed", 2**32, r"config.dataset.seed=4294967296 must be below 2\*\*32"),
+        ("dataset.pack_bins", -1, r"config.dataset.pack_bins=-1 must be an integer >= 0"),
+        ("dataset.tokenizer_max_chars", 0, r"config.dataset.tokenizer_max_chars=0 must be an integer >= 1"),
+        # the pipeline ends every example with id 1 and pads with 0: another EOS id never stopped
+        # greedy decoding or finished a beam
+        ("model.eos_id", 3, r"config.model.eos_id=3 differs from the id the input pipeline uses \(1\)"),
+        ("model.pad_id", 5, r"config.model.pad_id=5 differs from the id the input pipeline uses \(0\)"),
     ],
 )
 def test_numeric_settings_out_of_range_are_named(key, value, message):
@@ -886,3 +895,34 @@ def test_two_processes_train_and_one_restores(data_dir, tmp_path):
     bundle = restore_for_inference(workdir)  # one process, 8 devices
     assert bundle.step == 4 and bundle.model_config.d_model == 32
     assert len(train_losses(workdir)) >= 1
+
+
+def test_resuming_with_another_length_names_the_restretched_cosine_schedule(tmp_path):
+    """A cosine schedule without optimizer.decay_steps decays over num_train_steps, so raising it on
+    resume (as the 'nothing to train' warning suggests) moved the rate at the resumed step from near
+    its end value back up the curve, without a word."""
+    from configs import default
+    from transformer_jax.training.checkpoint import save_config
+
+    config = default.get_config()
+    config.num_train_steps = 400
+    save_config(config, str(tmp_path))
+    longer = copy.deepcopy(config)
+    longer.num_train_steps = 800
+    warning = loop.restretched_schedule(str(tmp_path), longer, 400)
+    was = float(create_schedule(config.optimizer, 128, 400)(400))
+    now = float(create_schedule(config.optimizer, 128, 800)(400))
+    assert was < 1e-6 < now, (was, now)  # the end of the old curve, the middle of the new one
+    assert warning == (
+        f"WARNING: num_train_steps changed (400 -> 800) and the cosine schedule decays over it "
+        f"(optimizer.decay_steps is 0): the learning rate at step 400 goes from {was:.3g} to {now:.3g}, "
+        f"as if the run had been planned this long from the start; set "
+        f"--config.optimizer.decay_steps=400 to keep the schedule it trained with")
+    assert loop.restretched_schedule(str(tmp_path), config, 400) is None  # the same length
+    fixed = copy.deepcopy(longer)
+    fixed.optimizer.decay_steps = 400  # the schedule it trained with, kept
+    assert loop.restretched_schedule(str(tmp_path), fixed, 400) is None
+    constant = copy.deepcopy(longer)
+    constant.optimizer.schedule = "constant"
+    assert loop.restretched_schedule(str(tmp_path), constant, 400) is None
+    assert loop.restretched_schedule(str(tmp_path / "fresh"), longer, 0) is None  # no config.json

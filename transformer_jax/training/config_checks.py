@@ -14,7 +14,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from transformer_jax.config import ConfigError, ModelConfig
-from transformer_jax.data import DATASET_NAMES
+from transformer_jax.data import DATASET_NAMES, EOS_ID, PAD_ID
 from transformer_jax.data.inputs import LM_DATASETS, TRANSLATION_DATASETS
 from transformer_jax.data.tokenizer import MIN_VOCAB_SIZE, TOKENIZER_TYPES
 from transformer_jax.training.evaluate import EVAL_METRICS
@@ -148,6 +148,16 @@ def _check_numbers(config) -> None:
     for key in lengths:
         _positive_int(ds, key, 1, "config.dataset")
     _check_tokenizer_and_lengths(ds)
+    # grain's shuffle, the packer and the tokenizer's trainer refuse these only as the pipeline is
+    # built, without naming the key (a seed outside [0, 2**32), "num_bins must be >= 1", a division by 0)
+    if "seed" in ds:
+        _positive_int(ds, "seed", 0, "config.dataset")
+        if ds.seed >= 2**32:
+            raise ConfigError(f"config.dataset.seed={ds.seed} must be below 2**32")
+    if "pack_bins" in ds:
+        _positive_int(ds, "pack_bins", 0, "config.dataset")  # 0 = max(per-host batch, 32)
+    if "tokenizer_max_chars" in ds:
+        _positive_int(ds, "tokenizer_max_chars", 1, "config.dataset")
 
 
 def _check_tokenizer_and_lengths(ds) -> None:
@@ -252,14 +262,20 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"config.dataset.batch_size={ds.batch_size} is not divisible by "
             f"config.optimizer.grad_accum_steps={opt.grad_accum_steps}"
         )
-    if not 0.0 <= opt.label_smoothing < 1.0:
-        raise ConfigError(f"config.optimizer.label_smoothing={opt.label_smoothing} must be in [0, 1)")
+    smoothing = opt.label_smoothing
+    if isinstance(smoothing, bool) or not isinstance(smoothing, int | float) or not 0.0 <= smoothing < 1.0:
+        raise ConfigError(f"config.optimizer.label_smoothing={smoothing!r} must be in [0, 1)")
     for key in ("data", "fsdp", "tensor"):
         value = config.mesh[key]
         if not isinstance(value, int) or (value < 1 and value != -1):
             raise ConfigError(f"config.mesh.{key}={value!r} must be a positive integer or -1")
     if config.beam_size < 1:
         raise ConfigError(f"config.beam_size={config.beam_size} must be >= 1 (1 = greedy)")
+    for key, fixed in (("pad_id", PAD_ID), ("eos_id", EOS_ID)):
+        if getattr(model, key) != fixed:  # the pipeline pads with, and ends every example by, these
+            raise ConfigError(
+                f"config.model.{key}={getattr(model, key)} differs from the id the input pipeline uses "
+                f"({fixed}): decoding would stop on a token the data never ends with; set it to {fixed}")
     _check_learned_positions(config, model)
 
 

@@ -80,6 +80,33 @@ def changed_data_settings(workdir: str, config: ml_collections.ConfigDict) -> li
             if key in old and key in new and old[key] != new[key]]
 
 
+def restretched_schedule(workdir: str, config: ml_collections.ConfigDict, step: int) -> str | None:
+    """A warning when a resumed cosine schedule that decays over ``num_train_steps`` (no
+    ``optimizer.decay_steps``) gets another ``num_train_steps`` than the run that wrote ``workdir``'s
+    checkpoints: the whole curve stretches, and the rate at the resumed step jumps (from near its end
+    value back up the curve, for a longer run). None where nothing changed."""
+    opt = config.optimizer
+    if opt.schedule != "cosine" or int(opt.get("decay_steps") or 0):
+        return None
+    try:
+        saved = ckpt_lib.load_config(workdir)
+    except ValueError:
+        return None
+    old_steps = saved.get("num_train_steps") if saved is not None else None
+    if not isinstance(old_steps, int) or old_steps == config.num_train_steps:
+        return None
+    d_model = config.model.d_model
+    try:
+        was = float(create_schedule(opt, d_model, old_steps)(step))
+        now = float(create_schedule(opt, d_model, config.num_train_steps)(step))
+    except ConfigError:  # warm-up no shorter than the old length: no cosine curve to compare with
+        return None
+    return (f"WARNING: num_train_steps changed ({old_steps} -> {config.num_train_steps}) and the cosine "
+            f"schedule decays over it (optimizer.decay_steps is 0): the learning rate at step {step} "
+            f"goes from {was:.3g} to {now:.3g}, as if the run had been planned this long from the "
+            f"start; set --config.optimizer.decay_steps={old_steps} to keep the schedule it trained with")
+
+
 def _compile_steps(model, tx, schedule, settings, shardings, mesh):
     batch_sharding = parallel.batch_sharding(mesh)
     train = jax.jit(
@@ -253,6 +280,9 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
                  f"pipeline resumes at its saved position, but its batches are not the ones an "
                  f"uninterrupted run would have trained on (config.resume_data_position=False "
                  f"starts it afresh instead)")
+        restretched = restretched_schedule(workdir, config, checkpointer.restored_step)
+        if restretched:
+            _say(restretched)
     else:
         state, _ = create_train_state(model, tx, mesh, config.seed)
     # Written once the state is restored (or created): a resume refused above leaves the config the
@@ -261,7 +291,9 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
     start_step = int(jax.device_get(state.step))
     if start_step > config.num_train_steps:
         _say(f"WARNING: the checkpoint is at step {start_step}, past num_train_steps="
-             f"{config.num_train_steps}: nothing to train (raise --config.num_train_steps to continue)")
+             f"{config.num_train_steps}: nothing to train (raise --config.num_train_steps to continue; "
+             f"with a cosine schedule, set --config.optimizer.decay_steps to the old value to keep its "
+             f"curve)")
     _say(
         f"config:\n{config}\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
         f"({jax.devices()[0].device_kind}), processes: {jax.process_count()}\n"
