@@ -926,3 +926,27 @@ def test_resuming_with_another_length_names_the_restretched_cosine_schedule(tmp_
     constant.optimizer.schedule = "constant"
     assert loop.restretched_schedule(str(tmp_path), constant, 400) is None
     assert loop.restretched_schedule(str(tmp_path / "fresh"), longer, 0) is None  # no config.json
+
+
+def test_dataset_settings_the_dataset_does_not_read_are_named():
+    """Known keys pass the typo check, so train_files given to the built-in corpus, or a translation
+    direction given to a language model, used to be dropped without a word."""
+    from transformer_jax.training.config_checks import unread_dataset_settings
+
+    config = tiny.get_config()  # enfr_builtin, builder_config 'small' (which it reads)
+    assert unread_dataset_settings(config) == []
+    config.dataset.train_files = ("/no/such.tsv",)
+    config.dataset.reverse = True  # read: enfr_builtin is a translation dataset
+    assert unread_dataset_settings(config) == [
+        "WARNING: config.dataset.train_files=('/no/such.tsv',) is not read for dataset "
+        "'enfr_builtin' (only for tsv, text): the run goes on without it"]
+    config.dataset.name = "stdlib_lm"
+    config.dataset.train_files = ()
+    warnings = unread_dataset_settings(config)
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "WARNING: config.dataset.reverse=True is not read for dataset 'stdlib_lm' "
+        "(only for enfr_builtin, tsv,"), warnings
+    config.dataset.name = "text"
+    config.dataset.reverse = False
+    assert [w.split("=")[0] for w in unread_dataset_settings(config)] == [
+        "WARNING: config.dataset.builder_config"]

@@ -160,6 +160,33 @@ def _check_numbers(config) -> None:
         _positive_int(ds, "tokenizer_max_chars", 1, "config.dataset")
 
 
+# Dataset settings that only some datasets read, with their unset value.
+_READ_BY = {
+    "train_files": (("tsv", "text"), ()),
+    "eval_files": (("tsv", "text"), ()),
+    "builder_config": (("enfr_builtin", "stdlib_lm"), ""),
+    "source_lang": (TRANSLATION_DATASETS, ""),
+    "target_lang": (TRANSLATION_DATASETS, ""),
+    "reverse": (TRANSLATION_DATASETS, False),
+}
+
+
+def unread_dataset_settings(config: ml_collections.ConfigDict) -> list[str]:
+    """A warning for each dataset setting given a value that ``config.dataset.name`` does not read
+    (train_files for the built-in corpus, a translation direction for a language model, ...): known
+    keys, so the typo check passes them, but the run would go on without them."""
+    ds = config.dataset
+    out = []
+    for key, (readers, unset) in _READ_BY.items():
+        value = ds.get(key, unset)
+        if ds.name in readers or value is None or value == unset or (isinstance(value, tuple | list)
+                                                                     and not value):
+            continue
+        out.append(f"WARNING: config.dataset.{key}={value!r} is not read for dataset {ds.name!r} "
+                   f"(only for {', '.join(readers)}): the run goes on without it")
+    return out
+
+
 def _check_tokenizer_and_lengths(ds) -> None:
     """The dataset settings the tokenizer and the pipeline would otherwise refuse only after the
     dataset is built, without naming the config key."""

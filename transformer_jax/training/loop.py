@@ -21,7 +21,7 @@ from transformer_jax.params import build_model
 from transformer_jax.training import checkpoint as ckpt_lib
 from transformer_jax.training import evaluate, integrity, steps
 from transformer_jax.training import metrics as metrics_lib
-from transformer_jax.training.config_checks import check_config
+from transformer_jax.training.config_checks import check_config, unread_dataset_settings
 from transformer_jax.training.optimizer import create_optimizer
 from transformer_jax.training.schedules import create_schedule
 from transformer_jax.training.state import count_params, create_train_state, state_shardings
@@ -200,6 +200,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     """
     # --- setup: checks before anything is compiled -----------------------------------------------
     check_config(config)
+    for warning in unread_dataset_settings(config):
+        _say(warning)
     if not integrity.is_local(workdir):
         raise ConfigError(
             f"workdir {workdir!r}: URLs are not supported (the tokenizer, metrics and checkpoint "
