@@ -298,11 +298,14 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.mesh.{key}={value!r} must be a positive integer or -1")
     if config.beam_size < 1:
         raise ConfigError(f"config.beam_size={config.beam_size} must be >= 1 (1 = greedy)")
-    for key, fixed in (("pad_id", PAD_ID), ("eos_id", EOS_ID)):
+    for key, fixed, why in (
+        ("pad_id", PAD_ID, "the model's attention masks would take padding for text"),
+        ("eos_id", EOS_ID, "decoding would stop on a token the data never ends with"),
+    ):
         if getattr(model, key) != fixed:  # the pipeline pads with, and ends every example by, these
             raise ConfigError(
                 f"config.model.{key}={getattr(model, key)} differs from the id the input pipeline uses "
-                f"({fixed}): decoding would stop on a token the data never ends with; set it to {fixed}")
+                f"({fixed}): {why}; set it to {fixed}")
     _check_learned_positions(config, model)
 
 
