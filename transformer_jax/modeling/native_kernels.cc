@@ -10,10 +10,12 @@
 // each weight element once and does R multiply-adds with it, so at a few rows it is bound by the
 // rate at which the weight streams from memory, and at ~8 bf16 rows on a 2-core AVX-512 CPU by
 // that and the dot-product rate about equally. Each thread reads one contiguous run of weight
-// rows from start to end, two or three rows per pass, with software prefetches a unit of work
+// rows from start to end, one to three rows per pass (one at a few activation rows, so that the
+// weight streams as one run of memory), with software prefetches a unit of work
 // (into L1) and eight units (into L2) ahead; it keeps the activations in L1 (blocks of the input
 // axis, if a row of x is long) and one float32 accumulator vector per (weight row, activation
-// row), reduced 16 at a time by a transposed sum. Threads come from XLA's own intra-op pool; each
+// row), four taken in turn where one weight row is read at a time, reduced 16 at a time by a
+// transposed sum. Threads come from XLA's own intra-op pool; each
 // owns a run of output rows and then takes what is left of the others' from their far end
 // (ParallelFor), so a thread that starts late does less. bf16 products run one of two ways,
 // whichever this CPU does faster (measured once per process, Bf16Calibrate): bf16 dot products
