@@ -48,9 +48,9 @@ def bf16_products(path):
 @pytest.mark.parametrize("rows,out,inp", [
     (1, 5, 7),          # one row, an input axis shorter than one vector
     (2, 33, 40),        # odd output count (the last row alone), a vector and a tail
-    (1, 50, 167),       # one weight row per pass, four accumulator sets: whole rounds, vectors after them, a tail
+    (1, 50, 167),       # one weight row per pass, four accumulator sets: rounds, a vector, a tail
     (4, 20, 800),       # bf16 four rows, one weight row per pass: 6 rounds of 4 vectors and one more
-    (2, 33, 3100),      # float32: two blocks of the input axis, rounds in the first, a vector and a tail in the last
+    (2, 33, 3100),      # float32: two input blocks; rounds in the first, a vector and a tail last
     (8, 768, 768),      # a decoding step's [768, 768] product
     (8, 130, 3072),     # input axis longer than one L1 block: partial sums across blocks
     (5, 31, 64),        # bf16: 15 accumulators, one masked transposed sum; a group of one left
