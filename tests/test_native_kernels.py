@@ -55,8 +55,9 @@ def bf16_products(path):
     (8, 130, 3072),     # input axis longer than one L1 block: partial sums across blocks
     (5, 31, 64),        # bf16: 15 accumulators, one masked transposed sum; a group of one left
     (9, 70, 130),       # bf16: three output rows at a time with 27 accumulators (16 + 11)
-    (12, 65, 1000),     # two output rows at a time
-    (13, 64, 96),       # bf16 two output rows at a time, float32 one
+    (12, 65, 1000),     # bf16 and float32 two output rows at a time, one pass
+    (13, 64, 96),       # two passes of 6 and 7 rows over each group; a last weight row alone
+    (14, 50, 700),      # two passes of 7; two weight rows left alone; a tail
     (16, 300, 5000),    # the most rows, many blocks, a tail
 ])
 def test_rows_matmul_equals_float64_product(dtype, path, rows, out, inp):

@@ -38,11 +38,19 @@ inline __m512 Transpose16Sum(__m512* a) {
 // (three rounds): bf16 at 1 / 2 / 4 rows 0.81-0.83 / 0.67-0.77 / 0.60-0.72 of the sum's rate ->
 // 0.93-0.97 / 0.89-0.96 / 0.67-0.85; float32 at 1 / 2 rows 0.80-0.82 / 0.75-0.77 -> 0.98-1.07 /
 // 0.83-0.94. At 6 bf16 rows one weight row per pass was slower (0.60-0.79 against 0.73).
+// Above PassRows activation rows a group takes them in two passes over the same block (the
+// second reads the weight vectors from L1): one pass over 16 bf16 rows had to read one weight
+// row at a time (16 accumulators), 17 loads per 16 dot products, and ran at ~12 GB/s per core
+// with the weight in cache, against ~24 GB/s in two passes of 8 rows over three weight rows each
+// (from memory, the step's products on two threads: bf16 at 14 / 16 rows 26-27 / 18-20 -> 31-32
+// / 29-36 GB/s, float32 at 13 / 14 / 16 rows 17-18 / 15-16 / 15 -> 24 / 22 / 24-25 GB/s).
 template <int R, typename T>
 constexpr int GroupRows() {
-  if constexpr (sizeof(T) == 2) return R <= 4 ? 1 : (R <= 9 ? 3 : (R <= 14 ? 2 : 1));
-  return R <= 2 ? 1 : (R <= 12 ? 2 : 1);
+  if constexpr (sizeof(T) == 2) return R <= 4 ? 1 : (R <= 9 || R > 12 ? 3 : 2);
+  return R <= 2 ? 1 : 2;
 }
+template <typename T>
+constexpr int PassRows() { return 12; }
 
 // Accumulator sets a pass over one weight row at up to 4 rows takes in turn, vector by vector, so
 // that enough independent sums are in flight to hide the latency of a dot product or FMA (~6
@@ -53,34 +61,47 @@ constexpr int AccumulatorSets() {
   return OR == 1 && R <= 4 ? 4 : 1;
 }
 
-// Adds (or, if `first`, writes) a group's OR * R accumulator sums into y [O, R], which holds them
-// side by side: y[o * R + k] for k = q * R + r. Reduced 16 accumulators at a time into one vector
-// (a horizontal sum each costs ~4x the shuffles), or one by one where there are few.
-template <int R, int OR>
+// Adds (or, if `first`, writes) a pass's OR * RN accumulator sums, of weight rows o .. o+OR-1 and
+// activation rows R0 .. R0+RN-1, into y [O, RT]: acc[q * RN + r] goes to y[(o + q) * RT + R0 + r].
+// Reduced 16 accumulators at a time into one vector (a horizontal sum each costs ~4x the
+// shuffles), or one by one where there are few. A whole pass (RN == RT) writes them side by side;
+// a split one through a small buffer.
+template <int RT, int R0, int RN, int OR>
 inline void StoreSums(__m512* acc, float* y, int64_t o, bool first) {
-  float* out = y + o * R;
+  constexpr bool whole = RN == RT;
+  float buffer[whole ? 1 : OR * RN];
+  float* out = whole ? y + o * RT : buffer;
+  const bool add = whole && !first;
   int k0 = 0;
-  for (; k0 + 8 <= OR * R; k0 += 16) {
-    const int n = OR * R - k0 < 16 ? OR * R - k0 : 16;
+  for (; k0 + 8 <= OR * RN; k0 += 16) {
+    const int n = OR * RN - k0 < 16 ? OR * RN - k0 : 16;
     __m512 part[16];
     for (int j = 0; j < 16; ++j) part[j] = j < n ? acc[k0 + j] : _mm512_setzero_ps();
     __m512 sums = Transpose16Sum(part);
     const __mmask16 lanes = (__mmask16)(n >= 16 ? 0xffffu : ((1u << n) - 1u));
-    if (!first) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(lanes, out + k0));
+    if (add) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(lanes, out + k0));
     _mm512_mask_storeu_ps(out + k0, lanes, sums);
   }
-  for (int k = k0; k < OR * R; ++k) {
+  for (int k = k0; k < OR * RN; ++k) {
     const float sum = _mm512_reduce_add_ps(acc[k]);
-    out[k] = first ? sum : out[k] + sum;
+    out[k] = add ? out[k] + sum : sum;
+  }
+  if constexpr (!whole) {
+    for (int q = 0; q < OR; ++q) {
+      float* row = y + (o + q) * RT + R0;
+      for (int r = 0; r < RN; ++r) row[r] = first ? buffer[q * RN + r] : row[r] + buffer[q * RN + r];
+    }
   }
 }
 
-// Output rows o .. o+OR-1 over the input-axis block [i0, i1), adding to y unless `first`.
-// T = uint16_t (bf16 bits) or float. `near` and `far` are the starts of the units to prefetch
-// (into L1 and L2) while this one is read: their row q, offset along the block as this one's.
-template <int R, int OR, typename T>
-inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int64_t i0, int64_t i1,
-                     bool first, const char* near, const char* far) {
+// One pass of a group: output rows o .. o+OR-1 against activation rows R0 .. R0+R-1 of RT, over
+// the input-axis block [i0, i1), adding to y unless `first`. T = uint16_t (bf16 bits) or float.
+// `near` and `far` are the starts of the units to prefetch (into L1 and L2) while this one is
+// read: their row q, offset along the block as this one's (the first pass of a group only).
+template <int RT, int R0, int R, int OR, typename T, bool kPrefetch>
+inline void RowPass(const T* w, const T* x, float* y, int64_t I, int64_t o, int64_t i0, int64_t i1,
+                    bool first, const char* near, const char* far) {
+  x += R0 * I;  // this pass's activation rows
   constexpr int64_t kLanes = sizeof(T) == 2 ? 32 : 16;  // elements per 64-byte vector
   const int64_t width = i1 - i0;
   const int64_t full = i0 + (width / kLanes) * kLanes;
@@ -98,8 +119,8 @@ inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int
   for (int k = 0; k < (S - 1) * OR * R; ++k) more[k] = _mm512_setzero_ps();
   auto pass = [&](int64_t i, __m512* sums) __attribute__((always_inline)) {
     const int64_t ahead = (i - i0) * (int64_t)sizeof(T);
-    for (int q = 0; q < OR; ++q) {
-      if constexpr (PrefetchL1<R, T>()) _mm_prefetch(near + q * stride + ahead, _MM_HINT_T0);
+    for (int q = 0; q < OR && kPrefetch; ++q) {
+      if constexpr (PrefetchL1<RT, T>()) _mm_prefetch(near + q * stride + ahead, _MM_HINT_T0);
       _mm_prefetch(far + q * stride + ahead, _MM_HINT_T1);
     }
     if constexpr (sizeof(T) == 2) {
@@ -143,7 +164,20 @@ inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int
       }
     }
   }
-  StoreSums<R, OR>(acc, y, o, first);
+  StoreSums<RT, R0, R, OR>(acc, y, o, first);
+}
+
+// Output rows o .. o+OR-1 over the input-axis block [i0, i1): all activation rows in one pass,
+// or above PassRows in two, the first with the prefetches.
+template <int R, int OR, typename T>
+inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int64_t i0, int64_t i1,
+                     bool first, const char* near, const char* far) {
+  if constexpr (R <= PassRows<T>()) {
+    RowPass<R, 0, R, OR, T, true>(w, x, y, I, o, i0, i1, first, near, far);
+  } else {
+    RowPass<R, 0, R / 2, OR, T, true>(w, x, y, I, o, i0, i1, first, near, far);
+    RowPass<R, R / 2, R - R / 2, OR, T, false>(w, x, y, I, o, i0, i1, first, near, far);
+  }
 }
 
 // The bf16 product widened to float32 (`Bf16Path::kWiden`): on CPUs whose bf16 dot-product
@@ -217,7 +251,7 @@ inline void RowGroupWiden(const uint16_t* w, const float* xw, float* y, int64_t 
         acc[q * R + r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v[q], high)), xb, acc[q * R + r]);
     }
   }
-  StoreSums<R, OR>(acc, y, o, first);
+  StoreSums<R, 0, R, OR>(acc, y, o, first);
 }
 
 // Weight rows per pass of the widened bf16 product: its accumulators, 2 * OR widened weight
