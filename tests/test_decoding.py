@@ -476,6 +476,12 @@ def test_only_tokens_cross_decoding_steps(eos_id):
         (dict(prompt_lengths=[2, 3]), "exceed"),
         (dict(prompt_tokens=jnp.zeros((2, 0), jnp.int32)), "length 0"),
         (dict(prompt_tokens=jnp.zeros((2, 2, 1), jnp.int32)), r"\[batch, length\]"),
+        (dict(temperature=float("inf"), rng=jax.random.key(0)), "temperature must be finite"),
+        (dict(max_new_tokens=None), "max_new_tokens must be a positive integer, got None"),
+        (dict(top_k=None), "top_k must be a non-negative integer"),
+        (dict(prompt_lengths=jnp.array([2.0, 1.0])), "prompt_lengths must be integer"),
+        (dict(eos_id=-1), r"eos_id=-1 is not a token id of the model: it must lie in >= 0"),
+        (dict(pad_id=-2), r"pad_id=-2 is not a token id"),
     ],
 )
 def test_argument_errors(kwargs, message):

@@ -376,6 +376,51 @@ def test_a_cache_too_small_or_for_another_batch_is_refused_before_it_corrupts_to
         model.apply({"params": params}, tokens, cache=tj.init_cache(CONFIG, 1, 4))
 
 
+def test_ids_outside_the_vocabulary_are_refused_before_decoding(lm):
+    """Inside the decoding program an id past the embedding table looks up NaN (greedy then picked
+    the last token at every step) and a negative one counts from the table's end; an EOS id past
+    the vocabulary would never be emitted, a negative one masked the last token instead. The
+    padding after a row's length is not looked at."""
+    model, params = lm
+    V = CONFIG.vocab_size
+    prompt, lengths = jnp.array([[4, V + 5, 6], [3, 0, 0]]), jnp.array([3, 1])
+
+    def run(search, **kwargs):
+        args = dict(dict(prompt_tokens=prompt, prompt_lengths=lengths, max_new_tokens=3), **kwargs)
+        cache = tj.init_cache(CONFIG, 2, 8)
+        if search is beam_search:
+            return search(LMStep(model), params, cache, beam_size=2, **args)
+        return search(LMStep(model), params, cache, **args)
+
+    for search in (generate, beam_search):
+        with pytest.raises(ValueError, match=rf"prompt_tokens holds token id {V + 5} at row 0, position 1, "
+                                             rf"outside the model's vocabulary \[0, {V}\)"):
+            run(search)
+        with pytest.raises(ValueError, match=rf"eos_id={V} is not a token id of the model: it must lie "
+                                             rf"in \[0, vocab_size={V}\)"):
+            run(search, prompt_tokens=prompt.at[0, 1].set(5), eos_id=V)
+        with pytest.raises(ValueError, match=r"pad_id=-1 is not a token id"):
+            run(search, prompt_tokens=prompt.at[0, 1].set(5), pad_id=-1)
+    with pytest.raises(ValueError, match="token id -3 at row 1, position 0"):
+        run(generate, prompt_tokens=jnp.array([[4, 5, 6], [-3, 0, 0]]))
+    # Out-of-range ids in the padding after a row's length are never read: accepted.
+    out = run(generate, prompt_tokens=jnp.array([[4, 5, 6], [3, V + 9, -1]]))
+    assert np.isfinite(np.asarray(out.logprobs)).all()
+
+
+def test_a_token_buffer_too_small_for_recomputation_is_refused(lm):
+    """`RecomputeLMStep` drops writes past its buffer and reads the logits from its last slot:
+    a buffer too small decoded wrong log-probabilities without a word, where a KV cache of the same
+    size is refused."""
+    model, params = lm
+    prompt, lengths = jnp.array([[4, 5, 6]]), jnp.array([3])
+    with pytest.raises(ValueError, match=r"the token buffer holds 5 positions per row, but a prompt of 3 "
+                                         r"tokens \(padded to 3\) and max_new_tokens=8 need 10"):
+        generate(RecomputeLMStep(model), params, recompute_cache(1, 5), prompt, lengths, max_new_tokens=8)
+    out = generate(RecomputeLMStep(model), params, recompute_cache(1, 10), prompt, lengths, max_new_tokens=8)
+    assert out.tokens.shape == (1, 8)
+
+
 def test_learned_positions_past_max_len_are_refused_not_nan():
     """A learned position table looked up past its end gives NaN logits (and a junk token from
     them): decoding that would reach position max_len is refused, naming the field."""

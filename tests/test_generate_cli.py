@@ -197,6 +197,8 @@ def test_truncate_cuts_long_prompts(capsys):
          "--min_new_tokens=5 exceeds --max_new_tokens=3"),
         (["--prompt=a", "--decoding=sample", "--top_p=1.5"], "--top_p=1.5: must be in (0, 1]"),
         (["--prompt=a", "--decoding=sample", "--temperature=-1"], "--temperature=-1.0: must be > 0"),
+        (["--prompt=a", "--decoding=sample", "--temperature=inf"],
+         "--temperature=inf: must be > 0 and finite"),
         (["--prompt=a", "--top_k=5"], "--top_k applies only to --decoding=sample"),
         (["--prompt=a", "--seed=3"], "--seed applies only to --decoding=sample (got --decoding=greedy)"),
         (["--prompt=a", "--decoding=beam", "--seed=3", "--top_p=0.9"],
@@ -280,6 +282,64 @@ def test_max_new_tokens_leaving_only_the_start_token_is_an_error():
     gpt2_like = cli.Generator(cfg, None, Numbers())
     no_start = cli.DecodeOptions(max_new_tokens=7, truncate=True)
     assert cli.encode_inputs(gpt2_like, ["10 11 12"], no_start) == [[12]]
+
+
+def test_truncate_without_max_new_tokens_leaves_room_for_the_default_continuation():
+    """--truncate alone cut a long prompt to max_len - 1 tokens, which left room for exactly one
+    new token, where the default continuation is 64."""
+    import transformer_jax as tj
+
+    class Numbers:
+        def encode(self, text):
+            return [int(w) for w in text.split()]
+
+    text = " ".join(str(i) for i in range(300))
+    opts = cli.DecodeOptions(truncate=True)
+    lm_config = tj.presets.tiny(num_encoder_layers=0, max_len=200)
+    lm = cli.Generator(lm_config, None, Numbers(), prompt_prefix=(2,))
+    [ids] = cli.encode_inputs(lm, [text], opts)
+    assert ids == [2, *range(300 - 135, 300)]  # 200 positions less the 64 new tokens
+    assert cli._new_tokens_limit(lm, opts, len(ids)) == cli.DEFAULT_CONTINUATION == 64
+    # A short model keeps half its positions (after the start token) for the continuation.
+    short = cli.Generator(lm_config.replace(max_len=9), None, Numbers(), prompt_prefix=(2,))
+    [ids] = cli.encode_inputs(short, [text], opts)
+    assert ids == [2, 296, 297, 298, 299] and cli._new_tokens_limit(short, opts, len(ids)) == 4
+
+
+def test_a_translation_does_not_depend_on_the_sources_batched_with_it_without_a_pad_id(monkeypatch):
+    """A model without a pad id took the padding of a shorter source for tokens (its encoder masks
+    padding by the pad id), so the shorter source's translation changed with its batch-mates."""
+    import jax
+
+    import transformer_jax as tj
+    from transformer_jax import decoding
+
+    logprobs = []
+    real_generate = decoding.generate
+
+    def recording_generate(*args, **kwargs):
+        out = real_generate(*args, **kwargs)
+        logprobs.append(np.asarray(out.logprobs))
+        return out
+
+    monkeypatch.setattr(decoding, "generate", recording_generate)
+
+    cfg = tj.presets.tiny(pad_id=None, max_len=32, dropout_rate=0.0)
+    model = tj.Transformer(cfg)
+    params = model.init(jax.random.key(0), np.ones((1, 4), np.int32), np.ones((1, 4), np.int32))["params"]
+
+    class Numbers:
+        def encode(self, text):
+            return [int(w) for w in text.split()]
+
+    gen = cli.Generator(cfg, params, Numbers())
+    opts = cli.DecodeOptions(max_new_tokens=6)
+    short, long = gen.input_ids("5 6 7"), gen.input_ids("8 9 10 11 12 13 14 15 16 17")
+    alone = cli._decode_batch(gen, [short], opts, 1, None)
+    together = cli._decode_batch(gen, [short, long], opts, 2, None)
+    assert together[0] == alone[0]
+    # The tokens of a random model rarely move; the log-probabilities of its choices do.
+    np.testing.assert_allclose(logprobs[1][0], logprobs[0][0], rtol=0, atol=1e-5)
 
 
 def test_newlines_inside_an_output_are_written_as_backslash_n():

@@ -236,8 +236,9 @@ class DecodeOptions:
                 f"--min_new_tokens={self.min_new_tokens} exceeds --max_new_tokens={self.max_new_tokens}",
             ),
             (
-                not self.temperature > 0,
-                f"--temperature={self.temperature}: must be > 0 (use --decoding=greedy for argmax decoding)",
+                not 0 < self.temperature < float("inf"),
+                f"--temperature={self.temperature}: must be > 0 and finite (use --decoding=greedy for argmax "
+                "decoding)",
             ),
             (self.top_k < 0, f"--top_k={self.top_k}: must be >= 0 (0 = off)"),
             (not 0.0 < self.top_p <= 1.0, f"--top_p={self.top_p}: must be in (0, 1]"),
@@ -279,10 +280,17 @@ def encode_inputs(gen: Generator, texts: Sequence[str], opts: DecodeOptions) -> 
     if gen.is_seq2seq:
         limit = max_len
     else:
-        new = opts.max_new_tokens or 1
+        start = len(gen.prompt_prefix)
+        if opts.max_new_tokens is not None:
+            new = opts.max_new_tokens
+        elif opts.truncate:
+            # Cut to leave room for the default continuation (64 tokens, or half the positions
+            # after the start token in a shorter model), not for a single token.
+            new = max(1, min(DEFAULT_CONTINUATION, (max_len - start) // 2))
+        else:
+            new = 1
         # The start token takes a position too: with only it left, --truncate would cut every
         # prompt down to the start token alone and continue from nothing, silently.
-        start = len(gen.prompt_prefix)
         if new + start >= max_len:
             held = f" ({start} of them for the start token)" if start else ""
             raise GenerateError(
@@ -303,12 +311,16 @@ def encode_inputs(gen: Generator, texts: Sequence[str], opts: DecodeOptions) -> 
     return out
 
 
+# New tokens after a prompt of a decoder-only model when --max_new_tokens is not given.
+DEFAULT_CONTINUATION = 64
+
+
 def _new_tokens_limit(gen: Generator, opts: DecodeOptions, length: int) -> int:
     """New tokens allowed after an input of ``length`` tokens."""
     max_len = gen.config.max_len
     if gen.is_seq2seq:
         return opts.max_new_tokens or min(length + 50, max_len)
-    return opts.max_new_tokens or max(1, min(64, max_len - length))
+    return opts.max_new_tokens or max(1, min(DEFAULT_CONTINUATION, max_len - length))
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -364,7 +376,11 @@ def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, ba
     if gen.is_seq2seq:
         steps = max(limits) if opts.max_new_tokens else min(width + 50, cfg.max_len)
         step_fn = model_steps.Seq2SeqStep(model)
-        cache = model_steps.encode_source(model, gen.params, jnp.asarray(tokens), max_length=steps + 1)
+        # Each source's own tokens marked explicitly: a model without a pad id would otherwise take
+        # the padding for tokens, and a real token equal to the pad id would be masked.
+        segments = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int32)
+        cache = model_steps.encode_source(model, gen.params, jnp.asarray(tokens), max_length=steps + 1,
+                                          src_segment_ids=jnp.asarray(segments))
         prompt = jnp.full((batch, 1), cfg.decoder_start_id, jnp.int32)
         prompt_lengths = jnp.ones((batch,), jnp.int32)
     else:

@@ -30,7 +30,9 @@ from transformer_jax.decoding.sampling import (
     SamplingConfig,
     StepFn,
     _check_cache,
+    _check_max_new_tokens,
     _check_prompt,
+    _is_whole,
     _last_valid,
     _row_limits,
     resolve_special_ids,
@@ -254,16 +256,15 @@ def beam_search(
     Returns:
       BeamOutput(tokens [B, K, T], scores [B, K], logprobs [B, K], lengths [B, K]), best first.
     """
-    if int(beam_size) != beam_size or beam_size < 1:
+    if not _is_whole(beam_size) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive integer, got {beam_size}")
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    _check_max_new_tokens(max_new_tokens)
     if not isinstance(alpha, jax.core.Tracer) and not alpha >= 0.0:  # traced: checked by the caller
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     eos_id, pad_id = resolve_special_ids(step_fn, eos_id, pad_id)
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)
-    _check_prompt(prompt_tokens, prompt_lengths)
+    _check_prompt(prompt_tokens, prompt_lengths, step_fn)
     SamplingConfig(min_new_tokens=min_new_tokens)  # checks it, as for `generate`
     batch = prompt_tokens.shape[0]
     limits = _row_limits(max_new_tokens_per_row, batch, int(max_new_tokens))

@@ -71,9 +71,10 @@ class SamplingConfig:
     def __post_init__(self):
         # temperature, top_p and min_new_tokens may be traced (generate called inside a jit of
         # your own): their values are checked when they are concrete.
-        if not _traced(self.temperature) and not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
+        if not _traced(self.temperature) and not 0.0 <= self.temperature < float("inf"):
+            # inf would turn the -1e30 masks (EOS before min_new_tokens, banned tokens) into 0
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
+        if not _is_whole(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
         if not _traced(self.top_p) and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -242,8 +243,7 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
 def _cpu_kernels(step_fn) -> str:
     """The model's `ModelConfig.cpu_kernels` for a step function that carries one (`LMStep`,
     `Seq2SeqStep`); 'auto' for any other."""
-    config = getattr(getattr(step_fn, "model", None), "config", None)
-    return getattr(config, "cpu_kernels", "auto")
+    return getattr(step_model_config(step_fn), "cpu_kernels", "auto")
 
 
 def _last_valid(logits: jax.Array, num_valid: jax.Array) -> jax.Array:
@@ -359,8 +359,11 @@ def _lengths(tokens: jax.Array, eos_id: int | None) -> jax.Array:
     return jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, steps).astype(jnp.int32)
 
 
-def _check_prompt(prompt_tokens, prompt_lengths) -> None:
-    """Shape/dtype checks always; value checks when the lengths are concrete."""
+def _check_prompt(prompt_tokens, prompt_lengths, step_fn=None) -> None:
+    """Shape/dtype checks always; value checks when the lengths are concrete, and, where the step
+    function carries its model's config, the prompt's real tokens (not the padding after each
+    row's length) against the vocabulary when they are concrete: inside the decoding program an id
+    past the table looks up NaN and a negative one counts from its end, silently."""
     if prompt_tokens.ndim != 2:
         raise ValueError(f"prompt_tokens must be [batch, length], got shape {prompt_tokens.shape}")
     if prompt_tokens.shape[1] == 0:
@@ -374,6 +377,8 @@ def _check_prompt(prompt_tokens, prompt_lengths) -> None:
         )
     if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
         raise ValueError(f"prompt_tokens must be integer, got {prompt_tokens.dtype}")
+    if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+        raise ValueError(f"prompt_lengths must be integer, got {prompt_lengths.dtype}")
     if isinstance(prompt_lengths, jax.core.Tracer):
         return
     lengths = np.asarray(prompt_lengths)
@@ -387,6 +392,17 @@ def _check_prompt(prompt_tokens, prompt_lengths) -> None:
         raise ValueError(
             f"prompt_lengths exceed the prompt width {prompt_tokens.shape[1]}: {lengths.tolist()}"
         )
+    config = step_model_config(step_fn)
+    if config is None or isinstance(prompt_tokens, jax.core.Tracer):
+        return
+    tokens = np.asarray(prompt_tokens)
+    real = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    bad = real & ((tokens < 0) | (tokens >= config.vocab_size))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"prompt_tokens holds token id {int(tokens[row, col])} at row {row}, position {col}, "
+            f"outside the model's vocabulary [0, {config.vocab_size})")
 
 
 def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: int, limits=None) -> None:
@@ -411,9 +427,14 @@ def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: 
     # the last one generated (the last one is never fed back).
     needed = max(width, longest + max_new_tokens - 1)
     capacity = getattr(cache, "max_length", None)
+    if capacity is None and isinstance(cache, dict) and set(cache) == {"tokens", "lengths"}:
+        # `recompute_cache`'s token buffer: writes past its end would be dropped and the logits
+        # read from its last slot
+        capacity = cache["tokens"].shape[1]
     if capacity is not None and needed > capacity:
+        kind = "KV cache" if hasattr(cache, "max_length") else "token buffer"
         raise ValueError(
-            f"the KV cache holds {capacity} positions per row, but a prompt of {longest} tokens "
+            f"the {kind} holds {capacity} positions per row, but a prompt of {longest} tokens "
             f"(padded to {width}) and max_new_tokens={max_new_tokens} need {needed}: build the "
             f"cache with max_length >= {needed}, or generate fewer tokens")
     # A learned position table looked up past its end gives NaN; computed positions extend.
@@ -431,6 +452,17 @@ def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: 
             f"decoding would reach position {reached - 1}, but the model's learned position table "
             f"has {positions} rows (ModelConfig.max_len): shorten the prompt or max_new_tokens so "
             f"that they fit in {positions} positions")
+
+
+def _is_whole(value) -> bool:
+    """An integer (or a float with an integer value), not a bool, None or a string."""
+    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+            and float(value).is_integer())
+
+
+def _check_max_new_tokens(max_new_tokens) -> None:
+    if not _is_whole(max_new_tokens) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
 
 
 def _row_limits(max_new_tokens_per_row, batch: int, max_new_tokens: int):
@@ -486,7 +518,22 @@ def resolve_special_ids(step_fn, eos_id, pad_id) -> tuple[int | None, int]:
             pad_id = config.pad_id
         else:
             pad_id = eos_id if eos_id is not None else DEFAULT_PAD_ID
-    return (None if eos_id is None else int(eos_id)), int(pad_id)
+    eos_id = None if eos_id is None else _token_id("eos_id", eos_id, config)
+    return eos_id, _token_id("pad_id", pad_id, config)
+
+
+def _token_id(name: str, value, config) -> int:
+    """``value`` as a token id: an integer, in [0, vocab_size) where the model's config is known
+    (an id past the vocabulary would never be emitted, so rows would never stop; a negative one
+    would mask the last tokens of the vocabulary instead)."""
+    if not _is_whole(value):
+        raise ValueError(f"{name} must be an integer token id, got {value!r}")
+    value = int(value)
+    limit = config.vocab_size if config is not None else None
+    if value < 0 or (limit is not None and value >= limit):
+        where = f"[0, vocab_size={limit})" if limit is not None else ">= 0"
+        raise ValueError(f"{name}={value} is not a token id of the model: it must lie in {where}")
+    return value
 
 
 def generate(
@@ -541,11 +588,10 @@ def generate(
     """
     sampling = SamplingConfig(temperature, top_k, top_p, min_new_tokens)
     eos_id, pad_id = resolve_special_ids(step_fn, eos_id, pad_id)
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    _check_max_new_tokens(max_new_tokens)
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)
-    _check_prompt(prompt_tokens, prompt_lengths)
+    _check_prompt(prompt_tokens, prompt_lengths, step_fn)
     limits = _row_limits(max_new_tokens_per_row, prompt_tokens.shape[0], int(max_new_tokens))
     _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, int(max_new_tokens), limits)
     if rng is None:
