@@ -368,6 +368,8 @@ def test_prompt_bucketing_shares_compilations():
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         decoding.bucket_length(20, buckets=[4, 16])
     assert decoding.pad_to_bucket(np.ones((2, 3), np.int32), pad_id=0).shape == (2, 8)
+    with pytest.raises(ValueError, match=r"prompt_tokens must be \[batch, length\] with length >= 1"):
+        decoding.pad_to_bucket(np.ones((2, 0), np.int32))
     params = history_params()
     traces = []
 

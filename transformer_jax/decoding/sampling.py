@@ -128,8 +128,8 @@ def pad_prompts(
     """Right-pads token lists into ``(tokens int32 [B, P], lengths int32 [B])``.
 
     P is ``bucket_length(longest prompt, buckets, min_length)``. The KV cache given to `generate`
-    must hold P + max_new_tokens positions (padding is written to the cache during prefill, then
-    overwritten).
+    must hold max(P, longest prompt + max_new_tokens - 1) positions (the padding is written to the
+    cache during prefill, then overwritten; the last new token is never fed back).
     """
     if len(prompts) == 0:  # not `not prompts`: a 2-D array of prompts has no truth value
         raise ValueError("no prompts given")
@@ -151,6 +151,9 @@ def pad_to_bucket(
 ) -> np.ndarray:
     """Right-pads an already batched ``[B, P]`` prompt array along P up to its bucket length."""
     prompt_tokens = np.asarray(prompt_tokens)
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape[1] == 0:
+        raise ValueError(
+            f"prompt_tokens must be [batch, length] with length >= 1, got shape {prompt_tokens.shape}")
     width = bucket_length(prompt_tokens.shape[1], buckets, min_length)
     return np.pad(prompt_tokens, ((0, 0), (0, width - prompt_tokens.shape[1])), constant_values=pad_id)
 
