@@ -304,6 +304,11 @@ def test_truncate_without_max_new_tokens_leaves_room_for_the_default_continuatio
     short = cli.Generator(lm_config.replace(max_len=9), None, Numbers(), prompt_prefix=(2,))
     [ids] = cli.encode_inputs(short, [text], opts)
     assert ids == [2, 296, 297, 298, 299] and cli._new_tokens_limit(short, opts, len(ids)) == 4
+    # --min_new_tokens above the default budget raises it (within the positions), not silently cut.
+    assert cli._new_tokens_limit(lm, cli.DecodeOptions(min_new_tokens=100), 20) == 100
+    assert cli._new_tokens_limit(lm, cli.DecodeOptions(min_new_tokens=100), 150) == 50
+    translation = cli.Generator(lm_config.replace(num_encoder_layers=1), None, Numbers())
+    assert cli._new_tokens_limit(translation, cli.DecodeOptions(min_new_tokens=90), 10) == 90
 
 
 def test_a_translation_does_not_depend_on_the_sources_batched_with_it_without_a_pad_id(monkeypatch):

@@ -316,11 +316,15 @@ DEFAULT_CONTINUATION = 64
 
 
 def _new_tokens_limit(gen: Generator, opts: DecodeOptions, length: int) -> int:
-    """New tokens allowed after an input of ``length`` tokens."""
+    """New tokens allowed after an input of ``length`` tokens: --max_new_tokens, or by default
+    the source length + 50 (translation) or 64 (continuation), raised to --min_new_tokens, within
+    the model's positions."""
     max_len = gen.config.max_len
+    if opts.max_new_tokens:
+        return opts.max_new_tokens
     if gen.is_seq2seq:
-        return opts.max_new_tokens or min(length + 50, max_len)
-    return opts.max_new_tokens or max(1, min(DEFAULT_CONTINUATION, max_len - length))
+        return min(max(length + 50, opts.min_new_tokens), max_len)
+    return max(1, min(max(DEFAULT_CONTINUATION, opts.min_new_tokens), max_len - length))
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -374,7 +378,7 @@ def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, ba
     tokens, lengths = _pad_rows(rows, width, pad, batch)
     limits = [_new_tokens_limit(gen, opts, len(r)) for r in rows]
     if gen.is_seq2seq:
-        steps = max(limits) if opts.max_new_tokens else min(width + 50, cfg.max_len)
+        steps = max(limits) if opts.max_new_tokens else max(min(width + 50, cfg.max_len), max(limits))
         step_fn = model_steps.Seq2SeqStep(model)
         # Each source's own tokens marked explicitly: a model without a pad id would otherwise take
         # the padding for tokens, and a real token equal to the pad id would be masked.
