@@ -396,7 +396,8 @@ def _check_prompt(prompt_tokens, prompt_lengths, step_fn=None) -> None:
             f"prompt_lengths exceed the prompt width {prompt_tokens.shape[1]}: {lengths.tolist()}"
         )
     config = step_model_config(step_fn)
-    if config is None or isinstance(prompt_tokens, jax.core.Tracer):
+    if (config is None or isinstance(prompt_tokens, jax.core.Tracer)
+            or not getattr(prompt_tokens, "is_fully_addressable", True)):  # another process holds rows
         return
     tokens = np.asarray(prompt_tokens)
     real = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
