@@ -38,7 +38,7 @@ inline __m512 Transpose16Sum(__m512* a) {
 // (three rounds): bf16 at 1 / 2 / 4 rows 0.81-0.83 / 0.67-0.77 / 0.60-0.72 of the sum's rate ->
 // 0.93-0.97 / 0.89-0.96 / 0.67-0.85; float32 at 1 / 2 rows 0.80-0.82 / 0.75-0.77 -> 0.98-1.07 /
 // 0.83-0.94. At 6 bf16 rows one weight row per pass was slower (0.60-0.79 against 0.73).
-// Above PassRows activation rows a group takes them in two passes over the same block (the
+// Above kPassRows activation rows a group takes them in two passes over the same block (the
 // second reads the weight vectors from L1): one pass over 16 bf16 rows had to read one weight
 // row at a time (16 accumulators), 17 loads per 16 dot products, and ran at ~12 GB/s per core
 // with the weight in cache, against ~24 GB/s in two passes of 8 rows over three weight rows each
@@ -49,8 +49,7 @@ constexpr int GroupRows() {
   if constexpr (sizeof(T) == 2) return R <= 4 ? 1 : (R <= 9 || R > 12 ? 3 : 2);
   return R <= 2 ? 1 : 2;
 }
-template <typename T>
-constexpr int PassRows() { return 12; }
+constexpr int kPassRows = 12;
 
 // Accumulator sets a pass over one weight row at up to 4 rows takes in turn, vector by vector, so
 // that enough independent sums are in flight to hide the latency of a dot product or FMA (~6
@@ -168,11 +167,11 @@ inline void RowPass(const T* w, const T* x, float* y, int64_t I, int64_t o, int6
 }
 
 // Output rows o .. o+OR-1 over the input-axis block [i0, i1): all activation rows in one pass,
-// or above PassRows in two, the first with the prefetches.
+// or above kPassRows in two, the first with the prefetches.
 template <int R, int OR, typename T>
 inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int64_t i0, int64_t i1,
                      bool first, const char* near, const char* far) {
-  if constexpr (R <= PassRows<T>()) {
+  if constexpr (R <= kPassRows) {
     RowPass<R, 0, R, OR, T, true>(w, x, y, I, o, i0, i1, first, near, far);
   } else {
     RowPass<R, 0, R / 2, OR, T, true>(w, x, y, I, o, i0, i1, first, near, far);
