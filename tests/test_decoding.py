@@ -484,6 +484,8 @@ def test_only_tokens_cross_decoding_steps(eos_id):
         (dict(prompt_lengths=jnp.array([2.0, 1.0])), "prompt_lengths must be integer"),
         (dict(eos_id=-1), r"eos_id=-1 is not a token id of the model: it must lie in >= 0"),
         (dict(pad_id=-2), r"pad_id=-2 is not a token id"),
+        (dict(temperature=1.0, rng=jax.random.split(jax.random.key(0), 3)), r"shape \(3,\).*\(2,\)"),
+        (dict(temperature=1.0, rng=jnp.zeros(3)), r"rng must be a PRNG key .* got float32\[3\]"),
     ],
 )
 def test_argument_errors(kwargs, message):

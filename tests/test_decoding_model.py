@@ -322,6 +322,36 @@ def test_decoding_stops_at_the_models_own_eos_by_default(lm, seq2seq):
         resolve_special_ids(lambda *a: a, "eos", 0)
 
 
+def test_one_key_per_row_samples_each_row_independently_of_its_batch(lm):
+    """With one key per row a row's sampled tokens depend on its own key only: the same as the row
+    decoded alone (with that key, or a batch of one key), and the same in another batch. With one
+    key for the batch, a row's tokens change with the rows batched with it."""
+    model, params = lm
+    keys = jax.random.split(jax.random.key(7), len(PROMPTS))
+    settings = dict(max_new_tokens=STEPS, eos_id=None, temperature=1.3, top_p=0.95)
+
+    def sample(rows, rng):
+        tokens, lengths = pad_prompts([PROMPTS[r] for r in rows])
+        cache = tj.init_cache(CONFIG, len(rows), tokens.shape[1] + STEPS)
+        return generate(LMStep(model), params, cache, tokens, lengths, rng=rng, **settings)
+
+    batch = sample([0, 1, 2], keys)
+    others = sample([2, 0], keys[jnp.array([2, 0])])
+    raw = sample([0, 1, 2], jax.random.key_data(keys))  # raw uint32 keys [B, 2]: the same keys
+    np.testing.assert_array_equal(raw.tokens, batch.tokens)
+    for row in range(len(PROMPTS)):
+        for rng in (keys[row], keys[row : row + 1]):
+            alone = sample([row], rng)
+            np.testing.assert_array_equal(alone.tokens[0], batch.tokens[row])
+            np.testing.assert_allclose(alone.logprobs[0], batch.logprobs[row], atol=1e-5)
+    np.testing.assert_array_equal(others.tokens, batch.tokens[jnp.array([2, 0])])
+    assert len({tuple(np.asarray(t).tolist()) for t in batch.tokens}) == len(PROMPTS)
+    # One key for the whole batch: the noise a row draws depends on its place in the batch, so
+    # prompt 1 alone and second in a batch of three sample different tokens.
+    shared = jax.random.key(7)
+    assert not np.array_equal(sample([1], shared).tokens[0], sample([0, 1, 2], shared).tokens[1])
+
+
 def test_settings_may_be_traced_inside_a_jit_of_your_own(lm):
     """temperature, top_p, min_new_tokens and beam search's alpha as arguments of a user's jit give
     what the same Python numbers give (a traced temperature of 0 is still argmax)."""

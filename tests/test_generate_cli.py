@@ -92,6 +92,22 @@ def test_input_file_batches_keep_input_order(tmp_path):
     assert batched == one_by_one * 2
 
 
+def test_sampled_text_does_not_depend_on_the_batch_size(tmp_path):
+    """--decoding=sample: input i samples with its own key (fold_in(key(seed), i)), so the batch
+    size, which changes the inputs each is batched with, does not change its text. With one key
+    per batch (as before) the outputs at --batch_size=3 and 1 differed."""
+    directory = gpt2_checkpoint("gpt2_a")
+    texts = ["the cold coffee", "a", "your cat is a great cat and the box", "hello there", "the box"]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+    common = (f"--hf_checkpoint={directory}", f"--input_file={tmp_path / 'in.txt'}", "--max_new_tokens=8",
+              "--decoding=sample", "--temperature=1.5", "--seed=5")
+    by_three = run_cli(*common, "--batch_size=3")
+    assert by_three == run_cli(*common, "--batch_size=1")
+    assert by_three == run_cli(*common, "--batch_size=5")
+    assert len(set(by_three)) == len(texts) and by_three != run_cli(*common[:3])  # greedy differs
+    assert by_three != run_cli(*common[:-1], "--seed=6", "--batch_size=3")
+
+
 def _library_decode(directory, text, new_tokens, seed=None, **kwargs):
     """One translation by the library's own sampler (seed given) or beam search, set up as the
     command line documents it: source + EOS padded to its length bucket, decoding from

@@ -60,7 +60,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     integer("min_new_tokens", 0, "EOS is not allowed before this many new tokens.")
     integer("beam_size", 4, "Beam width, --decoding=beam (the paper: 4).")
     float_("alpha", 0.6, "Length penalty exponent, --decoding=beam (the paper: 0.6).")
-    integer("seed", 0, "Random seed for --decoding=sample.")
+    integer("seed", 0, "Random seed for --decoding=sample; input i samples with fold_in(key(seed), i).")
     integer("batch_size", 16, "Inputs decoded together.")
     string("dtype", None, "Decode in this compute and weight dtype (e.g. bfloat16; default: the "
                           "checkpoint's).")
@@ -354,12 +354,12 @@ def _pad_rows(rows: list[list[int]], width: int, pad: int, batch: int):
     return tokens, lengths
 
 
-def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, rng):
+def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, keys):
     """Generated token lists (EOS and padding removed) for up to ``batch`` encoded inputs.
 
-    Every row stops at its own limit (`_new_tokens_limit`), so an output does not depend on the
-    inputs batched with it, and a long prompt next to a short one never runs past a learned
-    position table while the short one goes on.
+    Every row stops at its own limit (`_new_tokens_limit`) and samples with its own key
+    (``keys[r]``), so an output does not depend on the inputs batched with it, and a long prompt
+    next to a short one never runs past a learned position table while the short one goes on.
     """
     import jax
     import jax.numpy as jnp
@@ -417,7 +417,7 @@ def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, ba
             cache,
             prompt,
             prompt_lengths,
-            rng=rng if sample else None,
+            rng=jnp.stack([keys[r] if r < len(rows) else keys[0] for r in range(batch)]) if sample else None,
             temperature=opts.temperature if sample else 0.0,
             top_k=opts.top_k if sample else 0,
             top_p=opts.top_p if sample else 1.0,
@@ -452,8 +452,11 @@ def generate_texts(
         chunks = tqdm(chunks, desc="generate", unit="batch", file=sys.stderr)
     outputs: list[str] = [""] * len(encoded)
     rng = jax.random.key(opts.seed)
-    for n, chunk in enumerate(chunks):
-        ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, jax.random.fold_in(rng, n))
+    for chunk in chunks:
+        # Input i samples with fold_in(key(seed), i): its text does not depend on --batch_size or
+        # on the inputs that share its batch.
+        keys = [jax.random.fold_in(rng, i) for i in chunk]
+        ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, keys)
         for i, out in zip(chunk, ids, strict=True):
             outputs[i] = gen.tokenizer.decode(out)
     return outputs

@@ -233,7 +233,10 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
         scaled = _top_k_mask(scaled, top_k)
     if use_top_p:
         scaled = _top_p_mask(scaled, top_p)
-    tokens = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+    if rng.ndim:  # one key per row
+        tokens = jax.vmap(jax.random.categorical)(rng, scaled).astype(jnp.int32)
+    else:
+        tokens = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
     if greedy is None:
         tokens = jnp.where(temperature > 0, tokens, _first_argmax(logits_t, col_max))
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
@@ -316,7 +319,11 @@ def _generate_jit(
     # out: it copies every layer's cache in and out each step (~12% of a batch-8 GPT-2-small step
     # on CPU).
     def emit(logits, rng, done, step):
-        rng, key = jax.random.split(rng)
+        if rng.ndim:  # one key per row: each row's stream is its own
+            pairs = jax.vmap(jax.random.split)(rng)
+            rng, key = pairs[:, 0], pairs[:, 1]
+        else:
+            rng, key = jax.random.split(rng)
         token, logprob = choose(logits, key, step)
         token = jnp.where(done, pad_id, token)
         logprob = jnp.where(done, 0.0, logprob)
@@ -464,6 +471,24 @@ def _is_whole(value) -> bool:
             and float(value).is_integer())
 
 
+def _check_rng(rng, batch: int):
+    """``rng`` as typed keys: one key (shape ()) or one per row ([batch]); raw uint32 keys are
+    wrapped. Anything else is an error naming it."""
+    if not jax.dtypes.issubdtype(getattr(rng, "dtype", None), jax.dtypes.prng_key):
+        what = f"{getattr(rng, 'dtype', type(rng).__name__)}{list(getattr(rng, 'shape', ()))}"
+        try:
+            rng = jax.random.wrap_key_data(rng)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"rng must be a PRNG key (jax.random.key(seed)) or one key per row; got {what}"
+            ) from e
+    if rng.shape not in ((), (batch,)):
+        raise ValueError(
+            f"rng holds keys of shape {rng.shape}: give one key, or one per row (shape ({batch},))"
+        )
+    return rng
+
+
 def _check_max_new_tokens(max_new_tokens) -> None:
     if not _is_whole(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -569,7 +594,9 @@ def generate(
       prompt_tokens: int32 [B, P], right-padded. Prefilled in one ``step_fn`` call.
       prompt_lengths: int32 [B], each in [1, P].
       max_new_tokens: T, the number of decoding steps (static).
-      rng: PRNG key; required when temperature > 0 (or traced). The same key gives the same tokens.
+      rng: PRNG key, or one key per row (typed keys [B], or raw uint32 keys [B, 2]); required
+        when temperature > 0 (or traced). The same key gives the same tokens. With one key per row,
+        a row's tokens depend on its own key and logits only, not on the rows batched with it.
       temperature: 0 = greedy argmax; otherwise logits are divided by it before sampling.
         temperature, top_p, min_new_tokens and max_new_tokens_per_row may be traced (generate
         inside a jit of your own); a traced temperature picks argmax or samples at run time, and a
@@ -602,6 +629,7 @@ def generate(
         if not sampling.greedy:
             raise ValueError("rng (a PRNG key) is required when temperature > 0")
         rng = jax.random.key(0)  # unused by greedy decoding; keeps one traced signature
+    rng = _check_rng(rng, prompt_tokens.shape[0])
     return _generate_jit(
         step_fn,
         params,
