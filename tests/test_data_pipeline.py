@@ -132,6 +132,22 @@ def test_train_iterator_deterministic_and_resumable(tok, pack):
     assert _equal(after, _take(resumed, 40))
 
 
+def test_seeds_do_not_share_epoch_orders(tok):
+    """grain reshuffles epoch e with the shuffle seed + e: given dataset.seed as it is, seed 1's
+    first epoch was seed 0's second, record for record."""
+    n = len(SOURCE)
+
+    def rows(seed, count):
+        it = pipeline.make_train_iterator(SOURCE, tok, TRANSLATION, LENGTHS, 1, seed=seed, pack=False,
+                                          shard=shard())
+        return [tuple(next(it)["inputs"][0].tolist()) for _ in range(count)]
+
+    zero, one = rows(0, 2 * n), rows(1, n)
+    assert sorted(zero[:n]) == sorted(zero[n:]) == sorted(one)  # every record once an epoch
+    assert len(set(zero[:n])) == n and zero[:n] != zero[n:]      # reshuffled each epoch
+    assert zero[n:] != one and zero[:n] != one
+
+
 def test_resuming_with_shorter_rows_names_the_setting(tok):
     """The saved packing bins hold rows being filled to the old lengths; with shorter rows they
     failed deep inside row building ('examples do not fit in 16 tokens')."""
@@ -543,6 +559,28 @@ def test_wmt_and_lm1b_read_from_prepared_files(tmp_path):
     assert lm.eval_size == 30 and "targets" in next(lm.train_iter)
 
 
+def test_a_dataset_prepared_as_tfrecord_files_names_the_rebuild(tmp_path):
+    """`tfds build` writes TFRecord files by default, which have no random access: TFDS's
+    NotImplementedError escaped as a traceback instead of a DataError saying what to run."""
+    import glob
+    import json
+
+    data_dir = str(tmp_path / "tfds")
+    builders.prepare(_FakeWmt(data_dir=data_dir, file_format="array_record"))
+    version = os.path.join(data_dir, "wmt14_translate", "de-en", "1.0.0")
+    with open(os.path.join(version, "dataset_info.json")) as f:
+        info = json.load(f)
+    info["fileFormat"] = "tfrecord"  # as `tfds build` without --file_format leaves it
+    with open(os.path.join(version, "dataset_info.json"), "w") as f:
+        json.dump(info, f)
+    for name in glob.glob(os.path.join(version, "*array_record*")):
+        os.rename(name, name.replace("array_record", "tfrecord"))
+    with pytest.raises(DataError, match=r"stored as tfrecord files.*`tfds build wmt14_translate/de-en "
+                                        r"--file_format=array_record"):
+        inputs.build_datasets(_cfg("wmt14_translate/de-en", data_dir, vocab_size=300),
+                              str(tmp_path / "w"), shard=shard())
+
+
 def test_tokenizer_texts_sample_records_evenly_and_read_both_sides():
     source = [{"a": f"a{i:08d}".encode(), "b": f"b{i:08d}".encode()} for i in range(10)]
     everything = [f"{f}{i:08d}" for i in range(10) for f in "ab"]
@@ -553,16 +591,22 @@ def test_tokenizer_texts_sample_records_evenly_and_read_both_sides():
 
 
 def test_editing_a_user_file_rebuilds_the_dataset(data_dir, tmp_path):
-    """The build is named by the files' sizes and modification times: an edit that keeps the size
-    (a typo fixed) must not reuse the old build."""
+    """The build is named by the files' contents: an edit that keeps the size (a typo fixed) must
+    not reuse the old build, and a copy with another modification time (the same file copied to
+    every host) names the same build. Named by modification times, a host with its own copy waited
+    for a build process 0 never made, then blamed data_dir."""
     tsv = tmp_path / "pairs.tsv"
     tsv.write_text("cat\tchat\n")
     read = lambda: [r["target"] for r in builders.data_source(
         builders.builtin_builder("tsv", data_dir, None, [str(tsv)]), "train")]
     assert read() == [b"chat"]
     mtime = tsv.stat().st_mtime_ns
+    name = builders.files_config([str(tsv)], []).name
+    os.utime(tsv, ns=(mtime + 10**9, mtime + 10**9))  # as a copy on another host
+    assert builders.files_config([str(tsv)], []).name == name
     tsv.write_text("cat\tchou\n")  # same size
-    os.utime(tsv, ns=(mtime + 10**9, mtime + 10**9))
+    os.utime(tsv, ns=(mtime, mtime))
+    assert builders.files_config([str(tsv)], []).name != name
     assert read() == [b"chou"]
 
 

@@ -333,9 +333,10 @@ def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
 def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt(
         workdir, data_dir, capsys):
     """The data iterator's saved position fits only a pipeline of the same shape. A run with
-    another dataset.num_workers (0 against > 0: grain stores the two differently) or another
-    process count gets a DataError naming the setting; before, the restore failed inside grain, every
-    step was taken for corrupt, and the message said to start from scratch."""
+    another dataset.num_workers (0 against > 0: grain stores the two differently), another
+    dataset.pack or another process count gets a DataError naming the setting; before, the restore
+    failed inside grain, every step was taken for corrupt, and the message said to start from
+    scratch."""
     from absl import flags
 
     from transformer_jax.data import DataError
@@ -346,6 +347,13 @@ def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt
         config = tiny_config(data_dir, num_train_steps=12)
         config.dataset.num_workers = 1
         with pytest.raises(DataError, match=r"step 10 .*saved with dataset.num_workers = 0"):
+            train_and_evaluate(config, workdir)
+        # Packing changes the stored position too: named, not blamed on num_workers (it was).
+        config = tiny_config(data_dir, num_train_steps=12)
+        packed = bool(config.dataset.pack)
+        config.dataset.pack = not packed
+        with pytest.raises(DataError, match=rf"step 10 .*dataset.pack={packed}, and this run has "
+                                            rf"dataset.pack={not packed}.*resume_data_position=False"):
             train_and_evaluate(config, workdir)
     finally:
         if not parsed:  # as it was, for the tests after this one

@@ -226,9 +226,11 @@ class FilesConfig(tfds.core.BuilderConfig):
 
 
 def files_config(train_files: Sequence[str], eval_files: Sequence[str]) -> FilesConfig:
-    """A config named by a hash of the files' paths, sizes and modification times.
+    """A config named by a hash of the files' paths and contents.
 
-    Changing a file changes the name, so a stale build is never reused.
+    Changing a file changes the name, so a stale build is never reused; copies of the same files
+    on several hosts (same paths and bytes, other modification times) name the same build, which
+    process 0 prepares in a shared ``data_dir`` and the others wait for.
     """
     train_files = tuple(os.path.abspath(os.path.expanduser(p)) for p in train_files)
     eval_files = tuple(os.path.abspath(os.path.expanduser(p)) for p in eval_files)
@@ -240,8 +242,9 @@ def files_config(train_files: Sequence[str], eval_files: Sequence[str]) -> Files
                 hint = (f"; for several files give a tuple, e.g. --config.dataset.{tag}_files="
                         f"\"('a.tsv', 'b.tsv')\"" if "," in p else "")
                 raise DataError(f"Data file not found: {p}{hint}")
-            st = os.stat(p)
-            h.update(f"{tag}\0{p}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            with open(p, "rb") as f:
+                digest = hashlib.file_digest(f, "sha1").hexdigest()
+            h.update(f"{tag}\0{p}\0{os.path.getsize(p)}\0{digest}\0".encode())
     return FilesConfig(name="f" + h.hexdigest()[:16], train_files=train_files,
                        eval_files=eval_files)
 
@@ -394,7 +397,8 @@ def prepare(builder: tfds.core.DatasetBuilder, wait_timeout_s: float = 1800.0) -
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"process {jax.process_index()} waited {wait_timeout_s:.0f} s for process 0 to "
-                    f"prepare {builder.name} in {builder.data_dir}; is dataset.data_dir shared by all hosts?"
+                    f"prepare {builder.name} in {builder.data_dir}; is dataset.data_dir shared by all hosts, "
+                    f"and are the data files the same on each?"
                 )
             time.sleep(1.0)
         builder.info.read_from_directory(builder.data_dir)  # built after this object was made
@@ -451,7 +455,15 @@ def data_source(builder: tfds.core.DatasetBuilder, split: str):
     if split not in builder.info.splits:
         raise DataError(f"Dataset {builder.info.full_name} has no split {split!r}; it has "
                         f"{sorted(builder.info.splits)}")
-    source = builder.as_data_source(split=split)
+    try:
+        source = builder.as_data_source(split=split)
+    except NotImplementedError as e:  # prepared as TFRecord files (`tfds build`'s default)
+        raise DataError(
+            f"Dataset {builder.info.full_name} in {builder.data_dir} is stored as "
+            f"{builder.info.file_format.value if builder.info.file_format else 'tfrecord'} files, "
+            f"which TFDS cannot read by index (the input pipeline needs that). Rebuild it with "
+            f"`tfds build {builder.info.full_name.rsplit('/', 1)[0]} --file_format=array_record "
+            f"--data_dir=DATA_DIR` and copy the directory.") from e
     if len(source) == 0:
         raise DataError(f"Dataset {builder.info.full_name} split {split!r} is empty")
     return source

@@ -265,7 +265,7 @@ def make_train_iterator(
     # Shuffle record indices (repeat reseeds the shuffle every epoch), then read and tokenise
     # them in chunks: per-record overheads (ArrayRecord reads, grain bookkeeping) dominate
     # otherwise.
-    ds = grain.MapDataset.range(start, end).shuffle(seed=seed).repeat(None)
+    ds = grain.MapDataset.range(start, end).shuffle(seed=epoch_shuffle_seed(seed)).repeat(None)
     ds = ds.batch(read_chunk, batch_fn=list)
     ds = ds.map(ReadAndTokenize(source, tokenize))
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
@@ -280,6 +280,12 @@ def make_train_iterator(
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers),
                             worker_init_fn=init_input_worker)
     return iter(it)
+
+
+def epoch_shuffle_seed(seed: int) -> int:
+    """The shuffle seed of ``dataset.seed``: a 31-bit value mixed from it. grain reshuffles epoch e
+    with seed + e, so seed s + 1 given as it is would replay every epoch of seed s one epoch later."""
+    return int(np.random.SeedSequence(int(seed)).generate_state(1, np.uint32)[0] >> 1)
 
 
 def init_input_worker(worker_index: int, worker_count: int, poll_s: float = 1.0) -> None:

@@ -333,8 +333,8 @@ def _checkpointed_model(workdir: str, metadata: dict) -> Tokenizer:
             f"stops here. To resume, set the tokenizer settings the run was started with; to "
             f"train with the new ones, {fresh}.")
     if old.get("corpus_key") != metadata["corpus_key"]:
-        # The data changed (new files, or the same files re-prepared: the key includes sizes and
-        # modification times). The checkpoints' vocabulary still applies to any text: keep it,
+        # The data changed (new files, or edited ones: the key names the build, a hash of the
+        # files' contents). The checkpoints' vocabulary still applies to any text: keep it,
         # as a fixed tokenizer file would be kept.
         logging.warning(
             "The training data of %s changed since its tokenizer was trained (corpus key %r -> "

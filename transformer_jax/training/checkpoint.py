@@ -293,6 +293,13 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
         wanted = data_iter.get_state()
     except Exception:  # noqa: BLE001 (no state to compare with: the restore itself will tell)
         return
+    saved_packs, wanted_packs = _holds_key(saved, "bins"), _holds_key(wanted, "bins")
+    if saved_packs != wanted_packs:  # the packer's open rows ("bins") are part of its position
+        raise DataError(
+            f"Checkpoint step {step} holds the input pipeline's position with dataset.pack="
+            f"{saved_packs}, and this run has dataset.pack={wanted_packs}: a packed and an unpacked "
+            f"pipeline store their positions differently. Resume with dataset.pack={saved_packs}, "
+            f"or set config.resume_data_position=False to start the input pipeline afresh.")
     if isinstance(wanted, dict) and sorted(wanted) != saved_keys:
         workers = any("worker" in k or "iterators_in_use" in k for k in saved_keys)
         raise DataError(
@@ -316,6 +323,15 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
             f"records, so the position of one worker count cannot be restored into another. Resume "
             f"with dataset.num_workers={len(saved_workers)}, or set "
             f"config.resume_data_position=False to start the input pipeline afresh.")
+
+
+def _holds_key(state, key: str) -> bool:
+    """Whether a (nested) grain iterator state has ``key`` at any depth."""
+    if isinstance(state, dict):
+        return key in state or any(_holds_key(v, key) for v in state.values())
+    if isinstance(state, list):
+        return any(_holds_key(v, key) for v in state)
+    return False
 
 
 # ------------------------------------------------------------------------------------ preemption
