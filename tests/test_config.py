@@ -33,6 +33,7 @@ def test_presets_accept_overrides():
         ("dropout_rate", 1.0), ("attention_dropout_rate", -0.1),
         ("norm", "middle"), ("activation", "tanh"), ("position", "absolute"),
         ("attention_impl", "magic"), ("dtype", "int8"), ("num_encoder_layers", -1),
+        ("num_decoder_layers", 0),  # accepted before: an encoder-decoder that ignored its source
         ("eos_id", 40000), ("pad_id", -1), ("norm_eps", 0.0), ("pad_vocab_multiple", 0),
         ("eos_id", 37000),  # token ids are below vocab_size=37000
         ("pad_vocab_multiple", True),

@@ -135,6 +135,11 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 fail(name, "must be a non-negative integer")
+        if self.num_decoder_layers == 0:
+            # Every model here ends in the decoder: an encoder-decoder without one would have no
+            # cross-attention and ignore its source.
+            fail("num_decoder_layers", "must be at least 1 (the decoder holds the cross-attention that "
+                                       "reads the source, and a decoder-only model's layers)")
         for name in ("head_dim", "num_kv_heads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
