@@ -14,6 +14,7 @@ import pytest
 
 from configs import tiny
 from transformer_jax import parallel
+from transformer_jax.config import ConfigError
 from transformer_jax.training import average_checkpoints, restore_for_inference, train_and_evaluate
 from transformer_jax.training.checkpoint import Checkpointer
 
@@ -445,6 +446,23 @@ def test_keep_best_keeps_the_latest_too_and_drops_checkpoints_without_metrics(tm
     assert on_disk[3] == [200, 300, 400]  # best two (2.5, 2.6) + the latest (2.7, rising)
     assert on_disk[4] == [200, 300, 450]  # saved at preemption, between evaluations: no metrics
     assert on_disk[5] == [200, 500]  # the one without metrics is gone once it is not the latest
+
+
+def test_keep_best_by_accuracy_keeps_the_highest(tmp_path):
+    """keep_best_mode='auto' (the default) ranks eval_accuracy highest first. The default was
+    'min' for every metric: keep_best_metric='eval_accuracy' alone kept the least accurate
+    checkpoints. A mode against the metric's direction is a config error."""
+    ck = Checkpointer(str(tmp_path), max_to_keep=2, keep_best_metric="eval_accuracy", async_save=False)
+    for step, accuracy in [(100, 0.2), (200, 0.5), (300, 0.3), (400, 0.6), (500, 0.1)]:
+        ck.save(_tiny_state(step), metrics={"eval_accuracy": accuracy}, force=True)
+        ck.wait()
+    assert ck.all_steps() == [200, 400, 500]  # best two (0.6, 0.5) + the latest
+    ck.close()
+    with pytest.raises(ConfigError, match=r"keep_best_mode='min' with keep_best_metric='eval_accuracy' "
+                                          r"would keep the worst checkpoints.*use 'max' or 'auto'"):
+        Checkpointer(str(tmp_path / "other"), keep_best_metric="eval_accuracy", keep_best_mode="min")
+    with pytest.raises(ConfigError, match=r"'auto' cannot tell whether a higher or a lower 'f1'"):
+        Checkpointer(str(tmp_path / "other"), keep_best_metric="f1")
 
 
 def test_keep_best_ranks_by_the_evaluation_of_the_checkpoint_step(data_dir, tmp_path, monkeypatch):

@@ -569,7 +569,7 @@ def test_window_throughput_counts_real_tokens_and_mfu_every_step_of_it():
         ("optimizer.grad_accum_steps", 4, r"grad_accum_steps=4 = 4 rows per micro-batch"),
         ("dataset.name", "stdlib_lm", r"dataset.name='stdlib_lm' is a language-modelling dataset"),
         ("model.num_encoder_layers", 0, r"dataset.name='enfr_builtin' is a translation dataset"),
-        ("keep_best_mode", "mean", r"config.keep_best_mode='mean' must be 'min' or 'max'"),
+        ("keep_best_mode", "mean", r"config.keep_best_mode='mean' must be one of \['auto', 'min', 'max'\]"),
         ("keep_best_metric", "loss", r"config.keep_best_metric='loss' .*\['eval_loss', 'eval_nll'"),
         ("model.vocab_size", 100, r"config.model.vocab_size=100 is smaller than the tokenizer's 320"),
         ("optimizer.weight_decay", 0.1, r"optimizer.weight_decay=0.1 needs optimizer.name='adamw'"),
@@ -665,6 +665,12 @@ def test_keep_best_metric_is_checked(metric):
     config = tiny.get_config()
     config.keep_best_metric = metric
     check_config(config)  # tiny checkpoints where it evaluates, every 10 steps
+    config.keep_best_mode = "max" if metric == "eval_accuracy" else "min"
+    check_config(config)
+    config.keep_best_mode = "min" if metric == "eval_accuracy" else "max"
+    with pytest.raises(ConfigError, match=r"would keep the worst checkpoints"):
+        check_config(config)
+    config.keep_best_mode = "auto"
     config.checkpoint_every_steps = 5
     message = r"checkpoint_every_steps=5 is not a multiple of config.eval_every_steps=10"
     with pytest.raises(ConfigError, match=message):

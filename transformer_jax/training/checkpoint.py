@@ -94,11 +94,39 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
 # ------------------------------------------------------------------------------------ the manager
 
 
+# Which way is better for the metrics evaluation produces (keep_best_mode='auto').
+_BEST_MODES = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max", "bleu": "max"}
+KEEP_BEST_MODES = ("auto", "min", "max")
+
+
+def resolve_keep_best_mode(metric: str, mode: str = "auto") -> str:
+    """'min' or 'max' for ranking checkpoints by ``metric``: ``mode`` itself, or for 'auto' the
+    direction of a metric named ``*loss``, ``*nll``, ``*perplexity`` (lower is better),
+    ``*accuracy`` or ``*bleu`` (higher is better). A ``ConfigError`` names a mode that is none
+    of these, an 'auto' for a metric of unknown direction, and a mode against the metric's
+    direction (it would keep the worst checkpoints)."""
+    if mode not in KEEP_BEST_MODES:
+        raise ConfigError(f"config.keep_best_mode={mode!r} must be one of {list(KEEP_BEST_MODES)}")
+    known = next((m for suffix, m in _BEST_MODES.items() if metric.endswith(suffix)), None)
+    if mode == "auto":
+        if known is None:
+            raise ConfigError(f"config.keep_best_mode='auto' cannot tell whether a higher or a lower "
+                              f"{metric!r} is better; set keep_best_mode to 'min' or 'max'")
+        return known
+    if known is not None and mode != known:
+        better = "lower" if known == "min" else "higher"
+        raise ConfigError(
+            f"config.keep_best_mode={mode!r} with keep_best_metric={metric!r} would keep the worst "
+            f"checkpoints: a {better} {metric} is better; use {known!r} or 'auto'")
+    return mode
+
+
 class Checkpointer:
     """Saves and restores ``TrainState`` + data iterator under ``DIR/checkpoints``.
 
     ``keep_best_metric`` (e.g. ``'eval_loss'``) keeps the ``max_to_keep`` best checkpoints by that
-    eval metric (``keep_best_mode`` 'min' or 'max') and the latest one (the step to resume from,
+    eval metric (``keep_best_mode``: 'auto' for the metric's own direction, or 'min' or 'max'; see
+    `resolve_keep_best_mode`) and the latest one (the step to resume from,
     e.g. one saved at preemption), instead of the ``max_to_keep`` most recent ones. A checkpoint
     saved without that metric is kept only while it is the latest.
 
@@ -111,14 +139,19 @@ class Checkpointer:
         workdir: str,
         max_to_keep: int | None = 3,
         keep_best_metric: str = "",
-        keep_best_mode: str = "min",
+        keep_best_mode: str = "auto",
         async_save: bool = True,
         read_only: bool = False,
         model_config: ModelConfig | None = None,
         fallback: bool = True,
     ):
-        if keep_best_mode not in ("min", "max"):
-            raise ConfigError(f"config.keep_best_mode={keep_best_mode!r} must be 'min' or 'max'")
+        if keep_best_metric:
+            keep_best_mode = resolve_keep_best_mode(keep_best_metric, keep_best_mode)
+        elif keep_best_mode not in KEEP_BEST_MODES:
+            raise ConfigError(f"config.keep_best_mode={keep_best_mode!r} must be one of "
+                              f"{list(KEEP_BEST_MODES)}")
+        else:
+            keep_best_mode = "min"  # unused: no metric to rank by
         self.keep_best_metric = keep_best_metric
         best_fn = (lambda m: float(m[keep_best_metric])) if keep_best_metric else None
         policy = None

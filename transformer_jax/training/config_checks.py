@@ -17,6 +17,7 @@ from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DATASET_NAMES, EOS_ID, PAD_ID
 from transformer_jax.data.inputs import LM_DATASETS, TRANSLATION_DATASETS
 from transformer_jax.data.tokenizer import MIN_VOCAB_SIZE, TOKENIZER_TYPES
+from transformer_jax.training.checkpoint import KEEP_BEST_MODES, resolve_keep_best_mode
 from transformer_jax.training.evaluate import EVAL_METRICS
 from transformer_jax.training.optimizer import OPTIMIZERS
 from transformer_jax.training.schedules import SCHEDULES
@@ -39,7 +40,7 @@ def training_defaults() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.max_checkpoints_to_keep = 3
     c.keep_best_metric = ""  # e.g. 'eval_loss': keep the best checkpoints by it (and the newest)
-    c.keep_best_mode = "min"
+    c.keep_best_mode = "auto"  # 'min' / 'max'; 'auto': the metric's own (higher accuracy is better)
     c.skip_nonfinite = False  # False: stop at a non-finite step; True: skip it
     c.checkpoint_fallback = True  # a corrupt newest checkpoint: True resume from an older one; False stop
     # False: a resume starts the input pipeline afresh instead of at its saved position (for another
@@ -205,8 +206,9 @@ def _check_keep_best(config) -> None:
     """Keep-best ranks checkpoints by the evaluation run at their step, so every periodic checkpoint
     must fall on an evaluation step (t5x refuses checkpoint and eval periods that are not multiples
     of each other too)."""
-    if config.keep_best_mode not in ("min", "max"):
-        raise ConfigError(f"config.keep_best_mode={config.keep_best_mode!r} must be 'min' or 'max'")
+    if config.keep_best_mode not in KEEP_BEST_MODES:
+        raise ConfigError(f"config.keep_best_mode={config.keep_best_mode!r} must be one of "
+                          f"{list(KEEP_BEST_MODES)}")
     metric = config.keep_best_metric
     if not metric:
         return
@@ -214,6 +216,7 @@ def _check_keep_best(config) -> None:
         raise ConfigError(
             f"config.keep_best_metric={metric!r} is not a metric evaluation produces; use one of "
             f"{list(EVAL_METRICS)} (or '' to keep the newest checkpoints)")
+    resolve_keep_best_mode(metric, config.keep_best_mode)  # a mode against the metric's direction
     if config.checkpoint_every_steps % config.eval_every_steps:
         raise ConfigError(
             f"config.keep_best_metric={metric!r} ranks checkpoints by the evaluation at their step, but "
