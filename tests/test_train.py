@@ -570,6 +570,7 @@ def test_window_throughput_counts_real_tokens_and_mfu_every_step_of_it():
         ("dataset.name", "stdlib_lm", r"dataset.name='stdlib_lm' is a language-modelling dataset"),
         ("model.num_encoder_layers", 0, r"dataset.name='enfr_builtin' is a translation dataset"),
         ("keep_best_mode", "mean", r"config.keep_best_mode='mean' must be one of \['auto', 'min', 'max'\]"),
+        ("seed", 2**65, r"config.seed=36893488147419103232 must be an integer in \[-2\*\*63, 2\*\*63\)"),
         ("keep_best_metric", "loss", r"config.keep_best_metric='loss' .*\['eval_loss', 'eval_nll'"),
         ("model.vocab_size", 100, r"config.model.vocab_size=100 is smaller than the tokenizer's 320"),
         ("optimizer.weight_decay", 0.1, r"optimizer.weight_decay=0.1 needs optimizer.name='adamw'"),

@@ -151,6 +151,10 @@ def _check_numbers(config) -> None:
     _check_tokenizer_and_lengths(ds)
     # grain's shuffle, the packer and the tokenizer's trainer refuse these only as the pipeline is
     # built, without naming the key (a seed outside [0, 2**32), "num_bins must be >= 1", a division by 0)
+    # jax.random.PRNGKey takes a signed 64-bit seed (a larger one: OverflowError once training
+    # starts, after the data is prepared).
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not -2**63 <= config.seed < 2**63:
+        raise ConfigError(f"config.seed={config.seed!r} must be an integer in [-2**63, 2**63)")
     if "seed" in ds:
         _positive_int(ds, "seed", 0, "config.dataset")
         if ds.seed >= 2**32:
