@@ -381,6 +381,32 @@ def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt
                      capsys.readouterr().out)
 
 
+def test_a_resume_records_its_config_only_once_it_has_saved(workdir, data_dir, capsys):
+    """config.json is what a resume compares its batch settings and schedule with: the config of the
+    run that wrote the newest checkpoint. A resumed run wrote its own at once, so one that stopped
+    before saving (here a non-finite step) hid the change from the next resume, which trained on
+    without the warning; a run with nothing to train rewrote it too."""
+    def saved_batch_size():
+        with open(os.path.join(workdir, "config.json")) as f:
+            return json.load(f)["dataset"]["batch_size"]
+
+    before = saved_batch_size()
+    config = tiny_config(data_dir, num_train_steps=14, inject_nan_at_step=10)
+    config.dataset.batch_size = 2 * before
+    with pytest.raises(FloatingPointError, match=r"step 10 .*Last good checkpoint: step 10"):
+        train_and_evaluate(config, workdir)
+    assert "dataset.batch_size" in capsys.readouterr().out
+    assert saved_batch_size() == before  # no checkpoint of this run: the old config stays
+    config.num_train_steps = 8  # nothing to train: nothing saved, nothing recorded
+    train_and_evaluate(config, workdir)
+    assert saved_batch_size() == before
+    config.num_train_steps, config.inject_nan_at_step = 14, -1
+    train_and_evaluate(config, workdir)
+    warning = rf"WARNING: dataset.batch_size \({before} -> {2 * before}\) changed"
+    assert re.search(warning, capsys.readouterr().out)
+    assert saved_batch_size() == 2 * before  # recorded with the checkpoints this run wrote
+
+
 def _save_tiny(workdir, step, data_iter=None, model_config=None):
     """A committed, sealed step of a three-number state (no training); returns its directory."""
     ck = Checkpointer(workdir, async_save=False, model_config=model_config)

@@ -179,6 +179,7 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,  # partial saves of a killed run
         )
         self.directory = checkpoint_dir(workdir)
+        self._pending_config = None  # see write_config_on_commit
         self.model_config, self.fallback, self.read_only = model_config, fallback, read_only
         self.restored_step: int | None = None
         self._unsealed: list[int] = []  # saved steps still waiting for their manifest
@@ -239,6 +240,8 @@ class Checkpointer:
                 if parallel.is_primary() and integrity.is_local(self.directory) and step in listed:
                     with contextlib.suppress(FileNotFoundError):  # deleted meanwhile by the save's pruning
                         integrity.write_manifest(self.directory, step, self.model_config)
+            if done:
+                self._write_pending_config()
             return
         try:
             self.manager.wait_until_finished()
@@ -249,7 +252,21 @@ class Checkpointer:
         for step in self._unsealed:
             if parallel.is_primary() and integrity.is_local(self.directory) and step in committed:
                 integrity.write_manifest(self.directory, step, self.model_config)
+        if committed.intersection(self._unsealed):
+            self._write_pending_config()
         self._unsealed = []
+
+    def write_config_on_commit(self, config: ml_collections.ConfigDict) -> None:
+        """Writes ``DIR/config.json`` once this checkpointer has committed a step. A resumed run
+        records its config only then: until it has written a checkpoint, the newest steps are the
+        previous run's, which the resume checks (`changed_data_settings`, the schedule) compare
+        against, so a run that stops before its first save leaves that run's config in place."""
+        self._pending_config = config
+
+    def _write_pending_config(self) -> None:
+        config, self._pending_config = self._pending_config, None
+        if config is not None:
+            save_config(config, os.path.dirname(self.directory))
 
     def restore(self, abstract_state: TrainState, data_iter=None, step: int | None = None):
         """-> TrainState restored onto ``abstract_state``'s shardings (any mesh); ``data_iter``'s

@@ -164,8 +164,9 @@ def _compare(directory: str, step: int, saved: ModelConfig, model_config: ModelC
 
 def check_unsealed_against_workdir(directory: str, step: int, model_config: ModelConfig) -> None:
     """A step without a manifest (its run was killed between orbax's commit and the manifest) records
-    no model config; the workdir's ``config.json`` does: it is written by each run once it has
-    restored, so it names the model of the run that wrote the newest steps. Same shapes with another
+    no model config; the workdir's ``config.json`` does: a fresh run writes it at its start and a
+    resumed one once it has committed a step, so it names the model of the run that wrote the
+    newest steps. Same shapes with another
     activation or norm placement would otherwise restore without a word (and be sealed as this model),
     and other shapes would be declared corrupt and set aside. An unreadable or absent file leaves the
     check to the restore, as before."""

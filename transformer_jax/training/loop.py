@@ -285,11 +285,13 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
         restretched = restretched_schedule(workdir, config, checkpointer.restored_step)
         if restretched:
             _say(restretched)
+        # Recorded once this run commits a checkpoint: until then the newest steps are the previous
+        # run's, and its config.json is what the checks above (and the next resume) compare with;
+        # a resume refused above, or one that stops before saving, leaves it untouched.
+        checkpointer.write_config_on_commit(config)
     else:
         state, _ = create_train_state(model, tx, mesh, config.seed)
-    # Written once the state is restored (or created): a resume refused above leaves the config the
-    # checkpoints were trained with, which generate and averaging read, untouched.
-    ckpt_lib.save_config(config, workdir)
+        ckpt_lib.save_config(config, workdir)
     start_step = int(jax.device_get(state.step))
     if start_step > config.num_train_steps:
         _say(f"WARNING: the checkpoint is at step {start_step}, past num_train_steps="
