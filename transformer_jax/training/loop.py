@@ -282,7 +282,9 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
                  f"pipeline resumes at its saved position, but its batches are not the ones an "
                  f"uninterrupted run would have trained on (config.resume_data_position=False "
                  f"starts it afresh instead)")
-        restretched = restretched_schedule(workdir, config, checkpointer.restored_step)
+        # (a checkpoint at or past num_train_steps has nothing to train: the warning below says so)
+        restretched = (restretched_schedule(workdir, config, checkpointer.restored_step)
+                       if checkpointer.restored_step < config.num_train_steps else None)
         if restretched:
             _say(restretched)
         # Recorded once this run commits a checkpoint: until then the newest steps are the previous
