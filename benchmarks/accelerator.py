@@ -137,16 +137,17 @@ def summary(results: dict, limits: dict) -> list[dict]:
     for train in results.get("train", {}).get("rows") or []:
         if not _measured(train, "mfu"):
             continue
+        mfu = train.get("mfu_exact", train["mfu"])
         lines.append(dict(workload="train ~350M decoder bf16", tokens_per_s=train["tokens_per_s"],
-                          ratio=train["mfu"], target=TARGETS["train_mfu"],
-                          met=train["mfu"] >= TARGETS["train_mfu"]))
+                          ratio=train["mfu"], target=TARGETS["train_mfu"], met=mfu >= TARGETS["train_mfu"]))
     for row in results.get("decode", {}).get("rows") or []:
         if not _measured(row, "roofline_frac"):
             continue
         target = TARGETS["decode_b1_roofline"] if row["batch"] == 1 else None
+        frac = row.get("roofline_frac_exact", row["roofline_frac"])
         lines.append(dict(workload=f"decode batch {row['batch']}", tokens_per_s=row["decode_tok_s"],
                           ratio=row["roofline_frac"], target=target,
-                          met=None if target is None else row["roofline_frac"] >= target))
+                          met=None if target is None else frac >= target))
     return lines
 
 
@@ -224,13 +225,17 @@ def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | Non
     if readings:
         limits = {k: max(r[k] for r in readings) for k in readings[0]}
         # Ratios against the higher of the two measurements of each limit (conservative).
+        # `*_exact`: unrounded, what the targets are judged on.
         for train in results.get("train", {}).get("rows") or []:
             if _measured(train, "achieved_tflops"):
-                train["mfu"] = round(train["achieved_tflops"] * 1e12 / limits["peak_bf16_flops"], 3)
+                achieved = train.get("achieved_flops", train["achieved_tflops"] * 1e12)
+                train["mfu_exact"] = achieved / limits["peak_bf16_flops"]
+                train["mfu"] = round(train["mfu_exact"], 3)
         for row in results.get("decode", {}).get("rows") or []:
             if _measured(row, "bytes_per_step", "decode_step_s"):
-                row["roofline_frac"] = round(row["bytes_per_step"] / limits["bandwidth_bytes_s"]
-                                             / row["decode_step_s"], 3)
+                row["roofline_frac_exact"] = (row["bytes_per_step"] / limits["bandwidth_bytes_s"]
+                                              / row["decode_step_s"])
+                row["roofline_frac"] = round(row["roofline_frac_exact"], 3)
         meta.update(peak_bf16_tflops=round(limits["peak_bf16_flops"] / 1e12, 2),
                     bandwidth_gb_s=round(limits["bandwidth_bytes_s"] / 1e9, 1))
     checkpoint()

@@ -9,7 +9,8 @@ Model FLOPs (the MFU numerator, PaLM appendix B convention, counted per step):
     6 * (N_enc * source_tokens + N_dec * target_tokens)                       (matmuls, fwd + bwd)
   + 12 * layers * D * (keys seen) per query token for each attention kind     (QK^T and PV, fwd + bwd)
 where N_* = the matmul parameters a token passes through (the tied embedding counts once, as the
-output projection; position tables and norms are excluded), and 'keys seen' = the full key length
+output projection; the cross-attention key and value kernels count for source tokens; position
+tables and norms are excluded), and 'keys seen' = the full key length
 (causal masking is not discounted). For a decoder-only model this is 6*N*T + 12*layers*L*D*T.
 MFU = model FLOPs / step time / the peak matmul FLOP/s measured in the same run and dtype.
 """
@@ -41,22 +42,33 @@ def _size(tree) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
-def matmul_params(abstract_params, config) -> tuple[int, int]:
-    """(N_enc, N_dec): matmul parameters of the encoder side and of the decoder side (the latter
-    includes the output projection: the tied embedding, or the untied output matrix)."""
-    def stack(name):  # the kernels of one side: no norms, biases or position tables
+def _keys(path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def matmul_params(abstract_params, config) -> tuple[int, int, int]:
+    """(N_enc, N_dec, N_cross_kv): matmul parameters of the encoder side, of the decoder side (with
+    the output projection: the tied embedding, or the untied output matrix) and, among the latter,
+    the cross-attention key and value kernels, which the source tokens pass through."""
+    def is_cross_kv(keys):
+        return "cross_attention" in keys and keys[-2] in ("key", "value")
+
+    def stack(name, cross_kv=False):  # the kernels of one side: no norms, biases or position tables
         leaves = jax.tree_util.tree_leaves_with_path(abstract_params.get(name, {}))
         return sum(int(np.prod(x.shape)) for path, x in leaves
-                   if getattr(path[-1], "key", None) == "kernel")
+                   if _keys(path)[-1] == "kernel" and (not cross_kv or is_cross_kv(_keys(path))))
 
     embed = _size(abstract_params.get("embed", abstract_params.get("target_embed", {})))
-    return stack("encoder"), stack("decoder") + (embed if config.tie_output else 0)
+    cross_kv = stack("decoder", cross_kv=True)
+    return stack("encoder"), stack("decoder") + (embed if config.tie_output else 0), cross_kv
 
 
 def model_flops(config, abstract_params, batch: int, source_len: int, target_len: int) -> float:
     """FLOPs of one training step (see the module docstring)."""
-    n_enc, n_dec = matmul_params(abstract_params, config)
+    n_enc, n_dec, n_cross_kv = matmul_params(abstract_params, config)
     src_tokens, tgt_tokens = batch * source_len, batch * target_len
+    # The cross-attention keys and values are projections of the source tokens.
+    n_enc, n_dec = n_enc + n_cross_kv, n_dec - n_cross_kv
     HK = config.num_heads * config.qk_dim  # the width of the scores' products (d_model in the paper)
     attention = 12 * config.num_decoder_layers * HK * target_len * tgt_tokens  # decoder self
     if config.num_encoder_layers:
@@ -132,6 +144,7 @@ def bench_train(config, batch: int, length: int, *, steps: int = 5, peak_flops: 
         step_ms=round(step_s * 1e3, 1), step_ms_all=[round(t * 1e3, 1) for t in times],
         tokens_per_s=round(tokens / step_s, 1), model_tflops_per_step=round(flops / 1e12, 4),
         achieved_tflops=round(flops / step_s / 1e12, 4), mfu=round(flops / step_s / peak_flops, 3),
+        achieved_flops=flops / step_s,  # unrounded, for ratios computed later
         first_step_s=round(compile_s, 2), loss=round(float(loss), 3),
     )
 
