@@ -79,7 +79,8 @@ def train_rows(peaks, quick, batch=8, length=256):
                                           peak_flops=before)
             adjacent[dtype] = max(before, hardware.peak_matmul_flops(dtype, repeats=3))
             peak = mfu_peak(adjacent, dtype)
-            row.update(peak_tflops=round(peak / 1e12, 4), mfu=round(row["achieved_flops"] / peak, 3))
+            row.update(peak_tflops=round(peak / 1e12, 4), mfu=round(row["achieved_flops"] / peak, 3),
+                       dtype_peak_tflops=round(adjacent[dtype] / 1e12, 4))  # this dtype's own reading
             rows.append(dict(model=model, **row, load=hardware.load()))
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -177,7 +178,8 @@ def against_run_limits(results, peaks: dict, bandwidth_gb_s: float) -> tuple[dic
     train = results.get("train", {}).get("rows", [])
     decode = [r for r in results.get("decode", {}).get("rows", []) if "error" not in r]
     # (a bf16 row's peak_tflops may be float32's, the faster: see mfu_peak)
-    peaks = {dtype: max([peak] + [r["peak_tflops"] for r in train if r["dtype"] == dtype == "float32"])
+    peaks = {dtype: max([peak] + [r.get("dtype_peak_tflops", r["peak_tflops"]) for r in train
+                                  if r["dtype"] == dtype])
              for dtype, peak in peaks.items()}
     # Ratios are recomputed from the measured quantities where a row has them (rescaling the
     # rounded ratio would carry its rounding), else rescaled; `*_exact` keeps them unrounded, for

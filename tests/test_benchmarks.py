@@ -439,6 +439,9 @@ def test_cpu_suite_rows_take_the_higher_adjacent_reading_of_their_own_dtype(monk
     rows = run.train_rows(None, quick=True)
     assert [(r["dtype"], r["peak_tflops"], r["mfu"]) for r in rows[:2]] == [
         ("float32", 0.3, 0.5), ("bfloat16", 0.3, 0.5)]
+    # the run's bf16 peak still comes from bf16 readings only
+    peaks, _ = run.against_run_limits({"train": {"rows": rows}}, dict(float32=0.25, bfloat16=0.08), 1.0)
+    assert peaks == dict(float32=0.3, bfloat16=0.1) and rows[1]["mfu"] == 0.5
 
     # before and after each row
     bandwidths = [20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 20e9, 25e9]
