@@ -172,6 +172,22 @@ def test_greedy_takes_the_first_of_tied_maxima_and_logprobs_are_log_softmax():
     np.testing.assert_allclose(sampled.logprobs, expected[previous, tokens], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_greedy_tokens_stay_in_the_vocabulary_when_every_logit_is_negative(batch):
+    """A trained model's logits are often all negative (GPT-2's lie around -60). The CPU kernel's
+    greedy choice let the zeros past the last row of its vectors win the maximum at 1, 2, 4 or 8
+    rows, naming token V, past the vocabulary (37 here: not a multiple of the 16 lanes)."""
+    vocab = 37
+    table = jnp.asarray(np.random.default_rng(5).standard_normal((vocab, vocab)) * 3 - 60, jnp.float32)
+    prompts = jnp.arange(batch, dtype=jnp.int32)[:, None] * 5
+    out = generate(bigram_step, table, bigram_cache(batch), prompts, jnp.ones(batch, jnp.int32),
+                   max_new_tokens=6, eos_id=None)
+    previous = np.concatenate([np.asarray(prompts), np.asarray(out.tokens[:, :-1])], axis=1)
+    np.testing.assert_array_equal(out.tokens, np.argmax(np.asarray(table)[previous], axis=-1))
+    want = np.asarray(jax.nn.log_softmax(table, -1))[previous, np.asarray(out.tokens)]
+    np.testing.assert_allclose(out.logprobs, want, rtol=0, atol=1e-5)
+
+
 def _sample_bigram(table, *, batch=64, steps=96, seed=0, **kwargs):
     prompts = jax.random.randint(jax.random.key(seed + 100), (batch, 1), 0, V)
     out = generate(

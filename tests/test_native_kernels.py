@@ -264,6 +264,15 @@ def test_greedy_choice_equals_the_xla_path(V, B):
     assert index[0] == 3 and np.isnan(log_total[0])
     index, log_total = native.greedy_choice(jnp.full((V, B), np.nan, jnp.float32))
     assert np.all(np.asarray(index) == V - 1) and np.all(np.isnan(log_total))
+    # Every logit negative, as a trained model's often are (GPT-2's lie around -60): the lanes past
+    # the last row of a vector hold 0 after the masked load, and at 1, 2, 4 or 8 columns one of
+    # them won the maximum, naming row V (past the vocabulary) with a wrong sum.
+    negative = (rng.standard_normal((V, B)) * 3 - 60).astype(np.float32)
+    index, log_total = native.greedy_choice(jnp.asarray(negative))
+    want_index, want_total = jax.jit(_greedy_xla)(jnp.asarray(negative))
+    np.testing.assert_array_equal(index, np.argmax(negative, axis=0))
+    np.testing.assert_array_equal(index, want_index)
+    np.testing.assert_allclose(log_total, want_total, rtol=0, atol=1e-5)
 
 
 @needs_kernels

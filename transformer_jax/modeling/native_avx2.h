@@ -347,7 +347,11 @@ void GreedyLanes(const float* l, int64_t B, int64_t b0, int64_t P, __mmask16 lan
       const __m256i in = BitLanes((bits >> (8 * h)) & 0xffu);
       const __m256 x = _mm256_maskload_ps(at_row(v) + 8 * h, in);
       const __m256 number = _mm256_and_ps(_mm256_cmp_ps(x, x, _CMP_ORD_Q), _mm256_castsi256_ps(in));
-      const __m256 more = _mm256_or_ps(_mm256_cmp_ps(x, best[h], _CMP_GT_OQ), _mm256_andnot_ps(seen[h], number));
+      // (Only lanes in use: past the last row the masked load leaves 0, which would beat a
+      // negative maximum and name a row past V.)
+      const __m256 more = _mm256_or_ps(
+          _mm256_and_ps(_mm256_cmp_ps(x, best[h], _CMP_GT_OQ), _mm256_castsi256_ps(in)),
+          _mm256_andnot_ps(seen[h], number));
       nan[h] = _mm256_or_ps(nan[h], _mm256_andnot_ps(number, _mm256_castsi256_ps(in)));
       seen[h] = _mm256_or_ps(seen[h], number);
       best[h] = _mm256_blendv_ps(best[h], x, more);

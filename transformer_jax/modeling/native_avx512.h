@@ -413,7 +413,9 @@ void GreedyLanes(const float* l, int64_t B, int64_t b0, int64_t P, __mmask16 lan
     const __m512 x = _mm512_maskz_loadu_ps(in, at_row(v));
     const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q) & in;
     // Greater, or the first number of the lane (a -inf equals the starting maximum).
-    const __mmask16 more = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ) | (number & (__mmask16)~seen);
+    // (Only lanes in use: past the last row the masked load leaves 0, which would beat a negative
+    // maximum and name a row past V.)
+    const __mmask16 more = _mm512_mask_cmp_ps_mask(in, x, best, _CMP_GT_OQ) | (number & (__mmask16)~seen);
     nan |= (__mmask16)(in & ~number);
     seen |= number;
     best = _mm512_mask_mov_ps(best, more, x);
