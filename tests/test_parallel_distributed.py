@@ -106,6 +106,32 @@ WORKER = textwrap.dedent(
     assert batch["targets"].shape == (8, 3)
     total = jax.jit(lambda x: x.sum())(batch["targets"])
     parallel.sync_global("after sum")
+
+    # Translations of a split sharded over both processes come back in split order: each process
+    # holds a contiguous half, two batches of two rows, and the global batches interleave them.
+    import grain
+    from transformer_jax.data import pipeline
+    from transformer_jax.training import evaluate
+
+    class Words:  # "w5 w6" <-> [5, 6]
+        def encode(self, text):
+            return [int(w[1:]) for w in text.split()]
+
+        def decode_batch(self, rows):
+            return [" ".join(f"w{i}" for i in r) for r in rows]
+
+    pairs = [{"src": f"w{10 + i}", "tgt": f"w{30 + i}"} for i in range(8)]
+    batches = pipeline.make_eval_batches(
+        pairs, Words(), pipeline.Features({"inputs": "src", "targets": "tgt"}), {"inputs": 4, "targets": 4},
+        2, shard=grain.sharding.ShardOptions(rank, 2))
+    assert len(batches) == 2, len(batches)
+    # The decoder's output: the source's words shifted by 10 (EOS and padding kept).
+    evaluate.decode_batch = lambda model, params, src, seg, **kw: jax.numpy.where(src > 1, src + 10, src)
+    out = evaluate.translate(None, None, batches, Words(), mesh, max_new_tokens=4)
+    expected = [f"w{10 + i}" for i in range(8)]
+    assert out.sources == expected, out.sources
+    assert out.references == [f"w{30 + i}" for i in range(8)], out.references
+    assert out.hypotheses == [f"w{20 + i}" for i in range(8)], out.hypotheses
     # Written to a file of its own: the C++ runtime logs to the same pipe as stdout.
     with open(os.environ["RESULT_FILE"] + str(rank), "w") as f:
         print("RESULT", rank, parallel.is_primary(), int(total), parallel.describe_mesh(mesh), file=f)

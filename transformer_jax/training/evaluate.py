@@ -3,7 +3,8 @@ match of decoded outputs (greedy or beam search from ``transformer_jax.decoding`
 
 BLEU is sacrebleu's corpus BLEU, cased, on detokenised text (our SentencePiece tokenizer
 round-trips the raw text exactly, so decoded ids are the detokenised sentence), over every example
-of the split. References come from the evaluation batches' target ids (the same round trip).
+of the split (or its first ``dataset.max_eval_examples``, as the training loop builds the batches).
+References come from the evaluation batches' target ids (the same round trip).
 """
 
 from __future__ import annotations
@@ -134,14 +135,21 @@ def translate(
     extra_len: int | None = None,
 ) -> Translations:
     """Decodes every example of ``batches`` (host-local eval batches, one example per row);
-    the result holds all processes' examples, in order, on every process.
+    the result holds all processes' examples, in split order (each process holding a contiguous
+    part of it, as `data.pipeline.make_eval_batches` shards it), on every process.
 
     Each output has at most ``max_new_tokens`` tokens, and with ``extra_len`` at most its source's
     length (its tokens up to and including EOS) + ``extra_len``: the paper's limit is + 50."""
-    sources, references, hypotheses = [], [], []
+    parts = []  # per batch: (order, source, target, output) rows of every process
     with parallel.sharding_context(mesh):
-        for batch in batches:
-            glob = to_global_batch({k: batch[k] for k in ("inputs", "inputs_segment_ids", "targets")}, mesh)
+        for index, batch in enumerate(batches):
+            # Each row's place in split order: process, then batch, then row (each process holds a
+            # contiguous part of the split). The global batch stacks the processes' rows side by
+            # side, so gathering batch by batch alone would interleave the processes' parts.
+            rows = batch["inputs"].shape[0]
+            order = (jax.process_index() * len(batches) + index) * rows + np.arange(rows, dtype=np.int32)
+            glob = to_global_batch({**{k: batch[k] for k in ("inputs", "inputs_segment_ids", "targets")},
+                                    "order": order.astype(np.int32)}, mesh)
             limits = None
             if extra_len is not None:
                 source_len = jnp.sum(glob["inputs_segment_ids"] > 0, axis=1, dtype=jnp.int32)
@@ -157,10 +165,12 @@ def translate(
                 alpha=alpha,
                 max_new_tokens_per_row=limits,
             )
-            src, tgt, seg = (_gather(glob[k]) for k in ("inputs", "targets", "inputs_segment_ids"))
+            src, tgt, seg, at = (_gather(glob[k])
+                                 for k in ("inputs", "targets", "inputs_segment_ids", "order"))
             real = seg[:, 0] > 0
-            out = _gather(tokens)[real]
-            sources += tokenizer.decode_batch([_cut_at_eos(r) for r in src[real]])
-            references += tokenizer.decode_batch([_cut_at_eos(r) for r in tgt[real]])
-            hypotheses += tokenizer.decode_batch([_cut_at_eos(r) for r in out])
+            parts += zip(at[real], src[real], tgt[real], _gather(tokens)[real])
+    parts.sort(key=lambda part: int(part[0]))
+    sources = tokenizer.decode_batch([_cut_at_eos(p[1]) for p in parts])
+    references = tokenizer.decode_batch([_cut_at_eos(p[2]) for p in parts])
+    hypotheses = tokenizer.decode_batch([_cut_at_eos(p[3]) for p in parts])
     return Translations(sources, references, hypotheses)
