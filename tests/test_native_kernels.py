@@ -425,6 +425,48 @@ def test_feed_forward_on_native_kernels_equals_xla(activation):
 
 
 @needs_kernels
+def test_model_calls_on_the_kernels_take_jax_transformations():
+    # A few-token model call runs the kernels under the default cpu_kernels='auto': jax.vmap
+    # (per-example losses and gradients), forward mode (jvp) and gradients through a call with a
+    # KV cache (the cache attention, and a bf16 cache's in-place write) must work there and equal
+    # the XLA path's results. They were NotImplementedError / TypeError / ValueError before.
+    ids = jax.random.randint(jax.random.key(0), (3, 5), 3, 997)
+    results = {}
+    for kernels in ("native", "xla"):
+        config = _lm(kernel_layout="out_in", cpu_kernels=kernels)
+        model = tj.TransformerLM(config)
+        params = model.init(jax.random.key(1), ids[:1])["params"]
+        loss = lambda p, x: jnp.sum(jnp.sin(model.apply({"params": p}, x[None])))
+        ones = jax.tree.map(jnp.ones_like, params)
+        cache = tj.init_cache(config, 3, 8, dtype=jnp.bfloat16)
+
+        def cached_loss(p):
+            logits, new_cache = model.apply({"params": p}, ids[:, :4], cache=cache)
+            return jnp.sum(jnp.sin(logits)) + jnp.sum(new_cache.layers[0]["k"].astype(jnp.float32))
+
+        results[kernels] = dict(
+            vmap=jax.vmap(loss, (None, 0))(params, ids),
+            per_example_grads=jax.vmap(jax.grad(loss), (None, 0))(params, ids),
+            jvp=jax.jvp(lambda p: loss(p, ids[0]), (params,), (ones,))[1],
+            cached_grads=jax.grad(cached_loss)(params),
+        )
+        hlo = jax.jit(jax.vmap(loss, (None, 0))).lower(params, ids).as_text()
+        assert ("transformer_jax_rows_matmul" in hlo) == (kernels == "native")
+    looped = [jnp.sum(jnp.sin(tj.TransformerLM(_lm(kernel_layout="out_in", cpu_kernels="native")).apply(
+        {"params": params}, ids[i:i + 1]))) for i in range(3)]
+    np.testing.assert_allclose(results["native"]["vmap"], looped, rtol=1e-5, atol=1e-5)
+    for name in results["native"]:
+        got, want = jax.tree.leaves(results["native"][name]), jax.tree.leaves(results["xla"][name])
+        assert len(got) == len(want) > 0
+        # The bf16 cache: a key the two paths' products round to neighbouring bf16 values moves
+        # the gradients by about one bf16 step (one element in 8192 did).
+        tol = 1e-2 if name == "cached_grads" else 1e-4
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol,
+                                       atol=tol, err_msg=name)
+
+
+@needs_kernels
 def test_generate_chooses_greedy_tokens_natively_as_the_model_is_set():
     config = _lm(kernel_layout="out_in")
     model = tj.TransformerLM(config)

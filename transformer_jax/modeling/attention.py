@@ -229,6 +229,42 @@ def _check_inputs(q, k, v, mask, kv_layout: str) -> None:
                          "(e.g. [B, 1, L, S], or masks.key_padding_mask(valid) [B, 1, 1, S])")
 
 
+def _plain_cache_attention(q, k, v, mask):
+    """What `native.cache_attention` computes, in XLA ops (float32 out)."""
+    return _reference_attention(q, k, v, mask, dropout_rate=0.0, dropout_rng=None, deterministic=True,
+                                kv_layout="BNSK")[0].astype(jnp.float32)
+
+
+@jax.custom_jvp
+def _cache_attention(q, k, v, mask):
+    """Attention over a heads-first cache: the native kernel on the CPU, XLA's ops elsewhere.
+    Its derivatives are the XLA path's, so a model call with a cache stays differentiable."""
+    return jax.lax.platform_dependent(q, k, v, mask, cpu=native.cache_attention,
+                                      default=_plain_cache_attention)
+
+
+@_cache_attention.defjvp
+def _cache_attention_jvp(primals, tangents):
+    q, k, v, mask = primals
+    tangent = jax.jvp(lambda q, k, v: _plain_cache_attention(q, k, v, mask), (q, k, v), tangents[:3])[1]
+    return _cache_attention(*primals), tangent
+
+
+@jax.custom_jvp
+def _native_cache_write(cache, new, index):
+    """`native.cache_write` on the CPU, XLA's update elsewhere; differentiable (the write is linear
+    in the cache and the new entries)."""
+    return jax.lax.platform_dependent(cache, new, index, cpu=native.cache_write,
+                                      default=native.cache_write_xla)
+
+
+@_native_cache_write.defjvp
+def _native_cache_write_jvp(primals, tangents):
+    cache, new, index = primals
+    d_cache, d_new, _ = tangents
+    return _native_cache_write(*primals), native.cache_write_xla(d_cache, d_new, index)
+
+
 def dot_product_attention(
     q, k, v, mask=None, *, impl="auto", dropout_rate=0.0, dropout_rng=None,
     deterministic=True, return_weights=False, kv_layout="BSNK", cpu_kernels="xla",
@@ -264,11 +300,7 @@ def dot_product_attention(
     dense = _materialize(mask)
     if (kv_layout == "BNSK" and impl == "xla" and native.attention_fits(q, k, v, dense)
             and native.use_native(cpu_kernels)):
-        plain = lambda q, k, v, m: _reference_attention(
-            q, k, v, m, dropout_rate=0.0, dropout_rng=None, deterministic=True,
-            kv_layout="BNSK")[0].astype(jnp.float32)
-        out = jax.lax.platform_dependent(q, k, v, dense, cpu=native.cache_attention, default=plain)
-        return out.astype(v.dtype), None
+        return _cache_attention(q, k, v, dense).astype(v.dtype), None
     if kv_layout == "BNSK" and impl not in ("xla", "reference"):
         k, v, kv_layout = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), "BSNK"
     if kv_layout == "BNSK":
@@ -485,8 +517,7 @@ class MultiHeadAttention(nn.Module):
             # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max: a
             # bf16 cache on the CPU kernels in place (XLA:CPU would convert all of it), else by XLA.
             if native.use_native(self.cpu_kernels) and cache["k"].dtype == jnp.bfloat16:
-                write = lambda c, x, i: jax.lax.platform_dependent(
-                    c, x, i, cpu=native.cache_write, default=native.cache_write_xla)
+                write = _native_cache_write
             else:
                 write = native.cache_write_xla
             k, v = write(cache["k"], k, cache_index), write(cache["v"], v, cache_index)

@@ -60,6 +60,9 @@ _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_bias_activation": "TjBiasActivation"}
 # Activations `bias_activation` computes (the kernel's codes); others run in XLA.
 ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu_tanh": 2, "silu": 3}
+# Under `jax.vmap` every kernel runs once per element of the mapped axis (they take unbatched
+# shapes only).
+VMAP = "sequential"
 HEADERS = tuple(SOURCE.with_name(name) for name in ("native_avx512.h", "native_avx2.h"))
 # The instruction sets the kernels are written for, best first: the CPU features each needs and its
 # compiler flags. AVX-512 with bf16 dot products (native_avx512.h), else AVX2 with FMA
@@ -258,36 +261,31 @@ def _rows_matmul_call(x, w):
     # A decoding step's logits then stay vocabulary-major, the layout in which the token choice
     # reduces them (decoding/sampling.py) without a transposed copy.
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("transformer_jax_rows_matmul", out)(x, w).T
+    return jax.ffi.ffi_call("transformer_jax_rows_matmul", out, vmap_method=VMAP)(x, w).T
 
 
-@jax.custom_vjp
+def _rows_matmul_xla(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@jax.custom_jvp
 def _rows_matmul(x, w):
     return _rows_matmul_call(x, w)
 
 
-def _rows_matmul_fwd(x, w):
-    return _rows_matmul_call(x, w), (x, w)
-
-
-def _rows_matmul_bwd(residuals, g):
-    # The backward products are ordinary XLA ones (training never reaches the forward kernel's
-    # sizes for long; this keeps a few-token call differentiable).
-    x, w = residuals
-    g = g.astype(x.dtype)
-    dx = jnp.dot(g, w, preferred_element_type=jnp.float32)
-    dw = jnp.dot(g.T, x, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
+@_rows_matmul.defjvp
+def _rows_matmul_jvp(primals, tangents):
+    # The tangent (and, transposed, the gradient) is XLA's product's: forward and reverse mode
+    # both work, and the gradients are those of `cpu_kernels='xla'`.
+    return _rows_matmul(*primals), jax.jvp(_rows_matmul_xla, primals, tangents)[1]
 
 
 def rows_matmul(x, w):
     """x [R, I] times w [O, I] over I -> float32 [R, O] on the CPU kernel (1 <= R <= 16).
 
-    Differentiable (the backward pass is XLA's). Call only where `available()` is True, and only
-    in a computation placed on the CPU."""
+    Differentiable in both modes (the derivatives are XLA's product's), and `jax.vmap` maps it one
+    call per element. Call only where `available()` is True, and only in a computation placed on
+    the CPU."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"rows_matmul: expected x [R, I] and w [O, I], got {x.shape} and {w.shape}")
     if not 1 <= x.shape[0] <= MAX_ROWS:
@@ -329,7 +327,7 @@ def cache_attention(q, k, v, mask):
     if k.dtype not in CACHE_DTYPES or v.dtype != k.dtype:
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     out = jax.ShapeDtypeStruct((B, L, H, K), jnp.float32)
-    return jax.ffi.ffi_call("transformer_jax_cache_attention", out)(q, k, v, mask)
+    return jax.ffi.ffi_call("transformer_jax_cache_attention", out, vmap_method=VMAP)(q, k, v, mask)
 
 
 def cache_write_xla(cache, new, index):
@@ -353,7 +351,8 @@ def cache_write(cache, new, index):
     _check_available()
     index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (cache.shape[0],))
     out = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
-    return jax.ffi.ffi_call("transformer_jax_cache_write", out, input_output_aliases={0: 0})(
+    return jax.ffi.ffi_call("transformer_jax_cache_write", out, input_output_aliases={0: 0},
+                            vmap_method=VMAP)(
         cache, new.astype(cache.dtype), index)
 
 
@@ -368,7 +367,7 @@ def greedy_choice(logits_t):
                          f"{logits_t.dtype}{logits_t.shape}")
     batch = logits_t.shape[1]
     out = (jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32))
-    return jax.ffi.ffi_call("transformer_jax_greedy_choice", out)(logits_t)
+    return jax.ffi.ffi_call("transformer_jax_greedy_choice", out, vmap_method=VMAP)(logits_t)
 
 
 def bias_activation_xla(y, bias, activation, dtype):
@@ -377,33 +376,27 @@ def bias_activation_xla(y, bias, activation, dtype):
     return activation_fn(activation)((y + bias.astype(jnp.float32)).astype(dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _bias_activation(y, bias, activation, dtype):
     # The kernel reads the product's [O, R] output (y.T of `rows_matmul`'s result: no copy) and
     # writes [R, O].
-    return jax.ffi.ffi_call("transformer_jax_bias_activation", jax.ShapeDtypeStruct(y.shape, dtype))(
+    return jax.ffi.ffi_call("transformer_jax_bias_activation", jax.ShapeDtypeStruct(y.shape, dtype),
+                            vmap_method=VMAP)(
         y.T, bias.astype(jnp.float32), activation=np.int32(ACTIVATION_CODES[activation]))
 
 
-def _bias_activation_fwd(y, bias, activation, dtype):
-    return _bias_activation(y, bias, activation, dtype), (y, bias)
-
-
-def _bias_activation_bwd(activation, dtype, residuals, g):
-    y, bias = residuals
-    _, vjp = jax.vjp(lambda y, b: bias_activation_xla(y, b, activation, dtype), y, bias)
-    return vjp(g)
-
-
-_bias_activation.defvjp(_bias_activation_fwd, _bias_activation_bwd)
+@_bias_activation.defjvp
+def _bias_activation_jvp(activation, dtype, primals, tangents):
+    tangent = jax.jvp(lambda y, b: bias_activation_xla(y, b, activation, dtype), primals, tangents)[1]
+    return _bias_activation(*primals, activation, dtype), tangent
 
 
 def bias_activation(y, bias, activation: str, dtype):
     """act(round(y + bias)) for a product's float32 output y [R, O] (from `rows_matmul`), bias [O]:
     the bias added in float32, the sum rounded to `dtype` (float32 or bfloat16), then the activation
     ('none', 'relu', 'gelu_tanh', 'silu'), as `bias_activation_xla` computes it: in bf16 bit for bit
-    (every step rounded to bf16, as XLA does), in float32 within ~1e-6. Differentiable (the backward
-    pass is XLA's).
+    (every step rounded to bf16, as XLA does), in float32 within ~1e-6. Differentiable in both modes
+    (the derivatives are `bias_activation_xla`'s); `jax.vmap` maps it one call per element.
     Call only where `available()` is True, on the CPU."""
     dtype = jnp.dtype(dtype)
     if activation not in ACTIVATION_CODES:
