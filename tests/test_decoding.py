@@ -299,6 +299,49 @@ def test_traced_top_p_of_one_keeps_every_token():
     assert (np.asarray(kept) > -1e29).sum(axis=-1).tolist() == [1, 4]
 
 
+def test_top_p_keeps_the_smallest_set_when_logits_tie():
+    """Ties at the cut-off are ranked by token id: the nucleus is the smallest set reaching top_p,
+    as the docstrings say. Thresholding by the cut-off's logit kept every tied token: 4 of 4
+    uniform tokens at top_p=0.5, or all 8 (no filtering at all) at 0.85 below."""
+    from transformer_jax.decoding.sampling import _top_p_mask
+
+    kept = lambda logits, p: (np.asarray(jax.jit(_top_p_mask)(jnp.asarray(logits), jnp.float32(p))) > -1e29)
+    np.testing.assert_array_equal(kept([[0.0, 0.0, 0.0, 0.0]], 0.5), [[True, True, False, False]])
+    np.testing.assert_array_equal(kept([[0.0, 0.0, 0.0, 0.0]], 0.51), [[True, True, True, False]])
+    # One likely token (0.742) and seven tied ones (0.037 each): 0.85 needs the first three.
+    row = [3.0] + [0.0] * 7
+    np.testing.assert_array_equal(kept([row, row[::-1]], 0.85),
+                                  [[True, True, True, True, False, False, False, False],
+                                   [True, True, True, False, False, False, False, True]])
+    # In sampling over V = 11 (0.668, then ten tied at 0.0332): tokens 0-6 reach 0.85, and only
+    # they are drawn (all 11 were).
+    table = jnp.broadcast_to(jnp.asarray([3.0] + [0.0] * (V - 1)), (V, V))
+    _, tokens = _sample_bigram(table, temperature=1.0, top_p=0.85, steps=32)
+    assert set(np.unique(tokens).tolist()) == set(range(7)), np.unique(tokens)
+
+
+def test_a_huge_temperature_keeps_masked_tokens_masked():
+    """EOS before min_new_tokens (and banned tokens) get NEG_INF logits; divided by a finite but
+    huge temperature they came to about -1 and were drawn (296 of 2000 rows ended too early at
+    1e30)."""
+    table = jnp.zeros((V, V), jnp.float32)
+    prompts = jnp.full((256, 1), 2, jnp.int32)
+    for temperature in (1.0, 1e30):
+        out = generate(bigram_step, table, bigram_cache(256), prompts, jnp.ones(256, jnp.int32),
+                       max_new_tokens=4, min_new_tokens=3, rng=jax.random.key(0), temperature=temperature,
+                       eos_id=EOS, pad_id=PAD)
+        assert (np.asarray(out.tokens)[:, :3] != EOS).all(), temperature
+        assert (np.asarray(out.tokens)[:, 3] == EOS).any()  # the fourth may end it
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), None, 2.5, -1])
+def test_min_new_tokens_that_is_not_a_count_is_a_value_error_naming_it(value):
+    from transformer_jax.decoding.sampling import SamplingConfig
+
+    with pytest.raises(ValueError, match="min_new_tokens must be a non-negative integer"):
+        SamplingConfig(temperature=1.0, min_new_tokens=value)
+
+
 def test_top_p_alone_and_same_key_same_tokens():
     table = history_params(4, rows=V)
     previous, a = _sample_bigram(table, seed=5, temperature=1.0, top_p=0.9)

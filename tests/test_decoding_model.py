@@ -490,6 +490,24 @@ def test_learned_positions_past_max_len_are_refused_not_nan():
     assert tj.count_params(short) == tj.count_params(config) - 2 * 8 * config.d_model  # two tables
 
 
+def test_recomputation_over_a_buffer_longer_than_learned_positions_equals_the_cache():
+    """`RecomputeLMStep` runs the model over its whole token buffer. Its unfilled slots took
+    positions up to the buffer's width: past a learned table's max_len they looked up NaN, which
+    reached the real rows through the attention products (NaN log-probabilities, token 60 every
+    step). They are masked out, so any position does; they now take 0."""
+    config = CONFIG.replace(position="learned", max_len=16)
+    model = tj.TransformerLM(config)
+    params = _random_params(model, jnp.ones((1, 8), jnp.int32))
+    tokens, lengths = jnp.asarray([[9, 13, 60]]), jnp.asarray([3])
+    cached = generate(LMStep(model), params, tj.init_cache(config, 1, 8), tokens, lengths,
+                      max_new_tokens=4, eos_id=None)
+    for width in (12, 32):
+        out = generate(RecomputeLMStep(model), params, recompute_cache(1, width), tokens, lengths,
+                       max_new_tokens=4, eos_id=None)
+        np.testing.assert_array_equal(out.tokens, cached.tokens)
+        np.testing.assert_allclose(out.logprobs, cached.logprobs, atol=1e-5)
+
+
 def test_model_level_misuse_is_refused_or_nan_not_silently_wrong(lm, seq2seq):
     """Called directly with a cache (no decoder checking sizes): a row whose tokens overflow the
     cache gets NaN logits (its write was clamped onto earlier slots); a cached call refuses
@@ -524,4 +542,6 @@ def test_step_function_of_the_other_model_kind_is_an_error_naming_the_right_one(
         tj.LMStep(seq2seq)
     with pytest.raises(TypeError, match=r"for a TransformerLM use tj\.LMStep\(model\)"):
         tj.Seq2SeqStep(lm)
+    with pytest.raises(TypeError, match=r"RecomputeLMStep drives a TransformerLM; for a Transformer"):
+        RecomputeLMStep(seq2seq)
     assert tj.LMStep(lm) == tj.LMStep(lm) and tj.Seq2SeqStep(seq2seq).model is seq2seq

@@ -220,6 +220,8 @@ def test_truncate_cuts_long_prompts(capsys):
         (["--prompt=a", "--decoding=beam", "--seed=3", "--top_p=0.9"],
          "--top_p, --seed apply only to --decoding=sample"),
         (["--prompt=a", "--decoding=nucleus"], "--decoding='nucleus': must be one of"),
+        (["--prompt=a", "--decoding=sample", f"--seed={2**64}"],
+         f"--seed={2**64}: must be in [-2**63, 2**63)"),
         ([], "give --prompt=TEXT or --input_file=FILE"),
         (["--prompt=a", "--max_new_tokens=64"], "leaves no room for a prompt"),
         (["--input_file=/nonexistent/in.txt"], "cannot read --input_file='/nonexistent/in.txt'"),

@@ -424,6 +424,29 @@ def test_feed_forward_on_native_kernels_equals_xla(activation):
         np.testing.assert_allclose(g, e, rtol=5e-2, atol=5e-2)
 
 
+def _transformed_calls(kernels, ids):
+    config = _lm(kernel_layout="out_in", cpu_kernels=kernels)
+    model = tj.TransformerLM(config)
+    params = model.init(jax.random.key(1), ids[:1])["params"]
+    loss = lambda p, x: jnp.sum(jnp.sin(model.apply({"params": p}, x[None])))
+    ones = jax.tree.map(jnp.ones_like, params)
+    cache = tj.init_cache(config, 3, 8, dtype=jnp.bfloat16)
+
+    def cached_loss(p):
+        logits, new_cache = model.apply({"params": p}, ids[:, :4], cache=cache)
+        return jnp.sum(jnp.sin(logits)) + jnp.sum(new_cache.layers[0]["k"].astype(jnp.float32))
+
+    hlo = jax.jit(jax.vmap(loss, (None, 0))).lower(params, ids).as_text()
+    assert ("transformer_jax_rows_matmul" in hlo) == (kernels == "native")
+    return dict(
+        params=params,
+        vmap=jax.vmap(loss, (None, 0))(params, ids),
+        per_example_grads=jax.vmap(jax.grad(loss), (None, 0))(params, ids),
+        jvp=jax.jvp(lambda p: loss(p, ids[0]), (params,), (ones,))[1],
+        cached_grads=jax.grad(cached_loss)(params),
+    )
+
+
 @needs_kernels
 def test_model_calls_on_the_kernels_take_jax_transformations():
     # A few-token model call runs the kernels under the default cpu_kernels='auto': jax.vmap
@@ -431,27 +454,9 @@ def test_model_calls_on_the_kernels_take_jax_transformations():
     # KV cache (the cache attention, and a bf16 cache's in-place write) must work there and equal
     # the XLA path's results. They were NotImplementedError / TypeError / ValueError before.
     ids = jax.random.randint(jax.random.key(0), (3, 5), 3, 997)
-    results = {}
-    for kernels in ("native", "xla"):
-        config = _lm(kernel_layout="out_in", cpu_kernels=kernels)
-        model = tj.TransformerLM(config)
-        params = model.init(jax.random.key(1), ids[:1])["params"]
-        loss = lambda p, x: jnp.sum(jnp.sin(model.apply({"params": p}, x[None])))
-        ones = jax.tree.map(jnp.ones_like, params)
-        cache = tj.init_cache(config, 3, 8, dtype=jnp.bfloat16)
-
-        def cached_loss(p):
-            logits, new_cache = model.apply({"params": p}, ids[:, :4], cache=cache)
-            return jnp.sum(jnp.sin(logits)) + jnp.sum(new_cache.layers[0]["k"].astype(jnp.float32))
-
-        results[kernels] = dict(
-            vmap=jax.vmap(loss, (None, 0))(params, ids),
-            per_example_grads=jax.vmap(jax.grad(loss), (None, 0))(params, ids),
-            jvp=jax.jvp(lambda p: loss(p, ids[0]), (params,), (ones,))[1],
-            cached_grads=jax.grad(cached_loss)(params),
-        )
-        hlo = jax.jit(jax.vmap(loss, (None, 0))).lower(params, ids).as_text()
-        assert ("transformer_jax_rows_matmul" in hlo) == (kernels == "native")
+    results = {kernels: _transformed_calls(kernels, ids) for kernels in ("native", "xla")}
+    params = results["native"].pop("params")
+    results["xla"].pop("params")
     looped = [jnp.sum(jnp.sin(tj.TransformerLM(_lm(kernel_layout="out_in", cpu_kernels="native")).apply(
         {"params": params}, ids[i:i + 1]))) for i in range(3)]
     np.testing.assert_allclose(results["native"]["vmap"], looped, rtol=1e-5, atol=1e-5)

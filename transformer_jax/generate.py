@@ -245,6 +245,7 @@ class DecodeOptions:
             (self.beam_size < 1, f"--beam_size={self.beam_size}: must be >= 1"),
             (not self.alpha >= 0.0, f"--alpha={self.alpha}: must be >= 0"),
             (self.batch_size < 1, f"--batch_size={self.batch_size}: must be >= 1"),
+            (not -2**63 <= self.seed < 2**63, f"--seed={self.seed}: must be in [-2**63, 2**63)"),
         ]
         for bad, message in problems:
             if bad:

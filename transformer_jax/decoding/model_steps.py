@@ -100,6 +100,9 @@ class RecomputeLMStep:
 
     model: nn.Module
 
+    def __post_init__(self):
+        _check_kind(self, "TransformerLM", "Transformer", "Seq2SeqStep")
+
     def __call__(self, params, tokens, cache, num_valid):
         batch, length = tokens.shape
         rows = jnp.arange(batch)[:, None]
@@ -108,11 +111,15 @@ class RecomputeLMStep:
         lengths = cache["lengths"] + num_valid
         # Explicit segment ids: a generated token equal to pad_id is still a real token.
         filled = jnp.arange(buffer.shape[1]) < lengths[:, None]
+        # The unfilled slots (masked out) take position 0: a buffer longer than the model's
+        # max_len would otherwise look up learned positions past the table (NaN), and through
+        # the attention products a NaN reaches the real rows too.
+        positions_all = jnp.where(filled, jnp.arange(buffer.shape[1]), 0)
         logits = self.model.apply(
             {"params": params},
             buffer,
             segment_ids=filled.astype(jnp.int32),
-            positions=jnp.broadcast_to(jnp.arange(buffer.shape[1]), buffer.shape),
+            positions=positions_all,
         )
         logits = jnp.take_along_axis(logits, positions[:, :, None], axis=1, mode="clip")
         return logits, {"tokens": buffer, "lengths": lengths}

@@ -78,8 +78,8 @@ class SamplingConfig:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
         if not _traced(self.top_p) and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not _traced(self.min_new_tokens) and (
-                int(self.min_new_tokens) != self.min_new_tokens or self.min_new_tokens < 0):
+        if not _traced(self.min_new_tokens) and (not _is_whole(self.min_new_tokens)
+                                                  or self.min_new_tokens < 0):
             raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens}")
 
     @property
@@ -169,15 +169,17 @@ def _top_k_mask(logits: jax.Array, k: int) -> jax.Array:
 
 def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """Nucleus filtering (Holtzman et al. 2019) on [B, V]: keep the smallest set of most likely
-    tokens whose probability reaches ``top_p``; the most likely token is always kept."""
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    tokens whose probability reaches ``top_p``; the most likely token is always kept. Tokens of
+    equal logits are ranked by id (the lower first), so ties at the cut-off do not widen the set."""
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # top_p >= 1 keeps every token: in float32 the running sum can reach 1 before the tail.
-    keep = (mass_before < top_p) | (top_p >= 1.0)
-    # The smallest logit still kept is the cut-off (keep[:, 0] is always true).
-    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < cutoff, NEG_INF, logits)
+    keep_sorted = (mass_before < top_p) | (top_p >= 1.0)  # keep_sorted[:, 0] is always true
+    rows = jnp.arange(logits.shape[0])[:, None]
+    keep = jnp.zeros(logits.shape, jnp.bool_).at[rows, order].set(keep_sorted)
+    return jnp.where(keep, logits, NEG_INF)
 
 
 def _first_argmax(logits_t: jax.Array, col_max: jax.Array) -> jax.Array:
@@ -229,6 +231,9 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
     log_total = jnp.log(jnp.sum(jnp.exp(logits_t - col_max), axis=0))  # logsumexp - max
     # greedy=None: a traced temperature, which may be 0 (argmax) or not (sampling).
     scaled = logits / (temperature if greedy is not None else jnp.where(temperature > 0, temperature, 1.0))
+    # Masked logits (EOS before min_new_tokens, banned tokens: NEG_INF) stay masked whatever the
+    # temperature: divided by a huge one they would come near 0 and be drawn again.
+    scaled = jnp.where(logits <= NEG_INF, NEG_INF, scaled)
     if top_k:
         scaled = _top_k_mask(scaled, top_k)
     if use_top_p:
