@@ -320,6 +320,52 @@ def test_top_p_keeps_the_smallest_set_when_logits_tie():
     assert set(np.unique(tokens).tolist()) == set(range(7)), np.unique(tokens)
 
 
+def test_top_p_equals_a_sorted_float64_nucleus_on_random_rows():
+    """The bisection finds the same nucleus as sorting: random rows of 1-3000 logits, bf16-rounded
+    and integer-rounded ones (many ties, -0.0 beside 0.0), masked tokens, several top_p. Rows whose
+    boundary lies within 1e-5 of top_p may differ by float32 summation and are skipped."""
+    from transformer_jax.decoding.sampling import _top_p_mask
+
+    rng = np.random.default_rng(0)
+    mask = jax.jit(_top_p_mask)
+    compared = 0
+    for trial in range(40):
+        width = int(rng.integers(1, 3000))
+        x = (rng.standard_normal((4, width)) * rng.choice([0.1, 1.0, 3.0, 10.0])).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+        if trial % 4 == 1:
+            x = np.round(x)  # ties, -0.0 among them
+        if trial % 5 == 2:
+            x[:, rng.integers(0, width, size=max(1, width // 4))] = -1e30
+        top_p = float(rng.choice([0.1, 0.5, 0.9, 0.95, 0.999, 1.0, rng.uniform(0.01, 1.0)]))
+        got = np.asarray(mask(jnp.asarray(x), jnp.float32(top_p))) > -1e29
+        for row, kept in zip(x.astype(np.float64), got):
+            probs = np.exp(row - row.max())
+            probs /= probs.sum()
+            order = np.lexsort((np.arange(width), -row))  # logit descending, then id
+            before = np.cumsum(probs[order]) - probs[order]
+            if np.min(np.abs(before - top_p)) < 1e-5:
+                continue
+            want = np.zeros(width, bool)
+            want[order[(before < top_p) | (top_p >= 1.0)]] = True
+            np.testing.assert_array_equal(kept & (row > -1e29), want & (row > -1e29))
+            compared += 1
+    assert compared >= 120, compared  # of 160 rows
+
+
+def test_top_k_and_top_p_compile_without_a_sort():
+    """XLA:CPU sorts GPT-2's [8, 50257] logits in ~60 ms, ten decoding steps: neither filter may
+    sort (a slice of top_k's output became a full sort, ~52 ms; top-p sorted the whole row)."""
+    from transformer_jax.decoding.sampling import _top_k_mask, _top_p_mask
+
+    logits = jnp.zeros((8, 50257), jnp.float32)
+    for f, arg in ((_top_k_mask, 40), (_top_p_mask, jnp.float32(0.9))):
+        static = (1,) if f is _top_k_mask else ()
+        hlo = jax.jit(f, static_argnums=static).lower(logits, arg).compile().as_text()
+        assert " sort(" not in hlo, f.__name__
+
+
 def test_a_huge_temperature_keeps_masked_tokens_masked():
     """EOS before min_new_tokens (and banned tokens) get NEG_INF logits; divided by a finite but
     huge temperature they came to about -1 and were drawn (296 of 2000 rows ended too early at

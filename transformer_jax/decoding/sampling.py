@@ -163,22 +163,47 @@ def pad_to_bucket(
 
 def _top_k_mask(logits: jax.Array, k: int) -> jax.Array:
     """Keeps the k largest logits per row [B, V]; ties with the k-th value are kept too."""
-    kth = jax.lax.top_k(logits, min(k, logits.shape[-1]))[0][:, -1:]
+    # The k-th largest as the smallest of the top k: XLA turns a slice of top_k's output into a
+    # sort of the whole row (GPT-2's [8, 50257] logits: 52 ms against 0.5 ms on CPU).
+    kth = jnp.min(jax.lax.top_k(logits, min(k, logits.shape[-1]))[0], axis=-1, keepdims=True)
     return jnp.where(logits < kth, NEG_INF, logits)
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """int32 keys that order as the float32 values do, equal for equal values (-0.0 is 0.0)."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0.0, 0.0, x), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
 def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """Nucleus filtering (Holtzman et al. 2019) on [B, V]: keep the smallest set of most likely
     tokens whose probability reaches ``top_p``; the most likely token is always kept. Tokens of
-    equal logits are ranked by id (the lower first), so ties at the cut-off do not widen the set."""
-    order = jnp.argsort(-logits, axis=-1, stable=True)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # top_p >= 1 keeps every token: in float32 the running sum can reach 1 before the tail.
-    keep_sorted = (mass_before < top_p) | (top_p >= 1.0)  # keep_sorted[:, 0] is always true
-    rows = jnp.arange(logits.shape[0])[:, None]
-    keep = jnp.zeros(logits.shape, jnp.bool_).at[rows, order].set(keep_sorted)
+    equal logits are ranked by id (the lower first), so ties at the cut-off do not widen the set.
+
+    Without sorting (XLA:CPU sorts GPT-2's [8, 50257] logits in ~60 ms, ten decoding steps): token
+    i is kept when the mass ranked before it is below top_p. The last kept logit t is the smallest
+    logit value with mass(logits > t) < top_p, found by bisection over the values' ordered bit
+    patterns (32 masked sums over the row); of the tokens tied at t, the first ones by id are kept
+    while the mass before them stays below top_p."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    keys = _ordered_bits(logits)
+    mass_above = lambda k: jnp.sum(jnp.where(keys > k[:, None], probs, 0.0), axis=-1)  # [B]
+
+    def halve(_, bounds):  # invariant: mass_above(hi) < top_p <= mass_above(lo), or hi = lo + 1
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        below = mass_above(mid) < top_p
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    lo = jnp.min(keys, axis=-1) - 1  # (-inf's key is far above int32's minimum: no overflow)
+    hi = jnp.max(keys, axis=-1)
+    _, last = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    before = mass_above(last)[:, None]
+    tied = keys == last[:, None]
+    p_tied = jnp.max(jnp.where(tied, probs, 0.0), axis=-1, keepdims=True)
+    rank = jnp.cumsum(tied, axis=-1, dtype=jnp.int32) - 1  # among the tied tokens, by id
+    keep = (keys > last[:, None]) | (tied & (before + rank * p_tied < top_p)) | (top_p >= 1.0)
     return jnp.where(keep, logits, NEG_INF)
 
 
