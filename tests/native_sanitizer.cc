@@ -386,7 +386,8 @@ static void TestCacheWrite(const Params& p) {
   if (cbytes) memcpy(ref.data(), ca.p, cbytes);
   const size_t row = es * Kd;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = std::min<int64_t>(std::max<int64_t>(idx[b], 0), S - L);
+    const int64_t wrapped = idx[b] < 0 ? (int64_t)idx[b] + S : (int64_t)idx[b];  // as JAX takes it
+    const int64_t start = std::min<int64_t>(std::max<int64_t>(wrapped, 0), S - L);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t l = 0; l < L; ++l)
         memcpy(&ref[(((b * N + n) * S) + start + l) * row], (char*)ua.p + (((b * L + l) * N) + n) * row, row);

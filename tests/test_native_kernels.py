@@ -202,6 +202,13 @@ def test_cache_write_equals_the_xla_update(dtype, L):
     index = jnp.array([0, 4, S - L, S + 5], jnp.int32)  # the last past the end: moved back, as XLA does
     want = native.cache_write_xla(cache, new, index)
     got = jax.jit(native.cache_write)(cache, new, index)
+    # Negative starts count from the end, as JAX's dynamic_update_slice takes them (the kernel
+    # clamped them to 0), then are clamped: -1, -S, -S - 3 and S - L - S.
+    for negative in ([-1, -S, -S - 3, -L], [-2, -3, -(S - L), -100]):
+        index_n = jnp.array(negative, jnp.int32)
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(native.cache_write)(cache, new, index_n), np.float32),
+            np.asarray(native.cache_write_xla(cache, new, index_n), np.float32), err_msg=str(negative))
     assert got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert not np.array_equal(np.asarray(got, np.float32), before)  # the write did something
@@ -562,6 +569,28 @@ def test_build_goes_to_the_cache_directory_once(tmp_path):
         assert out.returncode == 0 and out.stdout.startswith("True"), out.stderr
     built = list(cache.iterdir())
     assert len(built) == 1 and built[0].suffix == ".so" and str(built[0]) in out.stdout
+    # Readable by every user, as the umask allows (it was 0600 plus execute bits: another user
+    # of a shared cache could not load it, nor would it be rebuilt).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert built[0].stat().st_mode & 0o777 == 0o755 & ~umask
+
+
+@needs_kernels
+@pytest.mark.skipif(os.environ.get(native.ISA_ENV) is not None, reason="a named build does not fall back")
+def test_a_compiler_without_avx512_bf16_builds_the_avx2_kernels(tmp_path):
+    # An older compiler refuses -mavx512bf16: the kernels were unavailable, though the AVX2 build
+    # works with it. (On an AVX2-only CPU the AVX2 build is the first one tried anyway.)
+    cxx = tmp_path / "cxx"
+    cxx.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -mavx512bf16 ] && exit 1; done\n'
+                   'exec c++ "$@" -O0\n')
+    cxx.chmod(0o755)
+    script = "from transformer_jax.modeling import native; print(native.available(), native.isa())"
+    env = dict(os.environ, TRANSFORMER_JAX_CACHE=str(tmp_path / "cache"), CXX=str(cxx))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "avx2"], (out.stdout, out.stderr[-2000:])
+    if native.isa() == "avx512":
+        assert "kernels for avx512 unavailable, trying avx2" in out.stderr
 
 
 def test_the_kernels_run_in_the_instruction_set_named():

@@ -152,6 +152,11 @@ def _build(compiler: str, isa_name: str) -> Path:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+        # mkstemp made the file private (0600, the linker adds only execute bits): a cache shared
+        # between users (one filled while building an image, say) must stay loadable by them all.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -168,23 +173,37 @@ def _load() -> tuple[bool, str]:
     """(True, '') once the kernel is built and registered with XLA, else (False, the reason)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False, f"needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
-    isa_name, reason = _pick_isa(_cpu_flags())
+    flags = _cpu_flags()
+    isa_name, reason = _pick_isa(flags)
     if isa_name is None:
         return False, reason
     for path in (SOURCE, *HEADERS):
         if not path.is_file():
             return False, f"the kernels' source {path} is missing from this installation"
     compiler = os.environ.get("CXX", "c++")
-    try:
-        lib = ctypes.CDLL(str(_build(compiler, isa_name)))
-        handlers = {target: getattr(lib, symbol) for target, symbol in _TARGETS.items()}
-        _LIBRARY.append(lib)
-    except FileNotFoundError:
-        return False, f"no C++ compiler found (looked for {compiler!r}; set $CXX)"
-    except (OSError, AttributeError, RuntimeError, subprocess.TimeoutExpired) as err:
-        # A compiler that is there but fails is worth saying once; the model then runs XLA's kernels.
-        logging.getLogger(__name__).warning("native CPU decoding kernels unavailable, using XLA's: %s", err)
-        return False, str(err)
+    # Unless one is named, a build the compiler refuses (an older one without -mavx512bf16, say)
+    # falls back to the next instruction set the CPU has.
+    names = list(ISAS)
+    candidates = [isa_name] + ([] if os.environ.get(ISA_ENV) else
+                               [n for n in names[names.index(isa_name) + 1:]
+                                if all(f in flags for f in ISAS[n][0])])
+    for attempt, isa_name in enumerate(candidates):
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, isa_name)))
+            handlers = {target: getattr(lib, symbol) for target, symbol in _TARGETS.items()}
+            _LIBRARY.append(lib)
+            break
+        except FileNotFoundError:
+            return False, f"no C++ compiler found (looked for {compiler!r}; set $CXX)"
+        except (OSError, AttributeError, RuntimeError, subprocess.TimeoutExpired) as err:
+            # A compiler that is there but fails is worth saying once; the model then runs XLA's
+            # kernels (or the next instruction set's).
+            last = attempt == len(candidates) - 1
+            logging.getLogger(__name__).warning(
+                "native CPU decoding kernels for %s unavailable, %s: %s", isa_name,
+                "using XLA's" if last else f"trying {candidates[attempt + 1]}", err)
+            if last:
+                return False, str(err)
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     _ISA.append(isa_name)
@@ -338,10 +357,11 @@ def cache_write_xla(cache, new, index):
 
 def cache_write(cache, new, index):
     """`new` [B, L, N, K] written into the heads-first cache [B, N, S, K] (float32 or bfloat16) at
-    positions index[b] .. index[b] + L - 1 of each row b, a start past S - L moved back to S - L
-    (as `dynamic_update_slice`): the updated cache, in the cache's own buffer where XLA can give
-    it (only the new entries are written). Not differentiable: decoding only. Call only where
-    `available()` is True, on the CPU."""
+    positions index[b] .. index[b] + L - 1 of each row b, a negative start counted from the end
+    and a start past S - L moved back to S - L (as JAX's `dynamic_update_slice`): the updated
+    cache, in the cache's own buffer where XLA can give it (only the new entries are written).
+    Call only where `available()` is True, on the CPU (the model's path, with derivatives and
+    other platforms, is `attention._native_cache_write`)."""
     if (cache.ndim != 4 or new.ndim != 4 or new.shape[0] != cache.shape[0] or new.shape[2] != cache.shape[1]
             or new.shape[3] != cache.shape[3] or new.shape[1] > cache.shape[2]):
         raise ValueError(f"cache_write: expected cache [B, N, S, K] and new [B, L, N, K] with L <= S, "

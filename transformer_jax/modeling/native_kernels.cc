@@ -365,7 +365,7 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 // ---------------------------------------------------------------------------------------------
 // tj_cache_write: a decoding step's new keys (or values) new [B, L, N, Kd] written into the cache
 // [B, N, S, Kd] at positions start[b] .. start[b] + L - 1 of each row b, where start[b] is index[b]
-// brought into [0, S - L] (as dynamic_update_slice does). The output is the cache's own buffer
+// (plus S if negative) brought into [0, S - L], as JAX's dynamic_update_slice takes it. The output is the cache's own buffer
 // (input_output_aliases in native.py): only B * N * L rows of Kd elements are written. XLA:CPU
 // writes a bfloat16 cache by converting all of it to float32 and back, every layer, every step.
 
@@ -387,7 +387,8 @@ ffi::Error CacheWriteImpl(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buff
   const int32_t* idx = index.typed_data();
   const size_t row = bytes * Kd;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = std::min<int64_t>(std::max<int64_t>(idx[b], 0), S - L);
+    const int64_t wrapped = idx[b] < 0 ? (int64_t)idx[b] + S : (int64_t)idx[b];  // as JAX takes it
+    const int64_t start = std::min<int64_t>(std::max<int64_t>(wrapped, 0), S - L);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t l = 0; l < L; ++l)
         std::memcpy(dst + (((b * N + n) * S) + start + l) * row, src + (((b * L + l) * N) + n) * row, row);
