@@ -92,8 +92,10 @@ def _parse_flags(argv):
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if len(argv) > 1:  # e.g. `train.py configs/tiny.py`: one line, as for every other bad flag
+        print(f"error: unexpected arguments {argv[1:]} (a config file is given as --config=FILE; "
+              "--helpshort lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(2)
     import jax
     from absl import logging
 
@@ -105,7 +107,7 @@ def main(argv):
 
     try:
         parallel.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    except USER_ERRORS as e:  # e.g. JAX_NUM_PROCESSES=two
+    except (*USER_ERRORS, RuntimeError) as e:  # e.g. JAX_NUM_PROCESSES=two, or no coordinator
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     config = flags.FLAGS.config

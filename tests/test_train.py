@@ -607,6 +607,16 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("optimizer.b2", 1.0, r"config.optimizer.b2=1.0 must be a number in \[0, 1\)"),
         ("optimizer.label_smoothing", 1.0, r"config.optimizer.label_smoothing=1.0 must be in \[0, 1\)"),
         ("beam_size", 0, r"config.beam_size=0 must be >= 1"),
+        # read only by the BLEU evaluation after training: the whole run trained, then a traceback
+        ("beam_alpha", -0.6, r"config.beam_alpha=-0.6 must be a number in \[0, inf\)"),
+        ("beam_alpha", float("nan"), r"config.beam_alpha=nan must be a number"),
+        ("num_printed_examples", -1, r"config.num_printed_examples=-1 must be an integer >= 0"),
+        # a model smaller than the tokenizer: said only once the tokenizer was trained
+        ("model.vocab_size", 300, r"config.model.vocab_size=300 is smaller than the tokenizer's 320 "
+                                  r"tokens \(config.dataset.vocab_size\).*--config.model.vocab_size=320"),
+        # a backend this machine cannot run: a traceback from the first model call
+        ("model.attention_impl", "flash", r"config.model.attention_impl='flash': 'flash' needs a TPU"),
+        ("model.attention_impl", "cudnn", r"config.model.attention_impl='cudnn': 'cudnn' needs an NVIDIA"),
         # Refused by the tokenizer and the pipeline too, but only after the dataset is built and
         # without naming the key.
         ("dataset.vocab_size", 100, r"config.dataset.vocab_size=100 must be an integer >= 300"),
@@ -803,8 +813,22 @@ def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_a
     assert called == {"workdir": workdir, "steps": 3, "d_model": 48, "profile": [7, 2]}
     assert proc.stdout.splitlines()[-1] == "final: loss 0.25, step 3"
     proc = run(f"--workdir={workdir}", "stray")
-    assert proc.returncode != 0 and "called" not in proc.stdout
-    assert "Unexpected arguments: ['stray']" in proc.stderr
+    assert proc.returncode == 2 and "called" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "error: unexpected arguments ['stray'] (a config file is given as --config=FILE; --helpshort lists "
+        "the flags)"]
+    # Multi-process flags JAX would refuse with a traceback (or after a wait): one line, status 2.
+    for flags, message in (
+            (["--num_processes=2", "--process_id=5", "--coordinator_address=localhost:1"],
+             "error: --process_id ($JAX_PROCESS_ID)=5 must be below num_processes=2"),
+            (["--num_processes=0", "--process_id=0", "--coordinator_address=localhost:1"],
+             "error: --num_processes ($JAX_NUM_PROCESSES)=0 must be >= 1"),
+            (["--process_id=1"], "error: several processes need --coordinator_address "
+                                 "($JAX_COORDINATOR_ADDRESS), --num_processes ($JAX_NUM_PROCESSES) as well")):
+        proc = run(f"--workdir={workdir}", *flags)
+        assert proc.returncode == 2 and "called" not in proc.stdout, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
 
 
 def _run_two_processes(command, env, logs_dir, timeout=240, grace=20, attempts=3):

@@ -117,6 +117,23 @@ def _cudnn_supports(dtype, head_dim: int) -> bool:
             and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM)
 
 
+def impl_problem(impl: str, *, dtype, head_dim: int, backend: str | None = None) -> str | None:
+    """Why an explicitly chosen attention backend cannot run on ``backend`` (default: JAX's) for
+    this dtype and head dimension, or None: what a training config is checked against before
+    anything is built ('auto', 'xla', 'reference' and 'chunked' run everywhere)."""
+    backend = backend or jax.default_backend()
+    if impl == "flash" and backend not in ("gpu", "tpu"):
+        return (f"'flash' needs a TPU (Pallas kernel) or an NVIDIA GPU (cuDNN); this is {backend!r}: "
+                "use 'chunked' (memory-efficient, pure JAX), 'xla' or 'auto'")
+    if impl == "cudnn" and backend != "gpu":
+        return f"'cudnn' needs an NVIDIA GPU; this is {backend!r}: use 'auto' or 'xla'"
+    if impl in ("cudnn", "flash") and backend == "gpu" and not _cudnn_supports(dtype, head_dim):
+        return (f"{impl!r} runs cuDNN on a GPU, which needs float16 or bfloat16 and a head dimension "
+                f"that is a multiple of 8, at most {CUDNN_MAX_HEAD_DIM}; got {jnp.dtype(dtype)} and "
+                f"{head_dim}: set dtype='bfloat16', or attention_impl='auto' or 'xla'")
+    return None
+
+
 def resolve_impl(impl: str, *, need_weights: bool = False, dropout_active: bool = False,
                  q_length: int = 0, kv_length: int = 0, mask=None, dtype=jnp.bfloat16,
                  head_dim: int = 64) -> str:

@@ -71,6 +71,29 @@ def resolve_arguments(
     return coordinator_address, num_processes, process_id
 
 
+def _check_arguments(address, count, index, cluster) -> None:
+    """Settings JAX would refuse only after a wait, or with a traceback, as a ConfigError that
+    names the flag and its environment variable. On a detected cluster JAX fills in what is left
+    out, so only the values given are checked there."""
+    names = {"coordinator_address": ENV_COORDINATOR, "num_processes": ENV_NUM_PROCESSES,
+             "process_id": ENV_PROCESS_ID}
+    said = lambda key: f"--{key} (${names[key]})"
+    if count is not None and count < 1:
+        raise ConfigError(f"{said('num_processes')}={count} must be >= 1")
+    if index is not None and index < 0:
+        raise ConfigError(f"{said('process_id')}={index} must be >= 0")
+    if index is not None and count is not None and index >= count:
+        raise ConfigError(f"{said('process_id')}={index} must be below num_processes={count} "
+                          f"(processes are numbered 0 to {count - 1})")
+    if not cluster:
+        missing = [key for key, value in (("coordinator_address", address), ("num_processes", count),
+                                          ("process_id", index)) if value is None]
+        if missing:
+            raise ConfigError(
+                f"several processes need {', '.join(said(k) for k in missing)} as well "
+                "(no cluster detected to fill them in); give all three to every process, or none")
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -109,6 +132,8 @@ def initialize(
         return False
     if explicit and count == 1:
         return False
+    if explicit:
+        _check_arguments(address, count, index, cluster)
     logging.info(
         "jax.distributed.initialize(coordinator=%s, num_processes=%s, process_id=%s, cluster=%s)",
         address,

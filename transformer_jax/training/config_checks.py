@@ -141,6 +141,9 @@ def _check_numbers(config) -> None:
         _positive_int(config, "max_checkpoints_to_keep")
     _positive_int(config, "decode_max_len", 0)
     _positive_int(config, "decode_extra_len", -1)
+    _positive_int(config, "num_printed_examples", 0)  # a negative one sliced off the end instead
+    # Read only by the BLEU evaluation after training: a bad value would fail after the whole run.
+    _number_in(config, "beam_alpha", "config", 0.0)
     _positive_int(ds, "max_eval_examples", 0, "config.dataset")  # 0 = all
     _positive_int(ds, "num_workers", 0, "config.dataset")  # 0 = in the main process
     if config.profile_start_step >= 0:  # 0 steps would stop the trace before it started
@@ -268,6 +271,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         model = ModelConfig.from_dict(config.model.to_dict())
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"config.model: {e}") from e
+    from transformer_jax.modeling.attention import impl_problem
+
+    problem = impl_problem(model.attention_impl, dtype=model.compute_dtype, head_dim=model.qk_dim)
+    if problem:
+        raise ConfigError(f"config.model.attention_impl={model.attention_impl!r}: {problem}")
     ds, opt = config.dataset, config.optimizer
     if ds.name not in DATASET_NAMES:
         raise ConfigError(f"config.dataset.name={ds.name!r} is not one of {list(DATASET_NAMES)}")
@@ -284,6 +292,15 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"{list(TRANSLATION_DATASETS)}")
     for key in ("batch_size", "eval_batch_size"):
         _positive_int(ds, key, prefix="config.dataset")
+    # Said now, not once the tokenizer is trained (minutes on a large corpus): the configs copy
+    # dataset.vocab_size into the model as the file is read, so a command line that changes only
+    # the dataset's leaves the model's behind.
+    wanted = ds.get("vocab_size")
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and model.vocab_size < wanted:
+        raise ConfigError(
+            f"config.model.vocab_size={model.vocab_size} is smaller than the tokenizer's {wanted} tokens "
+            f"(config.dataset.vocab_size): the model needs a row for each; set "
+            f"--config.model.vocab_size={wanted} as well")
     _check_keep_best(config)
     if opt.name not in OPTIMIZERS:
         raise ConfigError(f"config.optimizer.name={opt.name!r} is not one of {OPTIMIZERS}")
