@@ -552,18 +552,28 @@ def test_repeated_calls_do_not_recompile():
 
 @pytest.mark.parametrize("eos_id", [None, EOS])
 def test_only_tokens_cross_decoding_steps(eos_id):
-    """The scan carries the chosen tokens, never a [B, V] logits array: each step picks its token
-    from the logits it just computed (so XLA reads them in the layout the model wrote them)."""
+    """The loop carries the chosen tokens, never a [B, V] logits array: each step picks its token
+    from the logits it just computed (so XLA reads them in the layout the model wrote them). With
+    an EOS id the loop is a while loop that ends once every row is done (a scan with a `lax.cond`
+    in it copied every layer's cache each step)."""
     batch, width = 3, 2
     args = (bigram_step, shift_table(), bigram_cache(batch), jnp.full((batch, width), 3),
             jnp.full((batch,), width), jax.random.key(0), 1.0, 1.0, 0, None)
     jaxpr = _generate_jit.trace(*args, max_new_tokens=5, greedy=True, top_k=0, use_top_p=False,
                                 eos_id=eos_id, pad_id=PAD).jaxpr
-    scans = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
-    assert len(scans) == 1
-    scan = scans[0]
-    consts, carries = scan.params["num_consts"], scan.params["num_carry"]
-    carried = [v.aval for v in scan.invars[consts:consts + carries]]
+    loops = [eqn for eqn in jaxpr.eqns if eqn.primitive.name in ("scan", "while")]
+    assert [loop.primitive.name for loop in loops] == ["scan" if eos_id is None else "while"]
+    loop = loops[0]
+    if eos_id is None:
+        consts, carries = loop.params["num_consts"], loop.params["num_carry"]
+        carried = [v.aval for v in loop.invars[consts:consts + carries]]
+    else:
+        consts = loop.params["cond_nconsts"] + loop.params["body_nconsts"]
+        carried = [v.aval for v in loop.invars[consts:]]
+        # The cache (the carry's first leaf here) reaches no cond (a platform switch is one).
+        body = loop.params["body_jaxpr"].jaxpr
+        cache_in = body.invars[loop.params["body_nconsts"]]
+        assert not any(cache_in in eqn.invars for eqn in body.eqns if eqn.primitive.name == "cond")
     assert any(a.shape == (batch,) and a.dtype == jnp.int32 for a in carried)  # the tokens
     assert not any(a.shape[-1:] == (V,) for a in carried), carried
 
