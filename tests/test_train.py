@@ -959,6 +959,22 @@ def test_resuming_with_another_length_names_the_restretched_cosine_schedule(tmp_
     assert loop.restretched_schedule(str(tmp_path / "fresh"), longer, 0) is None  # no config.json
 
 
+def test_a_warm_up_longer_than_the_run_is_named():
+    """'cosine' refuses it; 'constant' and 'rsqrt_paper' ran silently, their rate never reaching its
+    peak (tiny with 2 steps and 100 of warm-up ended at 6e-05 against a configured 3e-3)."""
+    config = tiny.get_config()
+    config.num_train_steps, config.optimizer.warmup_steps = 2, 100
+    assert loop.unfinished_warmup(config) == (
+        "WARNING: optimizer.warmup_steps=100 is longer than num_train_steps=2: the run ends during the "
+        "warm-up, its learning rate reaching 2% of the 'constant' schedule's peak")
+    config.optimizer.schedule = "rsqrt_paper"
+    assert "'rsqrt_paper' schedule's peak" in loop.unfinished_warmup(config)
+    config.optimizer.warmup_steps = 2  # warm-up ends with the run: the peak is reached
+    assert loop.unfinished_warmup(config) is None
+    config.optimizer.schedule, config.optimizer.warmup_steps = "cosine", 100  # refused elsewhere
+    assert loop.unfinished_warmup(config) is None
+
+
 def test_dataset_settings_the_dataset_does_not_read_are_named():
     """Known keys pass the typo check, so train_files given to the built-in corpus, or a translation
     direction given to a language model, used to be dropped without a word."""

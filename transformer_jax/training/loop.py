@@ -107,6 +107,19 @@ def restretched_schedule(workdir: str, config: ml_collections.ConfigDict, step: 
             f"start; set --config.optimizer.decay_steps={old_steps} to keep the schedule it trained with")
 
 
+def unfinished_warmup(config: ml_collections.ConfigDict) -> str | None:
+    """A warning when a 'constant' or 'rsqrt_paper' schedule warms up for longer than the run trains
+    (the learning rate never reaches its peak); 'cosine' refuses such a config outright. None
+    otherwise."""
+    opt = config.optimizer
+    warmup, steps = int(opt.get("warmup_steps") or 0), int(config.num_train_steps)
+    if opt.schedule not in ("constant", "rsqrt_paper") or warmup <= steps:
+        return None
+    return (f"WARNING: optimizer.warmup_steps={warmup} is longer than num_train_steps={steps}: the run "
+            f"ends during the warm-up, its learning rate reaching {steps / warmup:.0%} of the "
+            f"{opt.schedule!r} schedule's peak")
+
+
 def _compile_steps(model, tx, schedule, settings, shardings, mesh):
     batch_sharding = parallel.batch_sharding(mesh)
     train = jax.jit(
@@ -271,6 +284,9 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
         fallback=config.get("checkpoint_fallback", True),
     )
     abstract, shardings = state_shardings(model, tx, mesh, config.seed)
+    warmup_warning = unfinished_warmup(config)
+    if warmup_warning:
+        _say(warmup_warning)
     if checkpointer.latest_step() is not None:
         exact = config.get("resume_data_position", True)
         state = checkpointer.restore(abstract, data.train_iter if exact else None)
