@@ -83,11 +83,10 @@ def _fused_mask_args(mask, batch: int):
 
 def _fused_attention(q, k, v, mask, implementation):
     """jax.nn.dot_product_attention ('xla' everywhere, 'cudnn' on NVIDIA GPUs)."""
-    if implementation == "cudnn" and not _cudnn_supports(q.dtype, q.shape[-1]):
-        raise NotImplementedError(
-            f"attention_impl='cudnn' (and 'flash' on a GPU) needs float16 or bfloat16 queries and a "
-            f"head dimension that is a multiple of 8, at most {CUDNN_MAX_HEAD_DIM}; got {q.dtype} "
-            f"and {q.shape[-1]}: set ModelConfig.dtype='bfloat16', or attention_impl='auto' or 'xla'")
+    # (the dtype and head-dimension conditions; the backend is JAX's to refuse)
+    problem = impl_problem(implementation, dtype=q.dtype, head_dim=q.shape[-1], backend="gpu")
+    if problem:
+        raise NotImplementedError(f"attention_impl={problem}")
     kwargs, visible = _fused_mask_args(mask, q.shape[0])
     if implementation == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         # XLA:CPU has no float16 x float16 -> float32 product, which the 'xla' path asks for: the
@@ -130,7 +129,7 @@ def impl_problem(impl: str, *, dtype, head_dim: int, backend: str | None = None)
     if impl in ("cudnn", "flash") and backend == "gpu" and not _cudnn_supports(dtype, head_dim):
         return (f"{impl!r} runs cuDNN on a GPU, which needs float16 or bfloat16 and a head dimension "
                 f"that is a multiple of 8, at most {CUDNN_MAX_HEAD_DIM}; got {jnp.dtype(dtype)} and "
-                f"{head_dim}: set dtype='bfloat16', or attention_impl='auto' or 'xla'")
+                f"{head_dim}: set ModelConfig.dtype='bfloat16', or attention_impl='auto' or 'xla'")
     return None
 
 
@@ -210,9 +209,7 @@ def _flash_attention(q, k, v, mask):
                 "attention_impl='flash' on TPU takes causal/segment/key-padding masks and lengths "
                 "that are multiples of 128; use 'chunked' or 'xla' for this mask")
         return _pallas_tpu_flash(q, k, v, mask)
-    raise NotImplementedError(
-        f"attention_impl='flash' needs a TPU (Pallas kernel) or an NVIDIA GPU (cuDNN); this is "
-        f"{backend!r}: use 'chunked' (memory-efficient, pure JAX) or 'xla'")
+    raise NotImplementedError(f"attention_impl={impl_problem('flash', dtype=q.dtype, head_dim=q.shape[-1])}")
 
 
 def _check_inputs(q, k, v, mask, kv_layout: str) -> None:

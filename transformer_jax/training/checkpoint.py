@@ -99,14 +99,18 @@ _BEST_MODES = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "ma
 KEEP_BEST_MODES = ("auto", "min", "max")
 
 
+def check_keep_best_mode(mode: str) -> None:
+    if mode not in KEEP_BEST_MODES:
+        raise ConfigError(f"config.keep_best_mode={mode!r} must be one of {list(KEEP_BEST_MODES)}")
+
+
 def resolve_keep_best_mode(metric: str, mode: str = "auto") -> str:
     """'min' or 'max' for ranking checkpoints by ``metric``: ``mode`` itself, or for 'auto' the
     direction of a metric named ``*loss``, ``*nll``, ``*perplexity`` (lower is better),
     ``*accuracy`` or ``*bleu`` (higher is better). A ``ConfigError`` names a mode that is none
     of these, an 'auto' for a metric of unknown direction, and a mode against the metric's
     direction (it would keep the worst checkpoints)."""
-    if mode not in KEEP_BEST_MODES:
-        raise ConfigError(f"config.keep_best_mode={mode!r} must be one of {list(KEEP_BEST_MODES)}")
+    check_keep_best_mode(mode)
     known = next((m for suffix, m in _BEST_MODES.items() if metric.endswith(suffix)), None)
     if mode == "auto":
         if known is None:
@@ -145,13 +149,10 @@ class Checkpointer:
         model_config: ModelConfig | None = None,
         fallback: bool = True,
     ):
-        if keep_best_metric:
-            keep_best_mode = resolve_keep_best_mode(keep_best_metric, keep_best_mode)
-        elif keep_best_mode not in KEEP_BEST_MODES:
-            raise ConfigError(f"config.keep_best_mode={keep_best_mode!r} must be one of "
-                              f"{list(KEEP_BEST_MODES)}")
-        else:
-            keep_best_mode = "min"  # unused: no metric to rank by
+        check_keep_best_mode(keep_best_mode)
+        # ('min' without a metric: orbax's options take no 'auto', and nothing is ranked)
+        keep_best_mode = (resolve_keep_best_mode(keep_best_metric, keep_best_mode) if keep_best_metric
+                          else "min")
         self.keep_best_metric = keep_best_metric
         best_fn = (lambda m: float(m[keep_best_metric])) if keep_best_metric else None
         policy = None

@@ -17,7 +17,7 @@ from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DATASET_NAMES, EOS_ID, PAD_ID
 from transformer_jax.data.inputs import LM_DATASETS, TRANSLATION_DATASETS
 from transformer_jax.data.tokenizer import MIN_VOCAB_SIZE, TOKENIZER_TYPES
-from transformer_jax.training.checkpoint import KEEP_BEST_MODES, resolve_keep_best_mode
+from transformer_jax.training.checkpoint import check_keep_best_mode, resolve_keep_best_mode
 from transformer_jax.training.evaluate import EVAL_METRICS
 from transformer_jax.training.optimizer import OPTIMIZERS
 from transformer_jax.training.schedules import SCHEDULES
@@ -213,9 +213,7 @@ def _check_keep_best(config) -> None:
     """Keep-best ranks checkpoints by the evaluation run at their step, so every periodic checkpoint
     must fall on an evaluation step (t5x refuses checkpoint and eval periods that are not multiples
     of each other too)."""
-    if config.keep_best_mode not in KEEP_BEST_MODES:
-        raise ConfigError(f"config.keep_best_mode={config.keep_best_mode!r} must be one of "
-                          f"{list(KEEP_BEST_MODES)}")
+    check_keep_best_mode(config.keep_best_mode)
     metric = config.keep_best_metric
     if not metric:
         return
