@@ -3,7 +3,7 @@
 // tests/test_native_kernels.py for each instruction set the CPU runs.
 //
 // It calls the FFI implementation functions (RowsMatmulImpl, CacheAttentionImpl, CacheWriteImpl,
-// GreedyChoiceImpl, BiasActivationImpl) directly, through an XLA_FFI_Api whose thread pool is
+// CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl) directly, through an XLA_FFI_Api whose thread pool is
 // threads of its own (so ParallelFor runs as in XLA, threads taking each other's ranges), on
 // buffers allocated with exactly the bytes their shapes need, and compares every result with a
 // scalar reference in double precision (bit for bit on small-integer data, where the sums are
@@ -408,6 +408,62 @@ static void TestCacheWrite(const Params& p) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// tj_cache_reorder. es element bytes (1 / 2 / 4); rm rows: 0 permutation, 1 random with repeats,
+// 2 identity, 3 out of range (negative and past R); cm counts: 0 random in [0, S], 1 beyond
+// [0, S], 2 all S; alias 1 = output is the cache buffer.
+static void TestCacheReorder(const Params& p) {
+  const int64_t es = p.at("es"), R = p.at("R"), C = p.at("C"), S = p.at("S"), Kd = p.at("Kd");
+  const int64_t rm = p.at("rm"), cm = p.at("cm"), alias = p.at("alias"), alloc = p.at("alloc");
+  std::mt19937_64 rng(Seed("cachereorder", p));
+  const size_t cbytes = es * R * C * S * Kd;
+  Alloc ca(cbytes, alloc), ra(4 * R, alloc), na(4 * R, alloc);
+  Alloc oa(alias ? 0 : cbytes, alloc);
+  for (size_t i = 0; i < cbytes; ++i) ((unsigned char*)ca.p)[i] = (unsigned char)rng();
+  int32_t* rows = (int32_t*)ra.p;
+  int32_t* counts = (int32_t*)na.p;
+  std::vector<int32_t> perm(R);
+  for (int64_t i = 0; i < R; ++i) perm[i] = (int32_t)i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int64_t i = 0; i < R; ++i) {
+    switch (rm) {
+      case 0: rows[i] = perm[i]; break;
+      case 1: rows[i] = (int32_t)(rng() % R); break;
+      case 2: rows[i] = (int32_t)i; break;
+      case 3: rows[i] = (int32_t)((int64_t)(rng() % (3 * R + 4)) - 2 * R - 2); break;
+    }
+    switch (cm) {
+      case 0: counts[i] = (int32_t)(rng() % (S + 1)); break;
+      case 1: counts[i] = (i & 1) ? (int32_t)(S + 1 + rng() % 5) : -(int32_t)(rng() % 5) - 1; break;
+      case 2: counts[i] = (int32_t)S; break;
+    }
+  }
+  std::vector<unsigned char> ref(cbytes);
+  if (cbytes) memcpy(ref.data(), ca.p, cbytes);
+  const size_t chunk = es * S * Kd;
+  for (int64_t i = 0; i < R && cbytes; ++i) {
+    int64_t parent = rows[i] < 0 ? (int64_t)rows[i] + R : (int64_t)rows[i];  // as JAX's gather
+    parent = std::min<int64_t>(std::max<int64_t>(parent, 0), R - 1);
+    const int64_t n = std::min<int64_t>(std::max<int64_t>(counts[i], 0), S);
+    if (parent == i) continue;
+    for (int64_t c = 0; c < C; ++c)
+      memcpy(ref.data() + (i * C + c) * chunk, (char*)ca.p + (parent * C + c) * chunk, es * n * Kd);
+  }
+  void* outp = alias ? ca.p : oa.p;
+  if (!alias) memset(outp, 0xAB, cbytes);
+  const XLA_FFI_DataType t = es == 1 ? XLA_FFI_DataType_U8 : es == 2 ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
+  Buf cb(t, ca.p, {R, C, S, Kd}), rb(XLA_FFI_DataType_S32, ra.p, {R}), nb(XLA_FFI_DataType_S32, na.p, {R}),
+      ob(t, outp, {R, C, S, Kd});
+  ffi::Error e = CacheReorderImpl(ffi::AnyBuffer(&cb.b), ffi::Buffer<ffi::S32>(&rb.b), ffi::Buffer<ffi::S32>(&nb.b),
+                                  ffi::AnyBuffer(&ob.b));
+  if (e.failure()) return Fail("cachereorder", p, "returned error: %s", e.message().c_str());
+  if (cbytes && memcmp(outp, ref.data(), cbytes) != 0) {
+    size_t i = 0;
+    while (((unsigned char*)outp)[i] == ref[i]) ++i;
+    Fail("cachereorder", p, "output differs from reference, first at byte %zu", i);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // tj_greedy_choice. data: 0 random reals, 1 small integers (ties), 2 some -inf, 3 some NaN,
 // 4 some columns all -inf / all NaN, 5 some +inf, 6 huge magnitudes.
 static void TestGreedy(const Params& p) {
@@ -590,6 +646,20 @@ static void Sweep(std::vector<Case>& cs) {
             cs.push_back({"cachewrite", {{"ct", ct}, {"B", B}, {"N", N}, {"S", S}, {"L", L}, {"Kd", Kd}, {"idx", idx},
                                          {"alias", (int64_t)(k % 4 != 0)}, {"alloc", (k / 2) % 3}}});
           }
+  // --- cache reorder ---
+  for (int64_t es : {1, 2, 4})
+    for (int64_t R : {1, 2, 3, 4, 8, 12, 16})
+      for (int64_t rm = 0; rm < 4; ++rm)
+        for (int64_t cm = 0; cm < 3; ++cm)
+          for (int64_t rep = 0; rep < 3; ++rep) {
+            const int64_t S = std::vector<int64_t>{1, 2, 5, 17}[k % 4], Kd = std::vector<int64_t>{1, 3, 16, 64}[(k / 4) % 4];
+            const int64_t C = 1 + (k / 16) % 3;
+            ++k;
+            cs.push_back({"cachereorder", {{"es", es}, {"R", R}, {"C", C}, {"S", S}, {"Kd", Kd}, {"rm", rm}, {"cm", cm},
+                                           {"alias", (int64_t)(k % 4 != 0)}, {"alloc", (k / 2) % 3}}});
+          }
+  for (int64_t rm = 0; rm < 4; ++rm)  // an empty position axis
+    cs.push_back({"cachereorder", {{"es", 4}, {"R", 3}, {"C", 2}, {"S", 0}, {"Kd", 4}, {"rm", rm}, {"cm", 0}, {"alias", 1}, {"alloc", 0}}});
   // --- greedy ---
   for (int64_t V : {1, 2, 3, 15, 16, 17, 31, 255, 256, 257, 4095, 4096, 4097, 8193})
     for (int64_t B = 1; B <= 18; ++B) {
@@ -621,6 +691,7 @@ static void RunCase(const Case& c) {
   if (c.kernel == "matmul") TestMatmul(c.p);
   else if (c.kernel == "attention") TestAttention(c.p);
   else if (c.kernel == "cachewrite") TestCacheWrite(c.p);
+  else if (c.kernel == "cachereorder") TestCacheReorder(c.p);
   else if (c.kernel == "greedy") TestGreedy(c.p);
   else if (c.kernel == "biasact") TestBiasAct(c.p);
 }

@@ -222,6 +222,71 @@ def test_cache_write_equals_the_xla_update(dtype, L):
         native.cache_write(cache, jnp.ones((B, L, N + 1, K), dtype), index)
 
 
+def _reordered_reference(cache, rows, counts):
+    """Row i takes row rows[i]'s first counts[i] positions (positions second to last), the rest
+    stays: a loop over rows in NumPy, indices taken as JAX's gather takes them."""
+    before = np.asarray(cache.astype(jnp.float32) if cache.dtype == jnp.bfloat16 else cache)
+    out = before.copy()
+    R, S = before.shape[0], before.shape[-2]
+    for i, (parent, n) in enumerate(zip(np.asarray(rows), np.asarray(counts))):
+        parent = min(max(parent + R if parent < 0 else parent, 0), R - 1)
+        if parent != i:
+            out[i, ..., : min(max(n, 0), S), :] = before[parent, ..., : min(max(n, 0), S), :]
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("shape", [(8, 3, 10, 5), (6, 2, 3, 7, 4), (4, 9, 2)])
+def test_cache_reorder_equals_a_gather_of_the_filled_positions(dtype, shape):
+    # Beam search's reordering in place: permutations with cycles (beams that swap parents), one
+    # parent copied to several rows, rows that keep their own state, indices out of range, and
+    # counts from none to past the end. Each destination must get its parent's *old* entries, so
+    # a copy made in the wrong order (a parent overwritten before it is read) shows.
+    rng = np.random.default_rng(len(shape))
+    R, S = shape[0], shape[-2]
+    as_array = lambda x: np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)
+    cache = jnp.asarray(rng.integers(-100, 100, shape)).astype(dtype)
+    reorder, donated = jax.jit(native.cache_reorder), jax.jit(native.cache_reorder, donate_argnums=0)
+    cases = [np.roll(np.arange(R), 1), rng.permutation(R), rng.integers(0, R, R), np.zeros(R, int),
+             np.arange(R), rng.integers(-R - 2, R + 2, R), np.array([1, 0] + list(range(2, R)))]
+    for rows in cases:
+        for counts in (rng.integers(0, S + 1, R), np.full(R, S), rng.integers(-2, S + 3, R)):
+            rows_, counts_ = jnp.asarray(rows, jnp.int32), jnp.asarray(counts, jnp.int32)
+            want = _reordered_reference(cache, rows, counts)
+            got = reorder(cache, rows_, counts_)
+            assert got.dtype == cache.dtype and got.shape == cache.shape
+            np.testing.assert_array_equal(as_array(got), want, err_msg=f"{rows} {counts}")
+            np.testing.assert_array_equal(as_array(native.cache_reorder_xla(cache, rows_, counts_)), want)
+            np.testing.assert_array_equal(as_array(donated(jnp.array(cache), rows_, counts_)), want)
+    # With every position counted, the filled-prefix reorder is the gather itself.
+    rows = jnp.asarray(rng.integers(0, R, R), jnp.int32)
+    np.testing.assert_array_equal(as_array(reorder(cache, rows, jnp.full(R, S, jnp.int32))),
+                                  as_array(cache[rows]))
+    with pytest.raises(ValueError, match="rows \\[R\\]"):
+        native.cache_reorder(cache, rows[:-1], jnp.full(R, S, jnp.int32))
+
+
+@needs_kernels
+def test_cache_reorder_takes_jax_transformations():
+    rng = np.random.default_rng(3)
+    x = _rand(rng, (2, 4, 3, 6, 5), jnp.float32)  # vmapped over the leading axis
+    rows = jnp.asarray([[1, 0, 3, 3], [2, 2, 0, 1]], jnp.int32)
+    counts = jnp.asarray([[6, 2, 0, 4], [1, 6, 3, 5]], jnp.int32)
+    got = jax.vmap(native.cache_reorder)(x, rows, counts)
+    for i in range(2):
+        np.testing.assert_array_equal(got[i], _reordered_reference(x[i], rows[i], counts[i]))
+    from transformer_jax.modeling.cache import _reorder_in_place
+
+    t = _rand(rng, x.shape[1:], jnp.float32)
+    primal, tangent = jax.jvp(lambda a: _reorder_in_place(a, rows[0], counts[0]), (x[0],), (t,))
+    np.testing.assert_array_equal(primal, _reordered_reference(x[0], rows[0], counts[0]))
+    np.testing.assert_array_equal(tangent, _reordered_reference(t, rows[0], counts[0]))
+    grad = jax.grad(lambda a: jnp.sum(_reorder_in_place(a, rows[0], counts[0]) ** 2))(x[0])
+    np.testing.assert_allclose(grad, jax.grad(lambda a: jnp.sum(
+        native.cache_reorder_xla(a, rows[0], counts[0]) ** 2))(x[0]), rtol=1e-6)
+
+
 @needs_kernels
 def test_cache_attention_reads_a_bf16_cache_as_its_exact_float32_values():
     rng = np.random.default_rng(7)
@@ -321,6 +386,44 @@ def test_decoding_with_native_kernels_equals_xla(dtype, layout, tol):
     ours = _greedy(config.replace(cpu_kernels="native"))
     np.testing.assert_array_equal(ours.tokens, xla.tokens)
     np.testing.assert_allclose(ours.logprobs, xla.logprobs, rtol=0, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scan", [False, True])
+def test_beam_search_reorders_the_cache_in_place(scan, monkeypatch):
+    # Beam search on the CPU reorders the KV cache with the in-place kernel (only the filled
+    # positions of rows whose parent changed) instead of gathering every row's whole cache each
+    # step: the same hypotheses and scores as the gather, prompts of different lengths, a cache
+    # with room to spare, and no cache-sized gather left in the compiled loop.
+    from transformer_jax.decoding.beam_search import _beam_search_jit
+    from transformer_jax.modeling.cache import KVCache
+
+    config = _lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in", scan_layers=scan)
+    model = tj.TransformerLM(config)
+    params = model.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    prompt = jax.random.randint(jax.random.key(1), (2, 6), 6, config.vocab_size)
+    cache = tj.init_cache(config, 2, 6 + 12 + 20)
+    args = (LMStep(model), params, cache, prompt, jnp.array([6, 3], jnp.int32), jnp.float32(0.6),
+            jnp.int32(0), jnp.full((2,), 12, jnp.int32))
+    static = dict(beam_size=4, max_new_tokens=12, eos_id=None, pad_id=0)
+    leaf = jax.tree.leaves(cache.layers)[0]
+    whole_row = "slice_sizes={1," + ",".join(map(str, leaf.shape[1:])) + "}"  # one row's whole cache
+
+    def run():
+        jax.clear_caches()
+        hlo = _beam_search_jit.lower(*args, **static).compile().as_text()
+        gathers = [line for line in hlo.splitlines() if " gather(" in line and whole_row in line]
+        return _beam_search_jit(*args, **static), gathers, hlo.count('"transformer_jax_cache_reorder"')
+
+    in_place, gathers, kernel_calls = run()
+    assert not gathers and kernel_calls == 2 * (1 if scan else config.num_decoder_layers) * 2  # k, v; 2 sites
+    original = KVCache.reorder_beams
+    monkeypatch.setattr(KVCache, "reorder_beams", lambda self, rows, cpu_kernels="xla": original(self, rows))
+    gathered, gathers, kernel_calls = run()
+    assert gathers and kernel_calls == 0  # what the kernel replaces
+    np.testing.assert_array_equal(in_place.tokens, gathered.tokens)
+    np.testing.assert_array_equal(in_place.scores, gathered.scores)
+    assert len({tuple(t) for t in np.asarray(in_place.tokens[0])}) == 4  # distinct hypotheses
 
 
 def _custom_calls(config, **apply):
@@ -644,7 +747,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
                                              ("avx512", "thread")])
 def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     """tests/native_sanitizer.cc runs every kernel (the products at 1-16 rows on both bf16 paths,
-    the cache attention, the cache write, the greedy choice, the bias and activation) over ~37,000
+    the cache attention, the cache write, beam search's cache reordering, the greedy choice, the bias
+    and activation) over ~37,000
     awkward shapes on buffers of exactly their size, some flush against a no-access page, with
     the work split over threads as XLA's pool splits it, and checks each result against a scalar
     reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each instruction set, and

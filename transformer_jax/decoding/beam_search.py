@@ -36,6 +36,7 @@ from transformer_jax.decoding.sampling import (
     _last_valid,
     _row_limits,
     resolve_special_ids,
+    step_model_config,
 )
 
 
@@ -135,17 +136,18 @@ def _cut_off(live: _Beams, finished: _Beams, step, alpha, limits):
     return live, _top(pool, pool.scores, live.logprobs.shape[1])
 
 
-def _reorder(cache, parent: jax.Array):
+def _reorder(cache, parent: jax.Array, cpu_kernels: str):
     """Gathers cache rows [B * K, ...] so row (b, k) holds the state of beam parent[b, k].
 
-    A cache with a ``reorder_beams(rows)`` method gathers itself (`KVCache` leaves the source's
-    cross-attention K/V alone: every beam of a row holds the same); any other pytree has every
-    leaf gathered.
+    A cache with a ``reorder_beams(rows, cpu_kernels)`` method reorders itself (`KVCache` leaves
+    the source's cross-attention K/V alone, the same for every beam of a row, and on the CPU copies
+    only the filled positions of the rows whose parent changed); any other pytree has every leaf
+    gathered.
     """
     batch, beam = parent.shape
     rows = (jnp.arange(batch)[:, None] * beam + parent).reshape(-1)
     if hasattr(cache, "reorder_beams"):
-        return cache.reorder_beams(rows)
+        return cache.reorder_beams(rows, cpu_kernels)
     return jax.tree.map(lambda x: x[rows], cache)
 
 
@@ -166,6 +168,8 @@ def _beam_search_jit(
     pad_id,
 ):
     batch, beam, steps = prompt_tokens.shape[0], beam_size, max_new_tokens
+    config = step_model_config(step_fn)
+    cpu_kernels = getattr(config, "cpu_kernels", "xla")
     logits, cache = step_fn(params, prompt_tokens, cache, prompt_lengths)
     first = jax.nn.log_softmax(_last_valid(logits, prompt_lengths).astype(jnp.float32), axis=-1)
     cache = jax.tree.map(lambda x: jnp.repeat(x, beam, axis=0), cache)
@@ -181,7 +185,7 @@ def _beam_search_jit(
         min_new_tokens, eos_id=eos_id,
     )
     live, finished = _cut_off(live, finished, jnp.int32(0), alpha, limits)
-    cache = _reorder(cache, parent)
+    cache = _reorder(cache, parent, cpu_kernels)
     ones = jnp.ones((batch * beam,), jnp.int32)
 
     def keep_going(state):
@@ -200,7 +204,7 @@ def _beam_search_jit(
             min_new_tokens, eos_id=eos_id,
         )
         live, finished = _cut_off(live, finished, step, alpha, limits)
-        return step + 1, live, finished, _reorder(cache, parent)
+        return step + 1, live, finished, _reorder(cache, parent, cpu_kernels)
 
     step, live, finished, _ = jax.lax.while_loop(keep_going, body, (jnp.int32(1), live, finished, cache))
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.modeling import native
 
 
 @flax.struct.dataclass
@@ -39,15 +40,40 @@ class KVCache:
         k = self.layers["k"] if isinstance(self.layers, dict) else self.layers[0]["k"]
         return k.shape[-2]  # [B, (layers,) N, S_max, K]
 
-    def reorder_beams(self, rows: jax.Array) -> KVCache:
+    def reorder_beams(self, rows: jax.Array, cpu_kernels: str = "xla") -> KVCache:
         """Row i of the result holds row ``rows[i]``'s self-attention state, for beam search.
 
         ``rows`` must map every row to a row of the same source (the beams of one input), so the
         source's cross-attention K/V and mask, identical across those rows, are kept as they are
         rather than gathered on every step.
+
+        ``cpu_kernels`` as `ModelConfig.cpu_kernels` (beam search passes the model's): where
+        `native.use_native` says yes, a CPU computation reorders the cache in place with
+        `native.cache_reorder`, copying only the first ``lengths[rows[i]]`` positions of the rows
+        whose parent changed; positions past a row's length then keep their old entries rather
+        than the parent's (every step writes a position before reading it); a computation placed off
+        the CPU gets the same values from `native.cache_reorder_xla`. Otherwise every leaf is
+        gathered whole.
         """
         gather = lambda x: x[rows]
-        return self.replace(layers=jax.tree.map(gather, self.layers), lengths=gather(self.lengths))
+        if native.use_native(cpu_kernels):
+            counts = gather(self.lengths)
+            layers = jax.tree.map(lambda x: _reorder_in_place(x, rows, counts), self.layers)
+        else:
+            layers = jax.tree.map(gather, self.layers)
+        return self.replace(layers=layers, lengths=gather(self.lengths))
+
+
+@jax.custom_jvp
+def _reorder_in_place(x, rows, counts):
+    return jax.lax.platform_dependent(x, rows, counts, cpu=native.cache_reorder,
+                                      default=native.cache_reorder_xla)
+
+
+@_reorder_in_place.defjvp
+def _reorder_in_place_jvp(primals, tangents):
+    x, rows, counts = primals
+    return _reorder_in_place(x, rows, counts), native.cache_reorder_xla(tangents[0], rows, counts)
 
 
 def cache_dtype(config: ModelConfig):
@@ -59,8 +85,6 @@ def cache_dtype(config: ModelConfig):
     `native.use_native` does where the cache is made) write and read a bf16 cache in place, half
     the bytes. The values are the same either way: keys and values leave their projections already
     rounded to the compute dtype."""
-    from transformer_jax.modeling import native
-
     dtype = config.compute_dtype
     if dtype.itemsize == 2 and jax.default_backend() == "cpu":
         if dtype == jnp.bfloat16 and native.use_native(config.cpu_kernels):

@@ -11,6 +11,8 @@
   runs these small batched products on one core.
 - `cache_write(cache, new, index)`: a step's keys or values written into the cache in place;
   XLA:CPU converts a whole bfloat16 cache to float32 and back to write it.
+- `cache_reorder(cache, rows, counts)`: beam search's reordering of the cache in place, copying
+  only the filled positions of the rows whose parent changed; XLA gathers the whole cache.
 - `greedy_choice(logits_t)`: each column's first maximum and log-sum-exp over vocabulary-major
   logits [V, B], in two passes where XLA:CPU makes several.
 - `bias_activation(y, bias, activation, dtype)`: a feed-forward layer's first product's bias,
@@ -56,6 +58,7 @@ MAX_HEAD_DIM = 256
 _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_cache_attention": "TjCacheAttention",
             "transformer_jax_cache_write": "TjCacheWrite",
+            "transformer_jax_cache_reorder": "TjCacheReorder",
             "transformer_jax_greedy_choice": "TjGreedyChoice",
             "transformer_jax_bias_activation": "TjBiasActivation"}
 # Activations `bias_activation` computes (the kernel's codes); others run in XLA.
@@ -374,6 +377,37 @@ def cache_write(cache, new, index):
     return jax.ffi.ffi_call("transformer_jax_cache_write", out, input_output_aliases={0: 0},
                             vmap_method=VMAP)(
         cache, new.astype(cache.dtype), index)
+
+
+def cache_reorder_xla(cache, rows, counts):
+    """What `cache_reorder` computes, in XLA ops (the path off the CPU, and its derivative)."""
+    rows, counts = jnp.asarray(rows), jnp.asarray(counts)
+    positions = jnp.arange(cache.shape[-2])
+    moved = (rows != jnp.arange(cache.shape[0]))[:, None] & (positions < counts[:, None])  # [R, S]
+    moved = moved.reshape(moved.shape[:1] + (1,) * (cache.ndim - 3) + moved.shape[1:] + (1,))
+    return jnp.where(moved, cache[rows], cache)
+
+
+def cache_reorder(cache, rows, counts):
+    """Row i of the cache [R, ..., S, K] (positions second to last) takes row ``rows[i]``'s first
+    ``counts[i]`` positions (clipped to [0, S]), as ``cache[rows]`` would, in the cache's own
+    buffer where XLA can give it: rows with ``rows[i] == i`` are not touched, nor are positions at
+    or past ``counts[i]``, which keep row i's old entries (beam search gives each row its parent's
+    length, and no step reads a position before writing it). A row index is taken as JAX's
+    indexing takes it: negative from the end, then clamped. Any dtype. Call only where
+    `available()` is True, on the CPU (the model's path, with derivatives and other platforms, is
+    `KVCache.reorder_beams`)."""
+    rows, counts = jnp.asarray(rows), jnp.asarray(counts)
+    if cache.ndim < 3 or rows.shape != cache.shape[:1] or counts.shape != cache.shape[:1]:
+        raise ValueError(f"cache_reorder: expected a cache [R, ..., S, K], rows [R] and counts [R], got "
+                         f"{cache.shape}, {rows.shape} and {counts.shape}")
+    _check_available()
+    shape = cache.shape
+    flat = cache.reshape(shape[0], -1, shape[-2], shape[-1])
+    out = jax.ffi.ffi_call("transformer_jax_cache_reorder", jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+                           input_output_aliases={0: 0}, vmap_method=VMAP)(
+        flat, rows.astype(jnp.int32), counts.astype(jnp.int32))
+    return out.reshape(shape)
 
 
 def greedy_choice(logits_t):

@@ -397,6 +397,74 @@ ffi::Error CacheWriteImpl(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buff
 }
 
 // ---------------------------------------------------------------------------------------------
+// tj_cache_reorder: beam search's cache reordering in place. Row i of the cache [R, C, S, Kd]
+// (R = batch x beams; C = heads, or layers x heads for a scanned cache) takes row rows[i]'s first
+// counts[i] positions of every chunk c; rows whose parent is themselves are not touched, nor are
+// positions at or past counts[i] (no decoding step reads them before writing them). A row index
+// is taken as JAX's gather takes it: a negative one counted from the end, then clamped to
+// [0, R - 1]. XLA gathers every row's whole allocated cache, every layer, every step.
+//
+// Order of the copies: a row may be overwritten once no pending row still reads it, so rows that
+// no other row reads go first; each copy may free its parent. What is left are cycles (beams that
+// swap parents); one row of each is first saved to a buffer and then read from there.
+
+ffi::Error CacheReorderImpl(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> counts,
+                            ffi::Result<ffi::AnyBuffer> out) {
+  auto cd = cache.dimensions(), rd = rows.dimensions(), nd = counts.dimensions();
+  if (cd.size() != 4 || rd.size() != 1 || nd.size() != 1 || rd[0] != cd[0] || nd[0] != cd[0])
+    return ffi::Error::InvalidArgument("tj_cache_reorder: expected cache [R, C, S, K], rows [R], counts [R]");
+  if (out->element_type() != cache.element_type())
+    return ffi::Error::InvalidArgument("tj_cache_reorder: the output differs from the cache in dtype");
+  const int64_t R = cd[0], C = cd[1], S = cd[2], Kd = cd[3];
+  const size_t bytes = ffi::ByteWidth(cache.element_type());
+  char* data = static_cast<char*>(out->untyped_data());
+  if (R * C * S * Kd == 0) return ffi::Error::Success();
+  if (data != cache.untyped_data()) std::memcpy(data, cache.untyped_data(), bytes * R * C * S * Kd);
+  const size_t position = bytes * Kd, chunk = position * S;
+  std::vector<int64_t> parent(R), count(R), readers(R, 0);
+  std::vector<char> pending(R);
+  for (int64_t i = 0; i < R; ++i) {
+    int64_t p = rows.typed_data()[i];
+    if (p < 0) p += R;
+    parent[i] = std::min<int64_t>(std::max<int64_t>(p, 0), R - 1);
+    count[i] = std::min<int64_t>(std::max<int64_t>(counts.typed_data()[i], 0), S);
+    pending[i] = parent[i] != i;
+    if (pending[i]) ++readers[parent[i]];
+  }
+  // Where each row's data is read from: its place in the cache, or a saved copy ([C, S, Kd] too).
+  std::vector<const char*> source(R);
+  for (int64_t i = 0; i < R; ++i) source[i] = data + i * C * chunk;
+  std::vector<std::unique_ptr<char[]>> saved;
+  std::vector<int64_t> ready;
+  for (int64_t i = 0; i < R; ++i)
+    if (pending[i] && readers[i] == 0) ready.push_back(i);
+  for (int64_t remaining = std::count(pending.begin(), pending.end(), 1); remaining > 0;) {
+    if (ready.empty()) {  // only cycles are left: save one of their rows
+      int64_t i = 0;
+      while (!(pending[i] && readers[i] > 0)) ++i;
+      int64_t longest = 0;
+      for (int64_t j = 0; j < R; ++j)
+        if (pending[j] && parent[j] == i) longest = std::max(longest, count[j]);
+      saved.emplace_back(new char[C * chunk]);
+      for (int64_t c = 0; c < C; ++c)
+        std::memcpy(saved.back().get() + c * chunk, source[i] + c * chunk, longest * position);
+      source[i] = saved.back().get();
+      readers[i] = 0;
+      ready.push_back(i);
+    }
+    const int64_t i = ready.back();
+    ready.pop_back();
+    const int64_t p = parent[i];
+    char* dst = data + i * C * chunk;
+    for (int64_t c = 0; c < C; ++c) std::memcpy(dst + c * chunk, source[p] + c * chunk, count[i] * position);
+    pending[i] = 0;
+    --remaining;
+    if (source[p] == data + p * C * chunk && --readers[p] == 0 && pending[p]) ready.push_back(p);
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
 // tj_greedy_choice: for logits stored vocabulary-major, [V, B] (the layout tj_rows_matmul leaves
 // them in), each column's first index of its maximum and log(sum(exp(logit - max))), the
 // quantities greedy decoding needs (its token and that token's log-probability, -the second), in
@@ -533,6 +601,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjCacheWrite, CacheWriteImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjCacheReorder, CacheReorderImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
 
