@@ -748,8 +748,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
 def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     """tests/native_sanitizer.cc runs every kernel (the products at 1-16 rows on both bf16 paths,
     the cache attention, the cache write, beam search's cache reordering, the greedy choice, the bias
-    and activation) over ~37,000
-    awkward shapes on buffers of exactly their size, some flush against a no-access page, with
+    and activation) over ~38,000 awkward shapes on buffers of exactly their size, some flush against
+    a no-access page, with
     the work split over threads as XLA's pool splits it, and checks each result against a scalar
     reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each instruction set, and
     under ThreadSanitizer. It found the greedy choice naming token V past the vocabulary when every
