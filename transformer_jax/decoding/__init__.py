@@ -29,6 +29,7 @@ from transformer_jax.decoding.sampling import (
     generate,
     pad_prompts,
     pad_to_bucket,
+    sample_from_logits,
 )
 
 __all__ = [
@@ -50,5 +51,6 @@ __all__ = [
     "pad_to_bucket",
     "place_on_huge_pages",
     "recompute_cache",
+    "sample_from_logits",
     "seq2seq_step_fn",
 ]
