@@ -269,6 +269,13 @@ def test_average_checkpoints(reference, data_dir, tmp_path):
         last,
         before,
     )
+    # Exactly the float32 mean, also for a count that is not a power of two: XLA had made the
+    # division by 3 a multiplication by 1/3, one unit in the last place off for ~1 value in 5.
+    three = average_checkpoints(workdir, last_k=3, output_workdir=str(tmp_path / "avg3"))
+    singles = [restore_for_inference(workdir, step=s).params for s in steps[-3:]]
+    want = jax.tree.map(lambda a, b, c: (np.float32(a) + np.float32(b) + np.float32(c)) / np.float32(3),
+                        *singles)
+    jax.tree.map(np.testing.assert_array_equal, restore_for_inference(three).params, want)
     # Training on in the average's workdir: it has no optimizer state. Before, orbax's error was
     # read as "another optimizer state ... set config.optimizer back", which was not the cause.
     with pytest.raises(integrity.CheckpointConfigMismatchError, match=r"holds parameters only"):

@@ -106,8 +106,9 @@ def test_a_training_workdir_holds_no_pickles(trained):
         (lambda w: flip_byte(biggest_file(w, 10)), "has changed"),
         (lambda w: os.remove(biggest_file(w, 10)), "is missing"),
         (lambda w: write(os.path.join(ckpt(w), "10", integrity.MANIFEST_NAME), "{"), "unreadable"),
+        (lambda w: _copy_step(w, 5, 10), "records step 5, not 10"),
     ],
-    ids=["truncated", "flipped_byte", "missing_file", "bad_manifest"],
+    ids=["truncated", "flipped_byte", "missing_file", "bad_manifest", "copied_step"],
 )
 def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, capsys):
     damage(workdir)
@@ -115,9 +116,33 @@ def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, c
     assert verdict.status == "corrupt" and message in verdict.describe(), verdict
     bundle = restore_for_inference(workdir)  # newest *good* step, with a warning
     assert bundle.step == 5
-    assert "checkpoint step 10 is corrupt" in capsys.readouterr().out
+    assert "checkpoint step 10 is corrupt" in capsys.readouterr().err  # stdout carries outputs
     with pytest.raises(integrity.CheckpointCorruptError, match="step 10 .* corrupt"):
         restore_for_inference(workdir, step=10)  # asked for by number: refused, never loaded
+
+
+def _copy_step(workdir, source, target):
+    """Step ``source``'s directory copied in as step ``target`` (from another run, or by hand)."""
+    shutil.rmtree(os.path.join(ckpt(workdir), str(target)))
+    shutil.copytree(os.path.join(ckpt(workdir), str(source)), os.path.join(ckpt(workdir), str(target)))
+
+
+@pytest.mark.parametrize("damage", ["copied_step", "no_data_position"])
+def test_unsealed_steps_that_are_not_what_they_say_fall_back(workdir, data_dir, capsys, damage):
+    """Steps without a manifest: step 5 copied in as step 10 resumed "from 10" with step 5's state,
+    and the real step 10 was never written (the number was taken); a step whose input-pipeline
+    position file is gone was reported as saved by another number of processes, with no fallback.
+    Both are corrupt steps now."""
+    if damage == "copied_step":
+        _copy_step(workdir, 5, 10)
+    else:
+        os.remove(os.path.join(ckpt(workdir), "10", "data", "process_0-of-1.json"))
+    os.remove(os.path.join(ckpt(workdir), "10", integrity.MANIFEST_NAME))
+    final = train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)
+    err = capsys.readouterr().err
+    assert "checkpoint step 10 is corrupt" in err and "trying step 5" in err, err[-2000:]
+    assert final["step"] == 12 and Checkpointer(workdir).all_steps() == [5, 10, 12]
+    assert integrity.verify(ckpt(workdir), 10).status == "ok"  # written again, by this run
 
 
 def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys, monkeypatch):
@@ -135,7 +160,7 @@ def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys, monkeyp
     monkeypatch.setattr(sys, "unraisablehook", reported.append)
     assert restore_for_inference(workdir).step == 5
     time.sleep(0.3)  # the abandoned reads end within milliseconds of the failure
-    assert "orbax could not restore it" in capsys.readouterr().out
+    assert "orbax could not restore it" in capsys.readouterr().err
     assert [str(u.exc_value) for u in reported] == []
     # Any other unraisable exception still reaches the hook installed before.
     sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"),
@@ -170,8 +195,8 @@ def test_failed_restores_leave_one_quieting_hook(monkeypatch):
 def test_training_falls_back_and_rewrites_the_step(workdir, trained, data_dir, capsys):
     flip_byte(biggest_file(workdir, 10))
     final = train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)
-    out = capsys.readouterr().out
-    assert "checkpoint step 10 is corrupt" in out and "Resumed from checkpoint 5" in out
+    captured = capsys.readouterr()
+    assert "checkpoint step 10 is corrupt" in captured.err and "Resumed from checkpoint 5" in captured.out
     assert final["step"] == 12
     assert os.listdir(os.path.join(workdir, "checkpoints_corrupt"))[0].startswith("10.")  # kept aside
     assert all(integrity.verify(ckpt(workdir), s).status == "ok" for s in Checkpointer(workdir).all_steps())
@@ -445,7 +470,8 @@ def test_the_manifest_covers_every_file_of_a_step_and_nothing_else(tmp_path):
         f"{os.path.join('params', 'stray')} is not in the manifest"]
 
 
-@pytest.mark.parametrize("manifest", ['{"format": 1, "step": 1}', '{"files": []}', "[]"])
+@pytest.mark.parametrize("manifest", ['{"format": 1, "step": 1}', '{"files": []}', "[]",
+                                      '{"files": {"data": {"sha256": "00"}}}', '{"files": {"data": 5}}'])
 def test_a_manifest_without_its_file_table_is_unreadable(tmp_path, manifest):
     os.makedirs(os.path.join(tmp_path, "1"))
     write(os.path.join(tmp_path, "1", "data"), "x")

@@ -26,6 +26,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -299,6 +300,10 @@ class Checkpointer:
             _check_data_state(integrity.step_dir(self.directory, step), step, data_iter)
             items["data"] = checkpoint_args(data_iter, restore=True)
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        saved_step = int(out["train"]["step"])
+        if saved_step != step:
+            raise integrity.StepNumberMismatchError(
+                f"it holds the training state of step {saved_step}, copied in under another number")
         return TrainState(
             step=out["train"]["step"],
             params=out["params"],
@@ -328,6 +333,8 @@ def _check_data_state(step_path: str, step: int, data_iter) -> None:
         return  # not a local directory: orbax reports what it finds
     if not os.path.exists(path):
         saved = sorted(n for n in os.listdir(directory) if n.startswith("process_") and n.endswith(".json"))
+        if not saved:
+            return  # no process's position at all: a damaged step, which the restore reports as corrupt
         counts = sorted({n.rsplit("-of-", 1)[-1][: -len(".json")] for n in saved})
         raise DataError(
             f"Checkpoint step {step} holds the input pipeline's position for {' or '.join(counts)} "
@@ -492,6 +499,17 @@ def _restore_params(directory: str, step: int | None, abstract, model_config: Mo
         manager.close()
 
 
+def _model_config_of(workdir: str, config) -> ModelConfig:
+    """The workdir's model config, or a ValueError naming its config.json (a directory that is not
+    a training workdir, or a file edited by hand)."""
+    try:
+        return ModelConfig.from_dict(dict(config.model))
+    except (AttributeError, KeyError, TypeError) as e:
+        path = os.path.join(workdir, CONFIG_FILENAME)
+        raise ValueError(f"{path} has no readable 'model' section ({type(e).__name__}: {e}); is "
+                         f"{workdir} a training workdir?") from e
+
+
 def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> InferenceBundle:
     """Loads the model config, params (latest or ``step``), tokenizer and config of a workdir.
 
@@ -499,7 +517,7 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
     mesh to shard a large model.
     """
     config = load_config(workdir)
-    model_config = ModelConfig.from_dict(dict(config.model))
+    model_config = _model_config_of(workdir, config)
     mesh = parallel.create_mesh(data=-1) if mesh is None else mesh
     directory = checkpoint_dir(workdir)
     params = None
@@ -507,7 +525,12 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
         params, step = _restore_params(directory, step, abstract_params(model_config, mesh), model_config)
     if params is None:
         raise ValueError(f"Workdir {workdir!r} has no checkpoint in {directory}.")
-    tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))
+    tokenizer_path = os.path.join(workdir, "tokenizer.model")
+    tokenizer = Tokenizer.load(tokenizer_path)
+    if tokenizer.vocab_size > model_config.vocab_size:  # another run's: its ids pass the table's end
+        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} pieces, more than the model's "
+                         f"vocab_size={model_config.vocab_size}: it is not the tokenizer this model was "
+                         f"trained with")
     return InferenceBundle(model_config, params, tokenizer, config, int(step))
 
 
@@ -536,6 +559,16 @@ def _same_run_file(a: str, b: str) -> bool:
         return False
 
 
+def _mean_of_sum(total: jax.Array, count: int) -> jax.Array:
+    """``total / count`` rounded once, on the host where the array is all here: XLA:CPU divides by
+    a scalar as a multiplication by its reciprocal, one unit in the last place off for about one
+    value in five (exact only for a power of two)."""
+    if not total.is_fully_addressable:
+        return total / count
+    exact = np.asarray(total) / np.asarray(count, np.asarray(total).dtype)
+    return jax.device_put(exact, total.sharding)
+
+
 def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None) -> str:
     """Averages the params of the last ``last_k`` checkpoints (section 6.1: 5 for base, 20 for big).
 
@@ -555,7 +588,7 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
     if isinstance(last_k, bool) or not isinstance(last_k, int) or last_k < 1:
         raise ValueError(f"last_k={last_k!r} (--last): average at least one checkpoint (an integer >= 1).")
     config = load_config(workdir)
-    model_config = ModelConfig.from_dict(dict(config.model))
+    model_config = _model_config_of(workdir, config)
     mesh = parallel.create_mesh(data=-1)
     abstract = abstract_params(model_config, mesh)
     directory = checkpoint_dir(workdir)
@@ -593,7 +626,7 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
             total = params if total is None else jax.tree.map(jnp.add, total, params)
     finally:
         manager.close()
-    average = jax.tree.map(lambda t, a: (t / len(steps)).astype(a.dtype), total, abstract)
+    average = jax.tree.map(lambda t, a: _mean_of_sum(t, len(steps)).astype(a.dtype), total, abstract)
 
     output_workdir = output_workdir or os.path.join(workdir, f"average_last{len(steps)}")
     if os.path.exists(integrity.step_dir(checkpoint_dir(output_workdir), steps[-1])):

@@ -126,6 +126,10 @@ def read_manifest(directory: str, step: int) -> dict | None:
             manifest = json.load(f)
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise ValueError("not a manifest")
+        for rel, entry in manifest["files"].items():
+            if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
+                    or not isinstance(entry.get("sha256"), str)):
+                raise ValueError(f"its entry for {rel} has no size and SHA-256")
         return manifest
     except (OSError, ValueError) as e:
         return {"unreadable": f"{MANIFEST_NAME} is unreadable ({e})"}
@@ -196,6 +200,11 @@ def verify(directory: str, step: int, model_config: ModelConfig | None = None) -
     if model_config is not None:
         check_model_config(directory, step, manifest, model_config)
     problems = []
+    if "step" in manifest and manifest["step"] != step:
+        # A step directory copied in under another number: it would resume (and be averaged or
+        # decoded) as this step, and the real one would never be written, the number being taken.
+        problems.append(f"{MANIFEST_NAME} records step {manifest['step']}, not {step} (a step copied in "
+                        "under another number)")
     expected = manifest["files"]
     present = set(_files(path))
     for rel in sorted(set(expected) - present):
@@ -363,6 +372,11 @@ def quiet_abandoned_reads():
             sys.unraisablehook = previous
 
 
+class StepNumberMismatchError(Exception):
+    """A restored training state whose own step is not its directory's number: a step copied in
+    under another number (treated as a corrupt step)."""
+
+
 def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn, *args):
     """Restores the first of ``steps`` (newest first) that verifies and that orbax can read.
 
@@ -387,7 +401,8 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
             except (DataError, CheckpointConfigMismatchError):  # named mismatches: not corruption
                 raise
             except Exception as e:  # noqa: BLE001 (any unreadable step is a corrupt step...)
-                if verdict.status == "ok":  # ...unless every file matches its manifest
+                # ...unless every file matches its manifest
+                if verdict.status == "ok" and not isinstance(e, StepNumberMismatchError):
                     raise CheckpointConfigMismatchError(
                         f"Checkpoint step {step} in {directory} is intact (every file matches its "
                         f"manifest), but it could not be restored into what this run builds "
@@ -423,6 +438,7 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
         print(
             f"WARNING: checkpoint step {step} is corrupt ({verdict.describe()}); "
             + (f"trying step {older[0]}." if older else "no older checkpoint."),
+            file=sys.stderr,  # stdout carries outputs (`transformer_jax.generate` > out.txt)
             flush=True,
         )
     raise CheckpointCorruptError(
