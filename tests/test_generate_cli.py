@@ -244,6 +244,20 @@ def test_a_prompt_that_is_not_utf8_is_a_clear_error(capsys):
     assert "Traceback" not in err
 
 
+def test_an_input_file_that_is_not_utf8_text_names_its_line(capsys, tmp_path):
+    """UTF-16 without a byte-order mark is valid UTF-8 (its NUL bytes too) and gave 3 outputs of
+    nonsense for 2 lines; a bad byte in a file of CR line ends was put at line 1."""
+    directory = gpt2_checkpoint("gpt2_a")
+    utf16 = tmp_path / "u16.txt"
+    utf16.write_bytes("the cat\nhello\n".encode("utf-16-le"))
+    err = cli_error(capsys, f"--hf_checkpoint={directory}", f"--input_file={utf16}")
+    assert "is not UTF-8 text (a NUL character at line 1; UTF-16?)" in err and "Traceback" not in err
+    cr = tmp_path / "cr.txt"
+    cr.write_bytes(b"the cat\rhello\rbad \xff here\r")
+    err = cli_error(capsys, f"--hf_checkpoint={directory}", f"--input_file={cr}")
+    assert "is not UTF-8 text (invalid start byte at line 3)" in err, err
+
+
 def test_step_with_a_hugging_face_checkpoint_is_an_error(capsys, tmp_path):
     """--step picks a workdir's checkpoint; with --hf_checkpoint it used to be ignored silently."""
     err = cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a", "--step=3")
@@ -415,6 +429,26 @@ def test_bad_model_sources_are_clear_errors(capsys, tmp_path):
     config_json.write_text("[1, 2]")
     err = cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a")
     assert "expected a JSON object, got list" in err
+    # A directory that is not a training workdir (a Hugging Face checkpoint's config.json), and a
+    # model section edited into another type: one line naming the file, not an AttributeError.
+    for text in ('{"model_type": "gpt2"}', '{"model": [1]}'):
+        config_json.write_text(text)
+        err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
+        assert f"{config_json} has no readable 'model' section" in err and "Traceback" not in err, err
+
+
+def test_a_tokenizer_of_another_model_in_the_workdir_is_refused(capsys, tmp_path):
+    """Another run's larger tokenizer.model copied into a workdir: its ids pass the end of the
+    model's table, and the command printed nonsense with exit status 0."""
+    from transformer_jax.data import Tokenizer
+    from transformer_jax.data.tokenizer import TokenizerSettings
+
+    config, _, _ = _tiny_workdir(str(tmp_path))
+    bigger = Tokenizer.train(["the tired engineer drank the cold coffee, then another one"] * 50,
+                             TokenizerSettings(vocab_size=config.vocab_size + 40))
+    bigger.save(str(tmp_path / "tokenizer.model"))
+    err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=the engineer")
+    assert f"{tmp_path / 'tokenizer.model'} has {config.vocab_size + 40} pieces" in err, err
 
 
 def test_real_process_exits_2_without_traceback():

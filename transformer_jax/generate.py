@@ -497,6 +497,12 @@ def _check_prompt_is_utf8(text: str, where: str) -> None:
         raise GenerateError(f"{where} is not UTF-8 text ({what} at character {e.start + 1})") from e
 
 
+def _line_of(data: bytes, offset: int) -> int:
+    """The line (from 1) that byte ``offset`` of ``data`` is on, lines ending at LF, CR LF or CR."""
+    head = data[:offset]
+    return head.count(b"\n") + head.count(b"\r") - head.count(b"\r\n") + 1
+
+
 def _read_file(input_file: str) -> list[str]:
     """The lines of ``input_file``, one input each: split at line ends only (\\n, \\r\\n or
     \\r), not at the other characters ``str.splitlines`` breaks at (form feed, U+2028, U+0085,
@@ -510,9 +516,12 @@ def _read_file(input_file: str) -> list[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
         raise GenerateError(f"--input_file={input_file!r} is not UTF-8 text ({e.reason} at line "
-                            f"{line})") from e
+                            f"{_line_of(data, e.start)})") from e
+    nul = data.find(b"\0")
+    if nul >= 0:  # valid UTF-8, never text: UTF-16 without a byte-order mark, or a binary file
+        raise GenerateError(f"--input_file={input_file!r} is not UTF-8 text (a NUL character at line "
+                            f"{_line_of(data, nul)}; UTF-16?)")
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     if lines[-1] == "":  # the file's last line end, or an empty file
         lines.pop()
