@@ -176,6 +176,36 @@ def test_gpt2_logits_match_transformers(name):
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "marian"])
+def test_a_stored_head_that_differs_from_the_tied_table_is_used(kind):
+    """A config that ties the output head to the token table, with a distinct ``lm_head.weight``
+    stored: transformers uses the stored head (and warns); the head was dropped and the table
+    reused, logits off by up to ~70."""
+    from safetensors.torch import load_file, save_file
+
+    first = sorted(GPT2_CONFIGS if kind == "gpt2" else MARIAN_CONFIGS)[0]
+    directory = _copy_checkpoint(gpt2_checkpoint(first) if kind == "gpt2" else marian_checkpoint(first))
+    weights = os.path.join(directory, "model.safetensors")
+    tensors = load_file(weights)
+    table = next(k for k in tensors if k.endswith(("wte.weight", "embed_tokens.weight")))
+    tensors["lm_head.weight"] = torch.randn_like(tensors[table]) * 4
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config, params = load_hf_checkpoint(directory)
+    assert not config.tie_output
+    model = hf_model(directory)
+    assert not torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
+    tokens = np.random.default_rng(0).integers(3, config.vocab_size, (2, 6))
+    with torch.no_grad():
+        if kind == "gpt2":
+            ref = model(torch.tensor(tokens)).logits.numpy()
+            ours = build_model(config).apply({"params": params}, jnp.asarray(tokens, jnp.int32))
+        else:
+            ref = model(input_ids=torch.tensor(tokens), decoder_input_ids=torch.tensor(tokens)).logits.numpy()
+            ours = build_model(config).apply({"params": params}, jnp.asarray(tokens, jnp.int32),
+                                              jnp.asarray(tokens, jnp.int32))
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("name", sorted(MARIAN_CONFIGS))
 def test_marian_logits_match_transformers(name):
     directory = marian_checkpoint(name)

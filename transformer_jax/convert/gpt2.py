@@ -15,6 +15,7 @@ from transformer_jax.convert.mapping import (
     heads_in,
     heads_out,
     strip_prefix,
+    untie_a_distinct_head,
 )
 
 # Hugging Face activation names -> ours ("gelu_new" is GPT-2's tanh approximation).
@@ -76,6 +77,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
         bos_id=bos,
         decoder_start_id=bos,
     )
+
+
+def config_for_tensors(cfg: ModelConfig, tensors: dict) -> ModelConfig:
+    """``tie_output=False`` when the checkpoint's ``lm_head.weight`` differs from ``wte``."""
+    return untie_a_distinct_head(cfg, strip_prefix(tensors, "transformer."), "wte.weight")
 
 
 def _is_buffer(name: str) -> bool:

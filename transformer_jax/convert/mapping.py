@@ -23,6 +23,21 @@ def strip_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np
     return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
 
 
+def untie_a_distinct_head(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], table: str,
+                          head: str = "lm_head.weight") -> ModelConfig:
+    """``tie_output=False`` when the checkpoint stores an output head ``head`` that differs from
+    the token table ``table`` a tied head would reuse, although its config asks for tying: as
+    transformers loads it, the stored head is used (tying it to the table would give other logits,
+    silently). Equal or absent: ``cfg`` as it is."""
+    if not cfg.tie_output or head not in tensors or table not in tensors:
+        return cfg
+    if np.array_equal(np.asarray(tensors[head]), np.asarray(tensors[table])):
+        return cfg
+    logging.warning("The checkpoint's %s differs from %s although its config ties them "
+                    "(tie_word_embeddings); using the stored %s, as transformers does.", head, table, head)
+    return cfg.replace(tie_output=False)
+
+
 def _flatten(tree, prefix=()):
     for key, value in tree.items():
         if isinstance(value, Mapping):

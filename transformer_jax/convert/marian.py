@@ -20,6 +20,7 @@ from transformer_jax.convert.mapping import (
     heads_in,
     heads_out,
     strip_prefix,
+    untie_a_distinct_head,
 )
 
 # Hugging Face activation names -> ours (HF's "gelu" is the exact erf GELU).
@@ -94,15 +95,23 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def config_for_tensors(cfg: ModelConfig, tensors: dict) -> ModelConfig:
     """``share_embeddings=False`` when the checkpoint's per-stack token embeddings differ from
     ``shared`` (transformers unties them from it when ``tie_word_embeddings`` is false, though
-    ``share_encoder_decoder_embeddings`` stays true): each stack then has its own table."""
+    ``share_encoder_decoder_embeddings`` stays true): each stack then has its own table; and
+    ``tie_output=False`` when a stored ``lm_head.weight`` differs from the table a tied head reuses."""
     t = strip_prefix(tensors, "model.")
     if cfg.share_embeddings and "shared.weight" in t:
         shared = np.asarray(t["shared.weight"])
         for stack in ("encoder", "decoder"):
             own = t.get(f"{stack}.embed_tokens.weight")
             if own is not None and not np.array_equal(np.asarray(own), shared):
-                return cfg.replace(share_embeddings=False)
-    return cfg
+                cfg = cfg.replace(share_embeddings=False)
+                break
+    # The table a tied output head reuses (see `_embeddings`): a stored head that differs from it
+    # is used as it is, as transformers does.
+    if cfg.share_embeddings:
+        table = "shared.weight" if "shared.weight" in t else "encoder.embed_tokens.weight"
+    else:
+        table = "decoder.embed_tokens.weight"
+    return untie_a_distinct_head(cfg, t, table)
 
 
 def _is_buffer(name: str) -> bool:
