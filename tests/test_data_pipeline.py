@@ -346,8 +346,15 @@ def test_enfr_builtin_end_to_end(data_dir, tmp_path):
     assert not english("train") & english("test") and not english("validation") & english("test")
     rev = inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small",
                                      reverse=True), str(tmp_path), shard=shard())
+    # fr -> en: every evaluation source is a French sentence of the corpus and its target the
+    # English one it pairs with.
+    builder = builders.builtin_builder("enfr_builtin", data_dir, "small")
+    every = {(r["en"].decode(), r["fr"].decode()) for split in ("train", "validation", "test")
+             for r in builders.data_source(builder, split)}
     row = rev.eval_batches[0]
-    assert "'" in rev.tokenizer.decode(row["inputs"][0]) or len(rev.eval_batches)  # fr -> en
+    decoded = [(rev.tokenizer.decode(row["targets"][i]), rev.tokenizer.decode(row["inputs"][i]))
+               for i in range(len(row["inputs"])) if row["inputs"][i].any()]
+    assert decoded and all(pair in every for pair in decoded), decoded[:3]
 
 
 def test_stdlib_lm_end_to_end(data_dir, tmp_path):

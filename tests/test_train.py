@@ -156,23 +156,38 @@ def optax_global_norm(tree):
     return np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree)))
 
 
-def test_the_seed_sets_the_initial_parameters_and_the_dropout_key():
+def test_the_seed_sets_the_initial_parameters_and_the_dropout_key(tmp_path, monkeypatch):
     """config.seed decides the initial state (create_train_state's init, compiled once with the seed
     as an argument): the same seed gives the same parameters and base dropout key, another seed
-    other parameters and another key (a run whose seed was ignored could not be varied)."""
+    other parameters and another key (a run whose seed was ignored could not be varied); and
+    train_and_evaluate builds its state with config.seed."""
     import optax
 
     from transformer_jax.training import state as state_lib
 
     model = build_model(ModelConfig(vocab_size=16, d_model=8, num_heads=2, d_ff=16, num_encoder_layers=1,
                                     num_decoder_layers=1, max_len=8))
-    init = jax.jit(lambda seed: nn.unbox(state_lib._init_fn(model, optax.sgd(0.1), seed)()))
-    states = [jax.device_get(init(seed)) for seed in (0, 0, 1)]
+    mesh = parallel.create_mesh(data=-1)
+    states = [jax.device_get(state_lib.create_train_state(model, optax.sgd(0.1), mesh, seed)[0])
+              for seed in (0, 0, 1)]
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     assert same(states[0], states[1])
     assert not np.allclose(states[0].params["embed"]["embedding"], states[2].params["embed"]["embedding"])
     assert not np.array_equal(states[0].rng, states[2].rng)
     assert int(states[2].step) == 0
+
+    seeds = []
+
+    def record(model, tx, mesh, seed=0):
+        seeds.append(seed)
+        raise KeyboardInterrupt  # the run ends here
+
+    monkeypatch.setattr(loop, "create_train_state", record)
+    config = tiny.get_config()
+    config.seed = 7
+    with pytest.raises(KeyboardInterrupt):
+        train_and_evaluate(config, str(tmp_path))
+    assert seeds == [7]
 
 
 def _losses_on(mesh, config, batches):
@@ -885,9 +900,20 @@ def test_the_compilation_cache_is_refused_only_to_several_cpu_processes(tmp_path
         train_and_evaluate(tiny.get_config(), str(tmp_path))
     assert "NOTE: config.compilation_cache is off for this run: 2 CPU processes" in capsys.readouterr().out
     monkeypatch.setattr(jax, "process_count", lambda: 1)
-    monkeypatch.setattr(loop, "enable_compilation_cache", stop)
-    with pytest.raises(KeyboardInterrupt):  # one process: the cache is enabled
-        train_and_evaluate(tiny.get_config(), str(tmp_path))
+    enabled = []
+
+    def enable(*args):
+        enabled.append(args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "enable_compilation_cache", enable)
+    # Reaching the mesh means the cache was skipped (the mesh comes after it).
+    monkeypatch.setattr(parallel, "mesh_from_config", lambda *a: pytest.fail("cache not enabled"))
+    config = tiny.get_config()
+    config.compilation_cache_dir = str(tmp_path / "xla_cache")
+    with pytest.raises(KeyboardInterrupt):  # one process: the cache is enabled, in the directory set
+        train_and_evaluate(config, str(tmp_path))
+    assert enabled == [(str(tmp_path / "xla_cache"),)]
 
 
 def test_two_processes_train_and_one_restores(data_dir, tmp_path):
