@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 
 import jax
@@ -449,6 +450,48 @@ def test_unsupported_options_are_all_listed():
     )
     with pytest.raises(ConversionError, match="decoder_attention_heads=6.*\n.*decoder_vocab_size=7"):
         load_hf_checkpoint(directory)
+
+
+@pytest.mark.parametrize("kind, edit, message", [
+    ("gpt2", {"n_embd": "24"}, "value of the wrong type"),
+    ("gpt2", {"n_head": 0}, "value of the wrong type or out of range"),
+    ("gpt2", {"layer_norm_epsilon": "x"}, "value of the wrong type"),
+    ("marian", {"d_model": "24"}, "value of the wrong type"),
+    ("marian", {"encoder_attention_heads": 0, "decoder_attention_heads": 0}, "out of range"),
+    ("marian", {"vocab_size": None}, "config.json has no 'vocab_size'"),
+])
+def test_config_json_values_of_the_wrong_type_are_named(kind, edit, message):
+    """Hand-edited config.json values gave TypeError / ZeroDivisionError / KeyError tracebacks; a
+    Marian config without vocab_size was called a separate target vocabulary."""
+    def change(config):
+        for key, value in edit.items():
+            if value is None:
+                config.pop(key, None)
+                config.pop("decoder_vocab_size", None)
+            else:
+                config[key] = value
+
+    source = gpt2_checkpoint("gpt2_a") if kind == "gpt2" else marian_checkpoint("marian_swish")
+    with pytest.raises(ConversionError, match=message):
+        load_hf_checkpoint(_copy_checkpoint(source, change))
+
+
+@pytest.mark.parametrize("kind, name", [("gpt2", "tokenizer.json"), ("gpt2", "vocab.json"),
+                                        ("marian", "source.spm")])
+def test_damaged_tokenizer_files_are_named(kind, name):
+    source = gpt2_checkpoint("gpt2_a") if kind == "gpt2" else marian_checkpoint("marian_swish")
+    directory = _copy_checkpoint(source)
+    path = os.path.join(directory, name)
+    if name == "vocab.json":  # read only without tokenizer.json
+        os.remove(os.path.join(directory, "tokenizer.json"))
+        if not os.path.exists(os.path.join(directory, "merges.txt")):
+            pytest.skip("this fixture has no merges.txt")
+    with open(path, "rb") as f:
+        head = f.read(200)
+    with open(path, "wb") as f:
+        f.write(head)
+    with pytest.raises(ConversionError, match=re.escape(path) + ".* not a readable"):
+        load_hf_tokenizer(directory)
 
 
 def test_mis_shaped_and_missing_tensors_are_named(tmp_path):

@@ -435,6 +435,10 @@ def test_bad_model_sources_are_clear_errors(capsys, tmp_path):
         config_json.write_text(text)
         err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
         assert f"{config_json} has no readable 'model' section" in err and "Traceback" not in err, err
+    # ...and the other way round: a training workdir given as a Hugging Face checkpoint.
+    config_json.write_text(json.dumps({"model": {"vocab_size": 300}}))
+    err = cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a")
+    assert "is a training workdir, not a Hugging Face checkpoint: give it as --workdir" in err, err
 
 
 def test_a_tokenizer_of_another_model_in_the_workdir_is_refused(capsys, tmp_path):
@@ -470,6 +474,12 @@ def test_real_process_exits_2_without_traceback():
     )
     assert proc.returncode == 2
     assert "error: --top_p=0.0: must be in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr
+    # An unknown flag or a value of the wrong type: the same one line and status 2 (absl alone
+    # exits 1 with 'FATAL Flags parsing error').
+    proc = subprocess.run([sys.executable, "-m", "transformer_jax.generate", f"--hf_checkpoint={directory}",
+                           "--prompt=a", "--max_new_tokens=abc"], capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: flag --max_new_tokens=abc"), proc.stderr
 
 
 # ----------------------------------------------------------------------------- training workdirs

@@ -726,9 +726,9 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # AVX-512) then runs a check of every kernel against NumPy and XLA in a child process: products
     # at 1, 5, 13 and 16 rows (one and two passes, tails, several blocks), attention with grouped
     # heads and per-query masks, the cache write and reordering, the greedy choice at batch 1 and 17
-    # and the bf16 activations over 131,072 values (25 tests). Built at -O1 (the last -O wins) into a
-    # cache of its own, so that the suite does not wait for an optimised build of code that runs
-    # nowhere else in it.
+    # and the bf16 activations over 131,072 values (25 tests, 4 of them for the bf16 dot products
+    # AVX2 lacks). Built at -O1 (the last -O wins) into a cache of its own, so that the suite does
+    # not wait for an optimised build of code that runs nowhere else in it.
     if native.isa() != "avx512":
         pytest.skip(f"the kernels here are the {native.isa()} build, which the tests above check")
     cxx = tmp_path / "cxx"
@@ -743,9 +743,12 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     env[native.ISA_ENV] = "avx2"
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    # Every selected test ran: a build that compiles but cannot load skips them all.
-    assert re.search(r"\b25 passed", out.stdout) and " failed" not in out.stdout, out.stdout[-2000:]
-    assert "skipped" not in out.stdout, out.stdout[-2000:]
+    # Every selected test ran but the 4 of the bf16 dot-product path, which AVX2 lacks: a build that
+    # compiles but cannot load skipped them all.
+    summary = out.stdout[-2000:]
+    assert re.search(r"\b21 passed, 4 skipped\b", out.stdout) and " failed" not in out.stdout, summary
+    skips = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skips and all("AVX2 has no bf16 dot product" in line for line in skips), out.stdout[-2000:]
 
 
 @pytest.mark.parametrize("isa,sanitizers", [("avx512", "address,undefined"), ("avx2", "address,undefined"),

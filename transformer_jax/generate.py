@@ -267,7 +267,8 @@ def _fit_input(
         raise GenerateError(
             f"input {index + 1} has {len(ids)} tokens{' with the start token' if prefix else ''}, "
             f"more than the {limit} this model allows "
-            "(its max_len, less the tokens to generate); shorten it or pass --truncate"
+            f"({'its max_len' if seq2seq else 'its max_len, less the tokens to generate'}); "
+            "shorten it or pass --truncate"
         )
     # Translation keeps the start of the source (and its EOS); continuation keeps the end.
     if seq2seq:
@@ -623,6 +624,17 @@ def main(argv: Sequence[str]) -> None:
     run()
 
 
+def _parse_flags(argv: Sequence[str]) -> list[str]:
+    """absl's flag parsing with one 'error: ...' line and status 2 for an unknown flag or a value
+    of the wrong type, as for every other bad input (absl alone prints 'FATAL Flags parsing error'
+    and exits 1)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e} (--helpshort lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
     define_flags()  # only when run as a program: importing this module defines no global flags
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -24,6 +24,9 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_CONVERTERS))
 
 def _converter(hf_config: dict, directory: str):
     model_type = hf_config.get("model_type")
+    if model_type is None and isinstance(hf_config.get("model"), dict):  # our own config.json
+        raise ConversionError(f"{directory} is a training workdir, not a Hugging Face checkpoint: "
+                              f"give it as --workdir (or load it with restore_for_inference)")
     if model_type not in _CONVERTERS:
         raise ConversionError(
             f"{directory}: unsupported model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
@@ -42,6 +45,12 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
         config = _converter(hf_config, directory).config_from_hf(hf_config)
     except ConfigError as e:
         raise ConversionError(f"{directory}: config.json does not give a valid ModelConfig: {e}") from e
+    except KeyError as e:
+        raise ConversionError(f"{directory}: config.json has no {e.args[0]!r}, which this model needs") from e
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        # A value of the wrong type or zero where a size goes ("n_embd": "24", "n_head": 0).
+        raise ConversionError(f"{directory}: config.json has a value of the wrong type or out of range "
+                              f"({type(e).__name__}: {e})") from e
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
     if unknown:  # a misspelt field is not one the checkpoint "was trained for"
         raise ConversionError(f"{directory}: {unknown} is not a ModelConfig field "

@@ -44,6 +44,8 @@ def _unsupported(hf: dict) -> list[str]:
     for enc, dec in pairs:
         if hf.get(enc, 16) != hf.get(dec, 16):
             problems.append(f"{enc}={hf.get(enc)} != {dec}={hf.get(dec)} (one size for both stacks)")
+    if "vocab_size" not in hf:
+        raise KeyError("vocab_size")
     decoder_vocab = hf.get("decoder_vocab_size") or hf.get("vocab_size")
     if decoder_vocab != hf.get("vocab_size"):
         problems.append(

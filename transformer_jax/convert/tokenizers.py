@@ -18,6 +18,11 @@ import re
 from transformer_jax.convert.hf_files import ConversionError, read_config, read_json, require
 
 
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
 class HFTokenizer:
     """Common surface of the checkpoint tokenizers (the same methods as `data.Tokenizer`)."""
 
@@ -63,7 +68,10 @@ class ByteLevelBPETokenizer(HFTokenizer):
         tokenizers = require("tokenizers")
         path = os.path.join(directory, "tokenizer.json")
         if os.path.exists(path):
-            return cls(tokenizers.Tokenizer.from_file(path), eos_id)
+            try:
+                return cls(tokenizers.Tokenizer.from_file(path), eos_id)
+            except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
+                raise ConversionError(f"{path} is not a readable tokenizer ({_first_line(e)})") from e
         vocab, merges = (os.path.join(directory, n) for n in ("vocab.json", "merges.txt"))
         if not (os.path.exists(vocab) and os.path.exists(merges)):
             raise ConversionError(
@@ -71,7 +79,11 @@ class ByteLevelBPETokenizer(HFTokenizer):
             )
         from tokenizers import decoders, models, pre_tokenizers
 
-        tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
+        try:
+            tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
+        except Exception as e:  # noqa: BLE001 (as above)
+            raise ConversionError(f"{vocab} and {merges} are not a readable BPE vocabulary "
+                                  f"({_first_line(e)})") from e
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         eos = tok.id_to_token(eos_id) if eos_id is not None else None
@@ -107,8 +119,12 @@ class MarianSentencePieceTokenizer(HFTokenizer):
         self, source_spm: str, target_spm: str, vocab: dict[str, int], *, eos="</s>", unk="<unk>", pad="<pad>"
     ):
         spm = require("sentencepiece")
-        self._source = spm.SentencePieceProcessor(model_file=source_spm)
-        self._target = spm.SentencePieceProcessor(model_file=target_spm)
+        try:
+            self._source = spm.SentencePieceProcessor(model_file=source_spm)
+            self._target = spm.SentencePieceProcessor(model_file=target_spm)
+        except (RuntimeError, OSError) as e:
+            raise ConversionError(f"{source_spm} or {target_spm} is not a readable SentencePiece model "
+                                  f"({_first_line(e)})") from e
         if unk not in vocab:
             raise ConversionError(f"vocab.json has no {unk!r} entry")
         self._vocab = dict(vocab)
