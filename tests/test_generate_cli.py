@@ -199,7 +199,7 @@ def test_truncate_cuts_long_prompts(capsys):
     directory = gpt2_checkpoint("gpt2_b")  # 48 positions
     long_prompt = "--prompt=" + " ".join(["the cold coffee"] * 30)
     err = cli_error(capsys, f"--hf_checkpoint={directory}", long_prompt, "--max_new_tokens=4")
-    assert "more than the 44 this model allows" in err and "--truncate" in err
+    assert "more than the 45 this model allows" in err and "--truncate" in err  # 48 - 4 + 1
     lines = run_cli(f"--hf_checkpoint={directory}", long_prompt, "--max_new_tokens=4", "--truncate")
     assert len(lines) == 1
 
@@ -223,7 +223,7 @@ def test_truncate_cuts_long_prompts(capsys):
         (["--prompt=a", "--decoding=sample", f"--seed={2**64}"],
          f"--seed={2**64}: must be in [-2**63, 2**63)"),
         ([], "give --prompt=TEXT or --input_file=FILE"),
-        (["--prompt=a", "--max_new_tokens=64"], "leaves no room for a prompt"),
+        (["--prompt=a", "--max_new_tokens=65"], "leaves no room for a prompt"),  # 64 positions
         (["--input_file=/nonexistent/in.txt"], "cannot read --input_file='/nonexistent/in.txt'"),
         (["--prompt=a", "--kernel_layout=out-in"], "ModelConfig.kernel_layout='out-in': must be one of"),
         (["--prompt=a", "--dtype=bf16"], "ModelConfig.dtype='bf16': must be one of"),
@@ -286,14 +286,15 @@ def test_truncate_keeps_the_start_of_a_source_and_the_end_of_a_prompt():
     text = " ".join(str(i) for i in range(10, 20))  # 10 tokens
     opts = cli.DecodeOptions(max_new_tokens=3, truncate=True)
     lm = cli.Generator(tj.presets.tiny(num_encoder_layers=0, max_len=8), None, Numbers(), prompt_prefix=(2,))
-    assert cli.encode_inputs(lm, [text], opts) == [[2, 16, 17, 18, 19]]  # 8 positions less 3 new
+    # 8 positions less the 2 new tokens fed back (the third is not)
+    assert cli.encode_inputs(lm, [text], opts) == [[2, 15, 16, 17, 18, 19]]
     translation = cli.Generator(tj.presets.tiny(max_len=8), None, Numbers())
     assert cli.encode_inputs(translation, [text], opts) == [[10, 11, 12, 13, 14, 15, 16, 1]]
 
 
 def test_max_new_tokens_leaving_only_the_start_token_is_an_error():
-    """A workdir LM's start token takes a position: with max_len - 1 new tokens, --truncate cut
-    every prompt to the start token alone and continued from nothing, without a word."""
+    """A workdir LM's start token takes a position: with max_len new tokens, --truncate would cut
+    every prompt to the start token alone and continue from nothing, without a word."""
     import transformer_jax as tj
 
     class Numbers:
@@ -302,18 +303,24 @@ def test_max_new_tokens_leaving_only_the_start_token_is_an_error():
 
     cfg = tj.presets.tiny(num_encoder_layers=0, max_len=8)
     lm = cli.Generator(cfg, None, Numbers(), prompt_prefix=(2,))
+    # P prompt tokens and N new ones take P + N - 1 positions (the last new token is not fed back).
     for truncate in (False, True):
-        opts = cli.DecodeOptions(max_new_tokens=7, truncate=truncate)
-        with pytest.raises(cli.GenerateError, match=r"--max_new_tokens=7 leaves no room for a prompt "
+        opts = cli.DecodeOptions(max_new_tokens=8, truncate=truncate)
+        with pytest.raises(cli.GenerateError, match=r"--max_new_tokens=8 leaves no room for a prompt "
                                                     r"within the model's 8 positions \(1 of them"):
             cli.encode_inputs(lm, ["10 11 12"], opts)
     # One position left for the prompt itself: it keeps its last token.
-    one_left = cli.DecodeOptions(max_new_tokens=6, truncate=True)
+    one_left = cli.DecodeOptions(max_new_tokens=7, truncate=True)
     assert cli.encode_inputs(lm, ["10 11 12"], one_left) == [[2, 12]]
-    # Without a start token (a GPT-2 checkpoint) max_len - 1 new tokens still leave one prompt token.
+    # Without a start token (a GPT-2 checkpoint) max_len new tokens still leave one prompt token.
     gpt2_like = cli.Generator(cfg, None, Numbers())
-    no_start = cli.DecodeOptions(max_new_tokens=7, truncate=True)
+    no_start = cli.DecodeOptions(max_new_tokens=8, truncate=True)
     assert cli.encode_inputs(gpt2_like, ["10 11 12"], no_start) == [[12]]
+    # A prompt of exactly max_len tokens takes one new token; it was refused.
+    assert cli.encode_inputs(gpt2_like, [" ".join(map(str, range(10, 18)))], cli.DecodeOptions()) == [
+        list(range(10, 18))]
+    assert cli._new_tokens_limit(gpt2_like, cli.DecodeOptions(), 8) == 1
+    assert cli._new_tokens_limit(gpt2_like, cli.DecodeOptions(), 5) == 4  # positions 0..7
 
 
 def test_truncate_without_max_new_tokens_leaves_room_for_the_default_continuation():
@@ -330,15 +337,15 @@ def test_truncate_without_max_new_tokens_leaves_room_for_the_default_continuatio
     lm_config = tj.presets.tiny(num_encoder_layers=0, max_len=200)
     lm = cli.Generator(lm_config, None, Numbers(), prompt_prefix=(2,))
     [ids] = cli.encode_inputs(lm, [text], opts)
-    assert ids == [2, *range(300 - 135, 300)]  # 200 positions less the 64 new tokens
+    assert ids == [2, *range(300 - 136, 300)]  # 200 positions less the 63 new tokens fed back
     assert cli._new_tokens_limit(lm, opts, len(ids)) == cli.DEFAULT_CONTINUATION == 64
     # A short model keeps half its positions (after the start token) for the continuation.
     short = cli.Generator(lm_config.replace(max_len=9), None, Numbers(), prompt_prefix=(2,))
     [ids] = cli.encode_inputs(short, [text], opts)
-    assert ids == [2, 296, 297, 298, 299] and cli._new_tokens_limit(short, opts, len(ids)) == 4
+    assert ids == [2, 295, 296, 297, 298, 299] and cli._new_tokens_limit(short, opts, len(ids)) == 4
     # --min_new_tokens above the default budget raises it (within the positions), not silently cut.
     assert cli._new_tokens_limit(lm, cli.DecodeOptions(min_new_tokens=100), 20) == 100
-    assert cli._new_tokens_limit(lm, cli.DecodeOptions(min_new_tokens=100), 150) == 50
+    assert cli._new_tokens_limit(lm, cli.DecodeOptions(min_new_tokens=100), 150) == 51
     translation = cli.Generator(lm_config.replace(num_encoder_layers=1), None, Numbers())
     assert cli._new_tokens_limit(translation, cli.DecodeOptions(min_new_tokens=90), 10) == 90
 

@@ -267,7 +267,7 @@ def _fit_input(
         raise GenerateError(
             f"input {index + 1} has {len(ids)} tokens{' with the start token' if prefix else ''}, "
             f"more than the {limit} this model allows "
-            f"({'its max_len' if seq2seq else 'its max_len, less the tokens to generate'}); "
+            f"({'its max_len' if seq2seq else 'its max_len, less the new tokens fed back: all but the last'}); "
             "shorten it or pass --truncate"
         )
     # Translation keeps the start of the source (and its EOS); continuation keeps the end.
@@ -291,15 +291,16 @@ def encode_inputs(gen: Generator, texts: Sequence[str], opts: DecodeOptions) -> 
             new = max(1, min(DEFAULT_CONTINUATION, (max_len - start) // 2))
         else:
             new = 1
-        # The start token takes a position too: with only it left, --truncate would cut every
-        # prompt down to the start token alone and continue from nothing, silently.
-        if new + start >= max_len:
+        # A prompt of P tokens and N new ones take P + N - 1 positions (the last new token is never
+        # fed back). The start token takes a position too: with only it left, --truncate would cut
+        # every prompt down to the start token alone and continue from nothing, silently.
+        if new + start > max_len:
             held = f" ({start} of them for the start token)" if start else ""
             raise GenerateError(
                 f"--max_new_tokens={new} leaves no room for a prompt within the model's {max_len} "
                 f"positions{held}"
             )
-        limit = max_len - new
+        limit = max_len - new + 1
     if opts.max_new_tokens is not None and gen.is_seq2seq and opts.max_new_tokens > max_len:
         raise GenerateError(
             f"--max_new_tokens={opts.max_new_tokens} exceeds the model's {max_len} target positions"
@@ -326,7 +327,7 @@ def _new_tokens_limit(gen: Generator, opts: DecodeOptions, length: int) -> int:
         return opts.max_new_tokens
     if gen.is_seq2seq:
         return min(max(length + 50, opts.min_new_tokens), max_len)
-    return max(1, min(max(DEFAULT_CONTINUATION, opts.min_new_tokens), max_len - length))
+    return max(1, min(max(DEFAULT_CONTINUATION, opts.min_new_tokens), max_len - length + 1))
 
 
 # ----------------------------------------------------------------------------- decoding
