@@ -255,6 +255,9 @@ class DecodeOptions:
 # ----------------------------------------------------------------------------- inputs and lengths
 
 
+_LM_LIMIT = "its max_len, less the new tokens fed back: all but the last"
+
+
 def _fit_input(
     ids: list[int], limit: int, index: int, opts: DecodeOptions, seq2seq: bool, eos: int, prefix=()
 ):
@@ -266,8 +269,7 @@ def _fit_input(
     if not opts.truncate:
         raise GenerateError(
             f"input {index + 1} has {len(ids)} tokens{' with the start token' if prefix else ''}, "
-            f"more than the {limit} this model allows "
-            f"({'its max_len' if seq2seq else 'its max_len, less the new tokens fed back: all but the last'}); "
+            f"more than the {limit} this model allows ({'its max_len' if seq2seq else _LM_LIMIT}); "
             "shorten it or pass --truncate"
         )
     # Translation keeps the start of the source (and its EOS); continuation keeps the end.
