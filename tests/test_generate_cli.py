@@ -388,6 +388,9 @@ def test_a_translation_does_not_depend_on_the_sources_batched_with_it_without_a_
 
 def test_newlines_inside_an_output_are_written_as_backslash_n():
     assert cli._escape_newlines("a\nb\r\nc\rd") == "a\\nb\\nc\\nd"
+    # A backslash is doubled, so a literal backslash-n (code) differs from a line end.
+    assert cli._escape_newlines('print("a\\nb")') == 'print("a\\\\nb")'
+    assert cli._escape_newlines('print("a\\nb")') != cli._escape_newlines('print("a\nb")')
 
 
 def test_an_empty_input_file_is_an_error(capsys, tmp_path):

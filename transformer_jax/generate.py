@@ -570,6 +570,9 @@ def options_from_flags(flag_values: flags.FlagValues = FLAGS) -> DecodeOptions:
 
 
 def _escape_newlines(text: str) -> str:
+    """One output on one line: a line end inside it written as backslash-n, and a backslash as two,
+    so that a literal backslash-n in the text stays distinguishable (unescape the two in one pass)."""
+    text = text.replace("\\", "\\\\")
     return text.replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\n")
 
 
