@@ -64,7 +64,7 @@ def hf_greedy_text(directory, text, max_new_tokens=None, seq2seq=False):
             pad_token_id=tok.eos_token_id,
         )
     new = out[0, 1:] if seq2seq else out[0, ids.shape[1] :]
-    return tok.decode(new, skip_special_tokens=True)
+    return cli._escape_newlines(tok.decode(new, skip_special_tokens=True))  # as the command writes it
 
 
 def test_gpt2_continuation_matches_transformers():
