@@ -237,7 +237,7 @@ def _last_nonzero(x: jax.Array) -> jax.Array:
 
 
 def sample_from_logits(u: jax.Array, logits: jax.Array) -> jax.Array:
-    """One token per row of float32 ``logits`` [B, V], drawn with probability softmax(logits), from
+    """One token per row of ``logits`` [B, V] (taken in float32), drawn with probability softmax(logits), from
     ``u`` [B] uniform in [0, 1): the first token whose cumulative probability exceeds ``u`` times
     the row's total (inverse transform sampling).
 
@@ -249,6 +249,7 @@ def sample_from_logits(u: jax.Array, logits: jax.Array) -> jax.Array:
     rounding at a boundary falls back to the last token with nonzero probability.
     """
     batch, vocab = logits.shape
+    logits = logits.astype(jnp.float32)  # sums of bf16 probabilities would round at every block
     p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     blocks = jnp.pad(p, ((0, 0), (0, -vocab % SAMPLE_BLOCK))).reshape(batch, -1, SAMPLE_BLOCK)
     block_mass = jnp.sum(blocks, axis=-1)  # [B, blocks]
