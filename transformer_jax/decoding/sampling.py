@@ -237,9 +237,9 @@ def _last_nonzero(x: jax.Array) -> jax.Array:
 
 
 def sample_from_logits(u: jax.Array, logits: jax.Array) -> jax.Array:
-    """One token per row of ``logits`` [B, V] (taken in float32), drawn with probability softmax(logits), from
-    ``u`` [B] uniform in [0, 1): the first token whose cumulative probability exceeds ``u`` times
-    the row's total (inverse transform sampling).
+    """One token per row of ``logits`` [B, V] (taken in float32), drawn with probability
+    softmax(logits), from ``u`` [B] uniform in [0, 1): the first token whose cumulative probability
+    exceeds ``u`` times the row's total (inverse transform sampling).
 
     The cumulative sums are taken over blocks of `SAMPLE_BLOCK` tokens, then inside the one block
     that holds the answer: a few passes over the logits and one random number per row, where
