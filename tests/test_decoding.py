@@ -404,10 +404,25 @@ def test_sampling_is_the_inverse_of_the_float64_cdf():
                 assert token == want, (u, token, want)
                 compared += 1
     assert compared > 1900
+    # +inf logits (a forced token, or a large logit over a tiny temperature) share all the mass;
+    # inf - inf made every sum NaN and token 0 came out, masked or not.
+    forced = np.full((4, vocab), NEG_INF, np.float32)
+    forced[:, 5] = 0.0
+    forced[:, [200, 600]] = np.inf
+    got = np.asarray(draw(jnp.asarray([0.0, 0.3, 0.7, 1 - 2.0**-24]), jnp.asarray(forced)))
+    assert got.tolist() == [200, 200, 600, 600]
     # Rounding at the top: u just under 1 with the last tokens masked gives the last real token.
     last = np.full((1, vocab), NEG_INF, np.float32)
     last[0, [0, 200]] = 0.0
     assert int(draw(jnp.asarray([1 - 2.0**-24]), jnp.asarray(last))[0]) == 200
+
+
+def test_a_tiny_temperature_samples_the_likeliest_token():
+    """40 / 1e-37 overflows float32 to +inf: the token whose logit it was must be drawn (it was
+    token 0, here EOS, while EOS was still forbidden)."""
+    table = jnp.zeros((V, V), jnp.float32).at[:, 7].set(40.0)
+    _, tokens = _sample_bigram(table, temperature=1e-37)
+    assert np.all(np.asarray(tokens) == 7)
 
 
 def test_sampling_draws_one_random_number_per_row():

@@ -250,7 +250,10 @@ def sample_from_logits(u: jax.Array, logits: jax.Array) -> jax.Array:
     """
     batch, vocab = logits.shape
     logits = logits.astype(jnp.float32)  # sums of bf16 probabilities would round at every block
-    p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    # A +inf logit (a forced token, or a finite one over a tiny temperature) takes all the mass:
+    # inf - inf would make every sum from it on NaN.
+    p = jnp.where(jnp.isposinf(top), (logits == jnp.inf).astype(jnp.float32), jnp.exp(logits - top))
     blocks = jnp.pad(p, ((0, 0), (0, -vocab % SAMPLE_BLOCK))).reshape(batch, -1, SAMPLE_BLOCK)
     block_mass = jnp.sum(blocks, axis=-1)  # [B, blocks]
     through = jnp.cumsum(block_mass, axis=-1)  # cumulative mass up to each block's end
