@@ -114,7 +114,9 @@ def test_cudnn_gets_causal_and_key_lengths_as_arguments_not_a_dense_mask(monkeyp
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", record)
     q, k, v = qkv(jnp.bfloat16)  # the cuDNN kernel takes 16-bit inputs only
-    got = dot_product_attention(q, k, v, MASKS[name], impl="cudnn")[0]
+    with monkeypatch.context() as on_gpu:  # as on a GPU, where 'cudnn' is not refused
+        on_gpu.setattr(attention.jax, "default_backend", lambda: "gpu")
+        got = dot_product_attention(q, k, v, MASKS[name], impl="cudnn")[0]
     ((implementation, kwargs),) = calls
     assert implementation == "cudnn"
     seen = {key: (value.shape if key == "mask" else value.tolist() if key.endswith("lengths") else value)
@@ -224,6 +226,14 @@ def test_auto_on_gpu_takes_cudnn_only_for_inputs_it_supports(monkeypatch):
                         head_dim=64) == "chunked"
     with pytest.raises(NotImplementedError, match="ModelConfig.dtype='bfloat16'"):
         dot_product_attention(*qkv(), impl="cudnn")
+
+
+def test_cudnn_off_a_gpu_is_named_before_any_other_advice():
+    """On a CPU 'cudnn' said to switch a float32 model to bfloat16, after which JAX failed deep
+    inside ("cuDNN is not detected"): the missing GPU is the problem to name, in either dtype."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        with pytest.raises(NotImplementedError, match="'cudnn' needs an NVIDIA GPU; this is 'cpu'"):
+            dot_product_attention(*qkv(dtype), impl="cudnn")
 
 
 def test_auto_on_tpu_takes_flash_only_for_masks_and_lengths_it_supports(monkeypatch):

@@ -234,6 +234,34 @@ def test_fused_qkv_projection_equals_three_projections(variant, monkeypatch):
     jax.tree.map(close, grads1, grads3)
 
 
+def test_fused_qkv_projection_adds_float32_biases_in_bfloat16(monkeypatch):
+    """A bf16 model with float32 parameters: the stacked product rounded its biases to bf16 where
+    the three products add them in float32, so values (0.016 apart here), cached decoding against a
+    long pass, and the bias gradients (rounded to bf16) depended on the tokens per call."""
+    import flax.linen as nn
+
+    from transformer_jax.modeling import attention
+
+    m = attention.MultiHeadAttention(d_model=32, num_heads=4, head_dim=8, num_kv_heads=4,
+                                     dtype=jnp.bfloat16, use_bias=True)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 32))
+    variables = nn.meta.unbox(m.init(jax.random.key(1), x))
+    variables = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(3), a.shape), variables)
+
+    def run(threshold):
+        monkeypatch.setattr(attention, "FUSED_QKV_MIN_TOKENS", threshold)
+        project = lambda v: m.apply(v, x, method=lambda mod, x: mod._self_projections(x, None))
+        loss = lambda v: sum(jnp.sum(t.astype(jnp.float32) ** 2) for t in project(v))
+        return jax.jit(project)(variables), jax.jit(jax.grad(loss))(variables)
+
+    (fused, fused_grads), (three, three_grads) = run(1), run(10**9)
+    for a, b in zip(fused, three):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for name in ("query", "value"):
+        np.testing.assert_allclose(fused_grads["params"][name]["bias"], three_grads["params"][name]["bias"],
+                                   rtol=1e-6)
+
+
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
 def test_cache_is_head_major_and_every_backend_reads_it(impl):
     """The self-attention cache is [B, N, S_max, K]; backends other than xla get it as [B, S, N, K]."""

@@ -83,8 +83,9 @@ def _fused_mask_args(mask, batch: int):
 
 def _fused_attention(q, k, v, mask, implementation):
     """jax.nn.dot_product_attention ('xla' everywhere, 'cudnn' on NVIDIA GPUs)."""
-    # (the dtype and head-dimension conditions; the backend is JAX's to refuse)
-    problem = impl_problem(implementation, dtype=q.dtype, head_dim=q.shape[-1], backend="gpu")
+    # 'cudnn' off a GPU is named here: JAX's own error comes from deep inside it ("cuDNN is not
+    # detected"), after this message had sent a float32 model to bfloat16 for nothing.
+    problem = impl_problem(implementation, dtype=q.dtype, head_dim=q.shape[-1])
     if problem:
         raise NotImplementedError(f"attention_impl={problem}")
     kwargs, visible = _fused_mask_args(mask, q.shape[0])
@@ -498,8 +499,9 @@ class MultiHeadAttention(nn.Module):
         else:
             kernel = jnp.stack([get(p, "kernel") for p in projs], axis=1)  # [D, 3, H, K]
             y = contract(x.astype(self.dtype), kernel)  # [B, L, 3, H, K]
-        if self.use_bias:
-            y = y + jnp.stack([get(p, "bias") for p in projs]).astype(jnp.float32)
+        if self.use_bias:  # in float32, as `Projection` adds it (not rounded to the compute dtype)
+            bias = lambda proj: jnp.asarray(nn.meta.unbox(proj.variables["params"]["bias"]), jnp.float32)
+            y = y + jnp.stack([bias(p) for p in projs])
         q, k, v = (y[..., i, :, :].astype(self.dtype) for i in range(3))
         if self.rope_theta is not None:
             k = apply_rope(k, positions, self.rope_theta)
