@@ -68,6 +68,13 @@ def test_head_dim_allows_indivisible_d_model():
     assert c.qk_dim == 64
 
 
+def test_an_odd_rotary_head_dim_names_the_value_it_is_derived_from():
+    with pytest.raises(ConfigError, match=r"need an even head_dim \(d_model / num_heads = 9\)"):
+        tj.presets.tiny(position="rope", d_model=36, num_heads=4)
+    with pytest.raises(ConfigError, match=r"head_dim=7: rotary positions need an even head_dim$"):
+        tj.presets.tiny(position="rope", head_dim=7)
+
+
 def test_round_trip_and_diff():
     c = tj.presets.tiny(norm="pre")
     assert tj.ModelConfig.from_dict(c.to_dict()) == c

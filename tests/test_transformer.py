@@ -262,6 +262,23 @@ def test_fused_qkv_projection_adds_float32_biases_in_bfloat16(monkeypatch):
                                    rtol=1e-6)
 
 
+@pytest.mark.parametrize("model_change, cache_change, message", [
+    (dict(scan_layers=True), {}, "built for scan_layers=False, the model has scan_layers=True"),
+    ({}, dict(scan_layers=True), "built for scan_layers=True, the model has scan_layers=False"),
+    ({}, dict(num_kv_heads=1), r"holds 1 key/value heads of 8, the model 4 of 8 \(num_kv_heads"),
+    ({}, dict(num_decoder_layers=1), "holds 1 decoder layers, the model has num_decoder_layers=2"),
+    ({}, dict(num_decoder_layers=3), "holds 3 decoder layers, the model has num_decoder_layers=2"),
+])
+def test_a_cache_built_for_another_config_is_named(model_change, cache_change, message):
+    """TypeError / KeyError / IndexError from deep inside the model, or (more layers) no error."""
+    base = tj.presets.tiny(num_encoder_layers=0, num_decoder_layers=2, num_heads=4, head_dim=8)
+    t = jnp.array([[5, 6, 7]])
+    lm = tj.TransformerLM(base.replace(**model_change))
+    params = lm.init(jax.random.key(0), t)["params"]
+    with pytest.raises(ValueError, match=message):
+        lm.apply({"params": params}, t, cache=tj.init_cache(base.replace(**cache_change), 1, 8))
+
+
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
 def test_cache_is_head_major_and_every_backend_reads_it(impl):
     """The self-attention cache is [B, N, S_max, K]; backends other than xla get it as [B, S, N, K]."""

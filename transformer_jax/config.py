@@ -149,7 +149,8 @@ class ModelConfig:
         if self.num_heads % self.kv_heads:
             fail("num_kv_heads", f"must divide num_heads={self.num_heads}")
         if self.position == "rope" and self.qk_dim % 2:
-            fail("head_dim", "rotary positions need an even head_dim")
+            derived = "" if self.head_dim is not None else f" (d_model / num_heads = {self.qk_dim})"
+            fail("head_dim", f"rotary positions need an even head_dim{derived}")
         if self.position == "sinusoidal" and self.d_model % 2:
             fail("d_model", "sinusoidal positions need an even d_model")
         for name in ("dropout_rate", "attention_dropout_rate", "embedding_dropout_rate"):

@@ -155,6 +155,28 @@ def _on_host(x) -> np.ndarray | None:
         return None
 
 
+def _check_cache_layout(config, cache) -> None:
+    """A cache built for another config (often: before ``.replace(scan_layers=True)``) failed deep
+    inside the model with an unrelated TypeError, KeyError or IndexError, or with more layers than
+    the model was read in part without a word: name the field that differs."""
+    layers = cache.layers
+    scanned = isinstance(layers, dict)
+    if scanned != bool(config.scan_layers):
+        raise ValueError(f"the KV cache is built for scan_layers={scanned}, the model has "
+                         f"scan_layers={config.scan_layers}: build it with tj.init_cache(config, ...) "
+                         "from the model's own config")
+    count = layers["k"].shape[1] if scanned else len(layers)
+    if count != config.num_decoder_layers:
+        raise ValueError(f"the KV cache holds {count} decoder layers, the model has "
+                         f"num_decoder_layers={config.num_decoder_layers}")
+    k = layers["k"] if scanned else layers[0]["k"]
+    heads, head_dim = k.shape[-3], k.shape[-1]
+    if (heads, head_dim) != (config.kv_heads, config.qk_dim):
+        raise ValueError(f"the KV cache holds {heads} key/value heads of {head_dim}, the model "
+                         f"{config.kv_heads} of {config.qk_dim} (num_kv_heads, head_dim): build it from "
+                         "the model's own config")
+
+
 def _check_learned_positions(config: ModelConfig, positions, what: str = "positions",
                              offset: int = 0) -> None:
     """Explicit positions (packed rows), or a cache's lengths with ``offset`` = new tokens - 1, must
@@ -360,6 +382,7 @@ class Decoder(_Stack):
 
     def _decode_cached(self, tokens, cache, num_valid, deterministic, last_only=False):
         B, L = tokens.shape
+        _check_cache_layout(self.config, cache)
         if cache.max_length < L:  # the write would clamp and overwrite earlier slots
             raise ValueError(f"{L} tokens do not fit in a KV cache of {cache.max_length} positions "
                              "per row: build the cache with a larger max_length")
