@@ -210,7 +210,8 @@ def test_encode_inputs_is_ids_or_a_clear_error(gen, texts, max_new, truncate):
     except GenerateError as e:
         assert any(w in str(e) for w in ("is empty", "more than the", "max_new_tokens")), e
         return
-    limit = gen.config.max_len if gen.is_seq2seq else gen.config.max_len - (max_new or 1)
+    # P prompt tokens and N new ones take P + N - 1 positions (the last new token is not fed back)
+    limit = gen.config.max_len if gen.is_seq2seq else gen.config.max_len - (max_new or 1) + 1
     assert len(rows) == len(texts)
     for row in rows:
         assert 0 < len(row) <= limit and all(0 <= i < gen.config.vocab_size for i in row)
