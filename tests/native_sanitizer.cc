@@ -3,11 +3,11 @@
 // tests/test_native_kernels.py for each instruction set the CPU runs.
 //
 // It calls the FFI implementation functions (RowsMatmulImpl, CacheAttentionImpl, CacheWriteImpl,
-// CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl) directly, through an XLA_FFI_Api whose thread pool is
-// threads of its own (so ParallelFor runs as in XLA, threads taking each other's ranges), on
-// buffers allocated with exactly the bytes their shapes need, and compares every result with a
-// scalar reference in double precision (bit for bit on small-integer data, where the sums are
-// exact). Outputs start as NaN, so an element left unwritten shows.
+// CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl) directly, through an XLA_FFI_Api whose
+// thread pool is threads of its own (so ParallelFor runs as in XLA, threads taking each other's
+// ranges), on buffers allocated with exactly the bytes their shapes need, and compares every result
+// with a scalar reference in double precision (bit for bit on small-integer data, where the sums
+// are exact). Outputs start as NaN, so an element left unwritten shows.
 //
 // Usage: ./drv                       the whole sweep; exit status 1 on any mismatch
 //        ./drv KERNEL [key=val ...]  only the cases of KERNEL matching every key (all keys: one case)

@@ -55,13 +55,12 @@ class KVCache:
         the CPU gets the same values from `native.cache_reorder_xla`. Otherwise every leaf is
         gathered whole.
         """
-        gather = lambda x: x[rows]
+        lengths = self.lengths[rows]  # each row's parent's: the positions it takes
         if native.use_native(cpu_kernels):
-            counts = gather(self.lengths)
-            layers = jax.tree.map(lambda x: _reorder_in_place(x, rows, counts), self.layers)
+            layers = jax.tree.map(lambda x: _reorder_in_place(x, rows, lengths), self.layers)
         else:
-            layers = jax.tree.map(gather, self.layers)
-        return self.replace(layers=layers, lengths=gather(self.lengths))
+            layers = jax.tree.map(lambda x: x[rows], self.layers)
+        return self.replace(layers=layers, lengths=lengths)
 
 
 @jax.custom_jvp

@@ -365,9 +365,10 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 // ---------------------------------------------------------------------------------------------
 // tj_cache_write: a decoding step's new keys (or values) new [B, L, N, Kd] written into the cache
 // [B, N, S, Kd] at positions start[b] .. start[b] + L - 1 of each row b, where start[b] is index[b]
-// (plus S if negative) brought into [0, S - L], as JAX's dynamic_update_slice takes it. The output is the cache's own buffer
-// (input_output_aliases in native.py): only B * N * L rows of Kd elements are written. XLA:CPU
-// writes a bfloat16 cache by converting all of it to float32 and back, every layer, every step.
+// (plus S if negative) brought into [0, S - L], as JAX's dynamic_update_slice takes it. The
+// output is the cache's own buffer (input_output_aliases in native.py): only B * N * L rows of Kd
+// elements are written. XLA:CPU writes a bfloat16 cache by converting all of it to float32 and
+// back, every layer, every step.
 
 ffi::Error CacheWriteImpl(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buffer<ffi::S32> index,
                           ffi::Result<ffi::AnyBuffer> out) {
