@@ -2,8 +2,8 @@
 // native_kernels.cc), built with AddressSanitizer and UndefinedBehaviorSanitizer by
 // tests/test_native_kernels.py for each instruction set the CPU runs.
 //
-// It calls the FFI implementation functions (RowsMatmulImpl, CacheAttentionImpl, CacheWriteImpl,
-// CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl) directly, through an XLA_FFI_Api whose
+// It calls the FFI implementation functions (RowsMatmulImpl, ColsMatmulImpl, CacheAttentionImpl,
+// CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl) directly, through an XLA_FFI_Api whose
 // thread pool is threads of its own (so ParallelFor runs as in XLA, threads taking each other's
 // ranges), on buffers allocated with exactly the bytes their shapes need, and compares every result
 // with a scalar reference in double precision (bit for bit on small-integer data, where the sums
@@ -261,6 +261,58 @@ static void TestMatmul(const Params& p) {
     }
   }
   if (worst > 0) Fail("matmul", p, "max abs error %.6g (first worst at o=%ld r=%ld)", worst, (long)wo, (long)wr);
+}
+
+// ------------------------------------------------------------------------------------------------
+// tj_cols_matmul: x [R, I] times w [I, O]; parameters as TestMatmul's.
+static void TestCols(const Params& p) {
+  const int64_t dtype = p.at("dtype"), path = p.at("path"), R = p.at("R"), I = p.at("I"), O = p.at("O");
+  const int64_t thr = p.at("thr"), data = p.at("data"), alloc = p.at("alloc");
+  std::mt19937_64 rng(Seed("cols", p));
+  const size_t es = dtype ? 2 : 4;
+  Alloc xa(es * R * I, alloc), wa(es * I * O, alloc), ya(4 * R * O, alloc);
+  std::vector<float> xf(R * I), wf(I * O);
+  std::uniform_int_distribution<int> small(dtype ? -4 : -8, dtype ? 4 : 8);
+  std::uniform_real_distribution<float> real(-1.0f, 1.0f);
+  auto gen = [&]() -> float {
+    float v = data == 0 ? (float)small(rng) : real(rng);
+    return dtype ? RoundBf16(v) : v;
+  };
+  for (auto& v : xf) v = gen();
+  for (auto& v : wf) v = gen();
+  if (dtype) {
+    for (int64_t i = 0; i < R * I; ++i) ((uint16_t*)xa.p)[i] = ToBf16(xf[i]);
+    for (int64_t i = 0; i < I * O; ++i) ((uint16_t*)wa.p)[i] = ToBf16(wf[i]);
+  } else {
+    if (R * I) memcpy(xa.p, xf.data(), 4 * R * I);
+    if (I * O) memcpy(wa.p, wf.data(), 4 * I * O);
+  }
+  float* y = (float*)ya.p;
+  for (int64_t i = 0; i < R * O; ++i) y[i] = std::numeric_limits<float>::quiet_NaN();
+  if (dtype && tj_set_bf16_products((int)path) != (kHasBf16Dot ? path : 2)) abort();
+  const XLA_FFI_DataType t = dtype ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
+  Buf xb(t, xa.p, {R, I}), wb(t, wa.p, {I, O}), yb(XLA_FFI_DataType_F32, ya.p, {R, O});
+  ffi::Error e = ColsMatmulImpl(MakePool(thr), ffi::AnyBuffer(&xb.b), ffi::AnyBuffer(&wb.b),
+                                ffi::Buffer<ffi::F32>(&yb.b));
+  if (e.failure()) return Fail("cols", p, "returned error: %s", e.message().c_str());
+  double worst = 0;
+  int64_t wo = -1, wr = -1;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t o = 0; o < O; ++o) {
+      double ref = 0, mag = 0;
+      for (int64_t i = 0; i < I; ++i) {
+        ref += (double)xf[r * I + i] * wf[i * O + o];
+        mag += std::fabs((double)xf[r * I + i] * wf[i * O + o]);
+      }
+      const double got = y[r * O + o];
+      double err = std::fabs(got - ref);
+      if (std::isnan(got)) err = INFINITY;
+      const double tol = data == 0 ? 0.0 : 2e-5 * mag + 1e-30;
+      const double scaled = err <= tol ? 0 : err;
+      if (scaled > worst) worst = scaled, wo = o, wr = r;
+    }
+  }
+  if (worst > 0) Fail("cols", p, "max abs error %.6g (first worst at r=%ld o=%ld)", worst, (long)wr, (long)wo);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -534,7 +586,7 @@ static void TestGreedy(const Params& p) {
 // tj_bias_activation. ot 0 f32 / 1 bf16 output; act 0..3.
 static void TestBiasAct(const Params& p) {
   const int64_t O = p.at("O"), R = p.at("R"), act = p.at("act"), ot = p.at("ot"), thr = p.at("thr"),
-                alloc = p.at("alloc");
+                alloc = p.at("alloc"), rf = p.count("rf") ? p.at("rf") : 0;
   std::mt19937_64 rng(Seed("biasact", p));
   std::uniform_real_distribution<float> real(-6.0f, 6.0f);
   Alloc ya(4 * O * R, alloc), ba(4 * O, alloc), oa((ot ? 2 : 4) * R * O, alloc);
@@ -544,16 +596,19 @@ static void TestBiasAct(const Params& p) {
   for (int64_t i = 0; i < O; ++i) bias[i] = real(rng) * 0.3f;
   if (ot) for (int64_t i = 0; i < R * O; ++i) ((uint16_t*)oa.p)[i] = 0xFFFF;
   else for (int64_t i = 0; i < R * O; ++i) ((float*)oa.p)[i] = std::numeric_limits<float>::quiet_NaN();
-  Buf yb(XLA_FFI_DataType_F32, ya.p, {O, R}), bb(XLA_FFI_DataType_F32, ba.p, {O}),
+  // y[o, r] of y [O, R], or with rf y[r, o] of y [R, O]: at y[o * ys + r * rs].
+  const int64_t ys = rf ? 1 : R, rs = rf ? O : 1;
+  Buf yb(XLA_FFI_DataType_F32, ya.p, rf ? std::vector<int64_t>{R, O} : std::vector<int64_t>{O, R}),
+      bb(XLA_FFI_DataType_F32, ba.p, {O}),
       ob(ot ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32, oa.p, {R, O});
   ffi::Error e = BiasActivationImpl(MakePool(thr), ffi::Buffer<ffi::F32>(&yb.b), ffi::Buffer<ffi::F32>(&bb.b),
-                                    ffi::AnyBuffer(&ob.b), (int32_t)act);
+                                    ffi::AnyBuffer(&ob.b), (int32_t)act, (int32_t)rf);
   if (e.failure()) return Fail("biasact", p, "returned error: %s", e.message().c_str());
   double worst = 0;
   int64_t wr = -1, wo = -1;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t o = 0; o < O; ++o) {
-      float hf = y[o * R + r] + bias[o];
+      float hf = y[o * ys + r * rs] + bias[o];
       if (ot) hf = RoundBf16(hf);
       const double h = hf;
       double ref;
@@ -606,6 +661,20 @@ static void Sweep(std::vector<Case>& cs) {
       // empty axes
       for (auto [I, O] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {0, 0}, {17, 0}})
         cs.push_back({"matmul", {{"dtype", dt}, {"path", path}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()}, {"data", 0}, {"alloc", 0}}});
+    }
+  // --- products of [I, O] weights ---
+  for (auto [dt, path] : paths)
+    for (int64_t R = 1; R <= 16; ++R) {
+      for (int64_t I : {1, 2, 3, 17, 33, 100})
+        for (int64_t O : {1, 2, 3, 5, 7, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 97, 193, 257})
+          cs.push_back({"cols", {{"dtype", dt}, {"path", path}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()},
+                                 {"data", (int64_t)(n % 5 == 0)}, {"alloc", (int64_t)(n % 3)}}});
+      // several tasks (128 KB of weight each), so several threads' partial sums
+      for (auto [I, O] : std::vector<std::pair<int64_t, int64_t>>{{1000, 97}, {3001, 49}, {770, 300}, {129, 1025}, {4099, 17}})
+        cs.push_back({"cols", {{"dtype", dt}, {"path", path}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()},
+                               {"data", (int64_t)(n % 2)}, {"alloc", (int64_t)(n % 3)}}});
+      for (auto [I, O] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {0, 0}, {17, 0}})
+        cs.push_back({"cols", {{"dtype", dt}, {"path", path}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()}, {"data", 0}, {"alloc", 0}}});
     }
   // --- attention ---
   const std::vector<int64_t> Kds = {1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 100, 127, 128, 129, 200, 240, 255, 256};
@@ -680,15 +749,19 @@ static void Sweep(std::vector<Case>& cs) {
     for (int64_t R = 1; R <= 16; ++R)
       for (int64_t act = 0; act < 4; ++act)
         for (int64_t ot = 0; ot < 2; ++ot)
-          cs.push_back({"biasact", {{"O", O}, {"R", R}, {"act", act}, {"ot", ot}, {"thr", thr()}, {"alloc", (int64_t)((k++) % 3)}}});
+          for (int64_t rf = 0; rf < 2; ++rf)
+            cs.push_back({"biasact", {{"O", O}, {"R", R}, {"act", act}, {"ot", ot}, {"rf", rf}, {"thr", thr()},
+                                      {"alloc", (int64_t)((k++) % 3)}}});
   for (int64_t ot = 0; ot < 2; ++ot)
-    cs.push_back({"biasact", {{"O", 0}, {"R", 3}, {"act", 2}, {"ot", ot}, {"thr", 2}, {"alloc", 0}}});
+    for (int64_t rf = 0; rf < 2; ++rf)
+      cs.push_back({"biasact", {{"O", 0}, {"R", 3}, {"act", 2}, {"ot", ot}, {"rf", rf}, {"thr", 2}, {"alloc", 0}}});
 }
 
 static void RunCase(const Case& c) {
   snprintf(g_case, sizeof g_case, "%s", CaseString(c.kernel, c.p).c_str());
   ++g_cases;
   if (c.kernel == "matmul") TestMatmul(c.p);
+  else if (c.kernel == "cols") TestCols(c.p);
   else if (c.kernel == "attention") TestAttention(c.p);
   else if (c.kernel == "cachewrite") TestCacheWrite(c.p);
   else if (c.kernel == "cachereorder") TestCacheReorder(c.p);

@@ -72,6 +72,73 @@ def test_rows_matmul_equals_float64_product(dtype, path, rows, out, inp):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype,path", [(jnp.bfloat16, "dot"), (jnp.bfloat16, "widen"),
+                                        (jnp.float32, "auto")])
+@pytest.mark.parametrize("rows,inp,out", [
+    (1, 7, 5),          # one row, fewer columns than one vector
+    (1, 300, 600),      # one row: wide column blocks (16 vectors, 8 load pairs) and a partial one
+    (3, 33, 50),        # an odd input count: the last row of a pair alone (bf16 dot products)
+    (8, 768, 768),      # a decoding step's [768, 768] product: whole blocks only
+    (8, 3072, 97),      # several tasks (128 KB of weight each): several threads' partial sums
+    (6, 129, 1025),     # a block of 2 load pairs, 4 vectors; a column tail of 1
+    (9, 70, 130),       # two passes over each block (5 and 4 rows), the second without prefetches
+    (16, 2049, 300),    # the most rows, two passes of 8, several tasks, an odd input count
+])
+def test_cols_matmul_equals_float64_product(dtype, path, rows, inp, out):
+    # The kernel for weights stored input-major ([I, O], the default kernel_layout).
+    rng = np.random.default_rng(rows * 1000 + out)
+    x, w = _rand(rng, (rows, inp), dtype), _rand(rng, (inp, out), dtype)
+    with bf16_products(path):
+        got = jax.jit(native.cols_matmul)(x, w)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert got.dtype == jnp.float32 and got.shape == (rows, out)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * inp)
+
+
+@needs_kernels
+def test_cols_matmul_sums_exactly_on_small_integers():
+    # Products of small integers sum exactly in float32 in any order: the kernel's result must equal
+    # NumPy's bit for bit, whichever thread took which run of input rows (a row summed twice, or
+    # a thread's partial sums left out, shows here where the tolerance above might hide it).
+    rng = np.random.default_rng(7)
+    paths = [(jnp.float32, "auto"), (jnp.bfloat16, "widen")]
+    if native.isa() != "avx2":  # no bf16 dot product there
+        paths.append((jnp.bfloat16, "dot"))
+    for dtype, path in paths:
+        for rows, inp, out in ((8, 3001, 49), (16, 1000, 97), (2, 5, 3)):
+            x = jnp.asarray(rng.integers(-4, 5, (rows, inp)), dtype)
+            w = jnp.asarray(rng.integers(-4, 5, (inp, out)), dtype)
+            with bf16_products(path):
+                got = np.asarray(jax.jit(native.cols_matmul)(x, w))
+            want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+            np.testing.assert_array_equal(got, want, err_msg=f"{dtype} {path} {rows}x{inp}x{out}")
+
+
+@needs_kernels
+def test_cols_matmul_gradient_equals_xla():
+    rng = np.random.default_rng(1)
+    x, w = _rand(rng, (4, 48), jnp.float32), _rand(rng, (48, 20), jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+    got = jax.grad(loss(native.cols_matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: x @ w), argnums=(0, 1))(x, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    tangent = jax.jvp(native.cols_matmul, (x, w), (jnp.ones_like(x), jnp.zeros_like(w)))[1]
+    np.testing.assert_allclose(tangent, jnp.ones_like(x) @ w, rtol=1e-5, atol=1e-5)
+    mapped = jax.vmap(native.cols_matmul, (0, None))(jnp.stack([x, 2 * x]), w)
+    np.testing.assert_allclose(mapped[1], 2 * (x @ w), rtol=1e-5, atol=1e-5)
+
+
+def test_cols_matmul_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="17 rows; the kernel takes 1 to 16"):
+        native.cols_matmul(jnp.ones((17, 8), jnp.float32), jnp.ones((8, 4), jnp.float32))
+    with pytest.raises(ValueError, match=r"expected x \[R, I\] and w \[I, O\]"):
+        native.cols_matmul(jnp.ones((2, 8)), jnp.ones((9, 4)))
+    with pytest.raises(TypeError, match="both be bfloat16 or float32"):
+        native.cols_matmul(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((8, 4), jnp.float32))
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 4, 5, 8, 12, 13, 16])
 def test_bf16_products_agree_between_dot_and_widened(rows):
     # Both accumulate exact bf16 products in float32, in other orders: their sums may differ by
@@ -377,7 +444,8 @@ def _greedy(config, steps=10):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype,layout,tol", [
-    ("float32", "in_out", 2e-5), ("float32", "out_in", 2e-5), ("bfloat16", "out_in", 5e-2)])
+    ("float32", "in_out", 2e-5), ("float32", "out_in", 2e-5), ("bfloat16", "out_in", 5e-2),
+    ("bfloat16", "in_out", 5e-2)])
 def test_decoding_with_native_kernels_equals_xla(dtype, layout, tol):
     # Same tokens; log-probabilities within float32 rounding (bf16: the activations round to bf16
     # between the layers, so a different summation order can move a value by one bf16 step).
@@ -448,13 +516,16 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     gelu = _custom_calls(_lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in",
                              activation="gelu"))
     assert "transformer_jax_bias_activation" not in gelu and gelu.count("transformer_jax_rows_matmul") == 13
-    # 'in_out' kernels keep XLA's products; the tied output projection ([V, D]) and the attention
-    # still run natively.
+    # 'in_out' kernels (the default) run on the kernel for input-major weights, wi's bias and
+    # activation again in one pass; the tied output projection ([V, D]) on the other.
     calls = _custom_calls(_lm())
+    assert calls.count("transformer_jax_cols_matmul") == 2 * 6
+    assert calls.count("transformer_jax_bias_activation") == 2
     assert calls.count("transformer_jax_rows_matmul") == 1
     assert calls.count("transformer_jax_cache_attention") == 2
     assert "transformer_jax_cache_write" not in calls  # a float32 cache: XLA writes it
     assert _custom_calls(_lm(kernel_layout="out_in", cpu_kernels="xla")) == []
+    assert _custom_calls(_lm(cpu_kernels="xla")) == []
 
 
 _SPECIAL = [-1e4, -200.0, -100.0, -90.0, -88.0, -20.0, -3.0, -0.5, -1e-3, 0.0, 1e-3, 0.5, 3.0, 20.0,
@@ -474,15 +545,17 @@ def test_bias_activation_equals_the_xla_ops(activation, dtype, rows, columns):
     y = np.concatenate([rng.standard_normal((rows - 1, columns)) * 4, np.resize(_SPECIAL, (1, columns))])
     y = y.astype(np.float32)
     bias = jnp.asarray(rng.standard_normal(columns), jnp.float32)
-    kernel = jax.jit(lambda y, b: native.bias_activation(y, b, activation, dtype))
-    got = np.asarray(kernel(y, bias), np.float32)
     want = np.asarray(jax.jit(lambda y, b: native.bias_activation_xla(y, b, activation, dtype))(y, bias),
                       np.float32)
-    assert got.shape == (rows, columns)
-    if dtype == jnp.bfloat16:
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    # y as `rows_matmul` leaves it ([O, R] underneath) and as `cols_matmul` does ([R, O]).
+    for rows_first in (False, True):
+        kernel = jax.jit(lambda y, b: native.bias_activation(y, b, activation, dtype, rows_first=rows_first))
+        got = np.asarray(kernel(y, bias), np.float32)
+        assert got.shape == (rows, columns)
+        if dtype == jnp.bfloat16:
+            np.testing.assert_array_equal(got, want, err_msg=f"rows_first={rows_first}")
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, err_msg=f"rows_first={rows_first}")
 
 
 @needs_kernels
@@ -512,14 +585,15 @@ def test_bias_activation_gradient_equals_xla():
 
 
 @needs_kernels
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "silu", "gelu", "swiglu"])
-def test_feed_forward_on_native_kernels_equals_xla(activation):
+def test_feed_forward_on_native_kernels_equals_xla(activation, layout):
     # Outputs within one bf16 step (the products sum in another order), gradients as close.
     from transformer_jax.modeling.layers import FeedForward
 
     def layer(kernels):
         return FeedForward(96, activation, dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                           kernel_layout="out_in", cpu_kernels=kernels)
+                           kernel_layout=layout, cpu_kernels=kernels)
 
     x = jax.random.normal(jax.random.key(3), (2, 4, 48), jnp.float32)
     params = layer("xla").init(jax.random.key(4), x)["params"]
@@ -726,7 +800,7 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # AVX-512) then runs a check of every kernel against NumPy and XLA in a child process: products
     # at 1, 5, 13 and 16 rows (one and two passes, tails, several blocks), attention with grouped
     # heads and per-query masks, the cache write and reordering, the greedy choice at batch 1 and 17
-    # and the bf16 activations over 131,072 values (25 tests, 4 of them for the bf16 dot products
+    # and the bf16 activations over 131,072 values (35 tests, 7 of them for the bf16 dot products
     # AVX2 lacks). Built at -O1 (the last -O wins) into a cache of its own, so that the suite does
     # not wait for an optimised build of code that runs nowhere else in it.
     if native.isa() != "avx512":
@@ -737,7 +811,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     selected = ("(rows_matmul_equals and (1-5-7 or 5-31-64 or 13-64-96 or 16-300-5000)) "
                 "or (cache_attention_equals and (2-3-8 or 3-2-6)) or (cache_write_equals and 3) "
                 "or (greedy_choice_equals and (50257-1 or 1000-17)) or bit_for_bit or instruction_set_named "
-                "or (cache_reorder_equals and bfloat16)")
+                "or (cache_reorder_equals and bfloat16) "
+                "or (cols_matmul_equals and (3-33-50 or 9-70-130 or 16-2049-300)) or cols_matmul_sums_exactly")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected]
     env = dict(os.environ, CXX=str(cxx), TRANSFORMER_JAX_CACHE=str(tmp_path / "cache"))
     env[native.ISA_ENV] = "avx2"
@@ -746,7 +821,7 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # Every selected test ran but the 4 of the bf16 dot-product path, which AVX2 lacks: a build that
     # compiles but cannot load skipped them all.
     summary = out.stdout[-2000:]
-    assert re.search(r"\b21 passed, 4 skipped\b", out.stdout) and " failed" not in out.stdout, summary
+    assert re.search(r"\b28 passed, 7 skipped\b", out.stdout) and " failed" not in out.stdout, summary
     skips = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
     assert skips and all("AVX2 has no bf16 dot product" in line for line in skips), out.stdout[-2000:]
 

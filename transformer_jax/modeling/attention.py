@@ -389,14 +389,14 @@ class Projection(nn.Module):
                               self.features, self.param_dtype)
         trailing = axis == tuple(range(x.ndim - n_in, x.ndim))
         rows = math.prod(x.shape[:x.ndim - n_in])
-        if (self.activation in native.ACTIVATION_CODES and trailing and out_first and n_in == n_out == 1
+        if (self.activation in native.ACTIVATION_CODES and trailing and n_in == n_out == 1
                 and 1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
                 and out_dtype in (jnp.bfloat16, jnp.float32) and native.use_native(self.cpu_kernels)):
-            return _native_dense(x, kernel, bias, self.activation, out_dtype)
+            return _native_dense(x, kernel, bias, self.activation, out_dtype, out_first)
         if trailing and out_first:
             y = contract_transposed(x, kernel, n_in, cpu_kernels=self.cpu_kernels)
         elif trailing:
-            y = contract(x, kernel, n_in)
+            y = contract(x, kernel, n_in, cpu_kernels=self.cpu_kernels)
         else:
             y = jax.lax.dot_general(x, kernel, ((axis, in_axes), ((), ())),
                                     preferred_element_type=jnp.float32)
@@ -406,22 +406,28 @@ class Projection(nn.Module):
         return activation_fn(self.activation)(y) if self.activation else y
 
 
-def _native_dense(x, kernel, bias, activation, out_dtype):
-    """act(x W + b) for a few rows through the CPU kernels: the product, then bias, rounding and
-    activation in one pass (`native.bias_activation`); XLA's ops where the computation is not on
-    the CPU."""
+def _native_dense(x, kernel, bias, activation, out_dtype, out_first):
+    """act(x W + b) for a few rows through the CPU kernels: the product (of a kernel stored
+    [out, in] if `out_first`, else [in, out]), then bias, rounding and activation in one pass
+    (`native.bias_activation`); XLA's ops where the computation is not on the CPU."""
     x2 = x.reshape(-1, x.shape[-1])
-    b = jnp.zeros(kernel.shape[:1], jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
+    features = kernel.shape[0] if out_first else kernel.shape[1]
+    b = jnp.zeros((features,), jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
+    contracted = 1 if out_first else 0
 
     def on_cpu(x2, kernel, b):
-        return native.bias_activation(native.rows_matmul(x2, kernel), b, activation, out_dtype)
+        if out_first:
+            return native.bias_activation(native.rows_matmul(x2, kernel), b, activation, out_dtype)
+        return native.bias_activation(native.cols_matmul(x2, kernel), b, activation, out_dtype,
+                                      rows_first=True)
 
     def elsewhere(x2, kernel, b):
-        y = jax.lax.dot_general(x2, kernel, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        y = jax.lax.dot_general(x2, kernel, (((1,), (contracted,)), ((), ())),
+                                preferred_element_type=jnp.float32)
         return native.bias_activation_xla(y, b, activation, out_dtype)
 
     y = jax.lax.platform_dependent(x2, kernel, b, cpu=on_cpu, default=elsewhere)
-    return y.reshape(x.shape[:-1] + kernel.shape[:1])
+    return y.reshape(x.shape[:-1] + (features,))
 
 
 def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name,

@@ -200,13 +200,28 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     return y.reshape(lead + out_shape)
 
 
-def contract(x, w, n_in: int = 1):
+def _contract_2d(x2, w2):
+    # What the native kernel's call computes elsewhere than on CPU: contract's own rules.
+    return _low_precision_contract(x2, w2, 1) if x2.dtype == jnp.bfloat16 else _dot(x2, w2, 1)
+
+
+def contract(x, w, n_in: int = 1, *, cpu_kernels: str = "xla"):
     """x [..., in...] times w [in..., out...] over the `n_in` `in` axes -> float32 [..., out...].
 
     x and w must share a dtype; bfloat16 inputs take the backward pass described above (or, on a
-    CPU without bf16 matrix instructions and from MIN_TOKENS_TO_WIDEN rows, run in float32)."""
+    CPU without bf16 matrix instructions and from MIN_TOKENS_TO_WIDEN rows, run in float32). With
+    1 <= rows <= native.MAX_ROWS (decoding steps) on CPU, where `native.use_native(cpu_kernels)`,
+    the product runs on the package's kernel for input-major weights (`native.cols_matmul`)."""
     if x.dtype != w.dtype:
         raise TypeError(f"contract: x is {x.dtype} but w is {w.dtype}; cast both to the compute dtype")
+    lead, out_shape = x.shape[:x.ndim - n_in], w.shape[n_in:]
+    rows = math.prod(lead)
+    if (1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
+            and x.shape[x.ndim - n_in:] == w.shape[:n_in] and native.use_native(cpu_kernels)):
+        size = math.prod(w.shape[:n_in])
+        x2, w2 = x.reshape(rows, size), w.reshape(size, math.prod(out_shape))
+        y = lax.platform_dependent(x2, w2, cpu=native.cols_matmul, default=_contract_2d)
+        return y.reshape(lead + out_shape)
     if x.dtype == jnp.bfloat16:
         if widen_bf16(math.prod(x.shape[:x.ndim - n_in])):
             return lax.platform_dependent(x, w, cpu=partial(_widened, n_in=n_in),

@@ -6,6 +6,8 @@
   this one reads each thread's weight rows front to back with software prefetches and streams at
   about the rate of a plain sum. bf16 runs as bf16 dot products or widened to float32 FMAs,
   whichever is faster on this CPU (`bf16_products`).
+- `cols_matmul(x, w)`: the same for a weight stored input-major, w [I, O] (the default
+  `kernel_layout`), each thread reading a run of input rows.
 - `cache_attention(q, k, v, mask)`: softmax(q k^T / sqrt(d)) v for a few queries over the
   heads-first KV cache (float32 or bfloat16), one (row, KV head) per task on every core; XLA:CPU
   runs these small batched products on one core.
@@ -56,6 +58,7 @@ SOURCE = Path(__file__).with_name("native_kernels.cc")
 MAX_ROWS = 16  # tokens per call the weight-product kernel takes (and the attention kernel's queries)
 MAX_HEAD_DIM = 256
 _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
+            "transformer_jax_cols_matmul": "TjColsMatmul",
             "transformer_jax_cache_attention": "TjCacheAttention",
             "transformer_jax_cache_write": "TjCacheWrite",
             "transformer_jax_cache_reorder": "TjCacheReorder",
@@ -318,6 +321,36 @@ def rows_matmul(x, w):
     return _rows_matmul(x, w)
 
 
+def _cols_matmul_xla(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@jax.custom_jvp
+def _cols_matmul(x, w):
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call("transformer_jax_cols_matmul", out, vmap_method=VMAP)(x, w)
+
+
+@_cols_matmul.defjvp
+def _cols_matmul_jvp(primals, tangents):
+    return _cols_matmul(*primals), jax.jvp(_cols_matmul_xla, primals, tangents)[1]
+
+
+def cols_matmul(x, w):
+    """x [R, I] times w [I, O] over I -> float32 [R, O] on the CPU kernel (1 <= R <= 16), for
+    weights stored input-major (``kernel_layout='in_out'``). As `rows_matmul`: differentiable in
+    both modes (XLA's product's derivatives), mapped by `jax.vmap` one call per element; call only
+    where `available()` is True, in a computation placed on the CPU."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"cols_matmul: expected x [R, I] and w [I, O], got {x.shape} and {w.shape}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"cols_matmul: x has {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
+    if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"cols_matmul: x and w must both be bfloat16 or float32 (got {x.dtype}, {w.dtype})")
+    _check_available()
+    return _cols_matmul(x, w)
+
+
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -430,23 +463,25 @@ def bias_activation_xla(y, bias, activation, dtype):
     return activation_fn(activation)((y + bias.astype(jnp.float32)).astype(dtype))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _bias_activation(y, bias, activation, dtype):
-    # The kernel reads the product's [O, R] output (y.T of `rows_matmul`'s result: no copy) and
-    # writes [R, O].
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _bias_activation(y, bias, activation, dtype, rows_first):
+    # The kernel reads the product's [O, R] output (y.T of `rows_matmul`'s result: no copy), or
+    # with rows_first y [R, O] as `cols_matmul` writes it, and writes [R, O].
     return jax.ffi.ffi_call("transformer_jax_bias_activation", jax.ShapeDtypeStruct(y.shape, dtype),
                             vmap_method=VMAP)(
-        y.T, bias.astype(jnp.float32), activation=np.int32(ACTIVATION_CODES[activation]))
+        y if rows_first else y.T, bias.astype(jnp.float32),
+        activation=np.int32(ACTIVATION_CODES[activation]), rows_first=np.int32(rows_first))
 
 
 @_bias_activation.defjvp
-def _bias_activation_jvp(activation, dtype, primals, tangents):
+def _bias_activation_jvp(activation, dtype, rows_first, primals, tangents):
     tangent = jax.jvp(lambda y, b: bias_activation_xla(y, b, activation, dtype), primals, tangents)[1]
-    return _bias_activation(*primals, activation, dtype), tangent
+    return _bias_activation(*primals, activation, dtype, rows_first), tangent
 
 
-def bias_activation(y, bias, activation: str, dtype):
-    """act(round(y + bias)) for a product's float32 output y [R, O] (from `rows_matmul`), bias [O]:
+def bias_activation(y, bias, activation: str, dtype, *, rows_first: bool = False):
+    """act(round(y + bias)) for a product's float32 output y [R, O] (from `rows_matmul`, or with
+    ``rows_first=True`` from `cols_matmul`, whose output is laid out rows first), bias [O]:
     the bias added in float32, the sum rounded to `dtype` (float32 or bfloat16), then the activation
     ('none', 'relu', 'gelu_tanh', 'silu'), as `bias_activation_xla` computes it: in bf16 bit for bit
     (every step rounded to bf16, as XLA does), in float32 within ~1e-6. Differentiable in both modes
@@ -462,4 +497,4 @@ def bias_activation(y, bias, activation: str, dtype):
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"bias_activation: output float32 or bfloat16, not {dtype}")
     _check_available()
-    return _bias_activation(y, bias, activation, dtype)
+    return _bias_activation(y, bias, activation, dtype, bool(rows_first))

@@ -218,6 +218,98 @@ inline void RowGroupWiden(const uint16_t* w, const float* xw, float* y, int64_t 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Products of weights stored input-major, w [I, O] (tj_cols_matmul), as in native_avx512.h: a block
+// of 8 * V output columns at a time, each input row's weight vectors times one broadcast activation
+// into RN * V accumulators; bf16 weights widened on load (the activations arrive widened), passes
+// of at most four activation rows within the 16 registers.
+
+template <int RN>
+constexpr int ColVectors() { return RN <= 1 ? 6 : (RN <= 2 ? 4 : (RN <= 3 ? 3 : 2)); }
+constexpr int kColPassRows = 4;
+
+// 8 weights from p as float32 (bf16 widened exactly), the first n of them (n >= 8: all).
+inline __m256 LoadWeights(const float* p, int64_t n) {
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, FirstLanes(n));
+}
+inline __m256 LoadWeights(const uint16_t* p, int64_t n) {
+  __m128i v;
+  if (n >= 8) {
+    v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t part[8] = {};
+    if (n > 0) std::memcpy(part, p, n * sizeof(uint16_t));
+    v = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// One block of columns [c0, c0 + 8 V) (fewer at the end: Whole = false) over input rows [i0, i1),
+// activation rows R0 .. R0+RN-1 of x (float32 [R, I]), into part [R, O], written if `first`.
+template <int R0, int RN, typename T, bool Whole>
+__attribute__((noinline)) void ColBlock(const T* w, const float* x, float* part, int64_t I, int64_t O, int64_t c0,
+                                        int64_t i0, int64_t i1, bool first, const char*& ahead) {
+  constexpr int V = ColVectors<RN>();
+  int64_t n[V];
+  for (int v = 0; v < V; ++v) n[v] = std::max<int64_t>(0, std::min<int64_t>(8, O - c0 - 8 * v));
+  __m256 acc[RN * V];
+  for (int r = 0; r < RN; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r * V + v] = first ? _mm256_setzero_ps() : LoadWeights(part + (R0 + r) * O + c0 + 8 * v, Whole ? 8 : n[v]);
+  const char* p = ahead;
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* row = w + i * O + c0;
+    __m256 a[V];
+    for (int v = 0; v < V; ++v) a[v] = LoadWeights(row + 8 * v, Whole ? 8 : n[v]);
+    if (p) {
+      for (int v = 0; v < V; ++v) _mm_prefetch(p + v * 8 * (int64_t)sizeof(T), _MM_HINT_T1);
+      p += V * 8 * (int64_t)sizeof(T);
+    }
+    for (int r = 0; r < RN; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + (R0 + r) * I + i);
+      for (int v = 0; v < V; ++v) acc[r * V + v] = _mm256_fmadd_ps(a[v], b, acc[r * V + v]);
+    }
+  }
+  if (p) ahead = p;
+  for (int r = 0; r < RN; ++r) {
+    for (int v = 0; v < V; ++v) {
+      float* dst = part + (R0 + r) * O + c0 + 8 * v;
+      if (Whole) _mm256_storeu_ps(dst, acc[r * V + v]);
+      else if (n[v] > 0) _mm256_maskstore_ps(dst, FirstLanes(n[v]), acc[r * V + v]);
+    }
+  }
+}
+
+template <int R0, int RN, typename T>
+void ColPass(const T* w, const float* x, float* part, int64_t I, int64_t O, int64_t i0, int64_t i1, bool first,
+             const char* ahead) {
+  constexpr int64_t kBlock = 8 * ColVectors<RN>();
+  int64_t c0 = 0;
+  for (; c0 + kBlock <= O; c0 += kBlock) ColBlock<R0, RN, T, true>(w, x, part, I, O, c0, i0, i1, first, ahead);
+  if (c0 < O) ColBlock<R0, RN, T, false>(w, x, part, I, O, c0, i0, i1, first, ahead);
+}
+
+// Passes P .. NP - 1 of NP over R activation rows (pass P takes rows R P / NP .. R (P + 1) / NP - 1).
+template <int R, int P, int NP, typename T>
+void ColPasses(const T* w, const float* x, float* part, int64_t I, int64_t O, int64_t i0, int64_t i1, bool first,
+               const char* ahead) {
+  if constexpr (P < NP) {
+    ColPass<R * P / NP, R * (P + 1) / NP - R * P / NP, T>(w, x, part, I, O, i0, i1, first, ahead);
+    ColPasses<R, P + 1, NP, T>(w, x, part, I, O, i0, i1, first, nullptr);
+  }
+}
+
+// Input rows [i0, i1) of w [I, O] times x (float32 [R, I]) into part [R, O], in passes of at most
+// kColPassRows activation rows (the first with the prefetches). No bf16 dot products here (Dot is
+// never true on AVX2).
+template <int R, typename T, bool Dot>
+void ColsRange(const T* w, const void* x, float* part, int64_t I, int64_t O, int64_t i0, int64_t i1, bool first,
+               const char* ahead) {
+  static_assert(!Dot, "no bf16 dot products on AVX2");
+  ColPasses<R, 0, (R + kColPassRows - 1) / kColPassRows, T>(w, static_cast<const float*>(x), part, I, O, i0, i1,
+                                                            first, ahead);
+}
+
 // No bf16 dot product here: bf16 always runs widened.
 int Bf16Calibrate() { return kWiden; }
 
@@ -457,7 +549,7 @@ inline __m256 Activation(__m256 h, Round round) {
 // Output columns o0 .. o1-1 of every row, kActivationVectors vectors of 8 side by side.
 template <int Act, bool Bf16>
 void BiasActivationColumns(const float* yp, const float* bp, void* outp, int64_t O, int64_t R, int64_t o0,
-                           int64_t o1) {
+                           int64_t o1, bool rows_first) {
   const __m256i lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int32_t)R));
   auto round = [](__m256 v) { return Bf16 ? RoundToBf16(v) : v; };
   for (int64_t r = 0; r < R; ++r) {
@@ -468,7 +560,8 @@ void BiasActivationColumns(const float* yp, const float* bp, void* outp, int64_t
         const int64_t oj = std::min<int64_t>(o + 8 * j, o1);
         n[j] = std::min<int64_t>(8, o1 - oj);
         const __m256i m = FirstLanes(n[j]);
-        h[j] = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), yp + oj * R + r, lanes, _mm256_castsi256_ps(m), 4);
+        h[j] = rows_first ? _mm256_maskload_ps(yp + r * O + oj, m)
+                          : _mm256_mask_i32gather_ps(_mm256_setzero_ps(), yp + oj * R + r, lanes, _mm256_castsi256_ps(m), 4);
         h[j] = round(_mm256_add_ps(h[j], _mm256_maskload_ps(bp + oj, m)));
       }
       for (int j = 0; j < kActivationVectors; ++j) h[j] = Activation<Act>(h[j], round);

@@ -259,6 +259,172 @@ inline void RowGroupWiden(const uint16_t* w, const float* xw, float* y, int64_t 
 template <int R>
 constexpr int WidenGroupRows() { return R <= 4 ? 3 : (R <= 12 ? 2 : 1); }
 
+// ---------------------------------------------------------------------------------------------
+// Products of weights stored input-major, w [I, O] (tj_cols_matmul; see native_kernels.cc): a
+// block of output columns at a time, every input row of the task's run adding its weight vectors,
+// each times one activation broadcast, into RN * V accumulators (an activation row by a vector of
+// columns). float32 and widened bf16 weights: 16 columns per vector, V = ColVectors<RN>(); bf16
+// dot products: two input rows interleaved into pairs (vpunpck{l,h}wd), 32 columns per load pair,
+// their accumulators in the unpacked order until the block is stored.
+
+// Column vectors per block at RN activation rows: enough independent sums for the FMA latency at
+// one row, at most 24 accumulators at eight.
+template <int RN>
+constexpr int ColVectors() { return RN <= 1 ? 16 : (RN <= 2 ? 12 : (RN <= 3 ? 8 : (RN <= 4 ? 6 : (RN <= 6 ? 4 : 3)))); }
+// Load pairs (32 columns, two accumulators per activation row) per block of the bf16 dot product.
+template <int RN>
+constexpr int ColPairs() { return RN <= 1 ? 8 : (RN <= 2 ? 6 : (RN <= 3 ? 4 : (RN <= 4 ? 3 : (RN <= 6 ? 2 : 1)))); }
+// Activation rows per pass over a block: more are taken in two passes, the second reading the
+// block's weights from L1.
+constexpr int kColPassRows = 8;
+
+inline __mmask16 Lanes16(int64_t n) {
+  return n >= 16 ? (__mmask16)0xffffu : (n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u));
+}
+inline __mmask32 Lanes32(int64_t n) {
+  return n >= 32 ? (__mmask32)0xffffffffu : (n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1u));
+}
+
+// 16 weights from p as float32 (bf16 widened exactly), the first `lanes` of them.
+inline __m512 LoadWeights(const float* p, __mmask16 lanes, bool whole) {
+  return whole ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes, p);
+}
+inline __m512 LoadWeights(const uint16_t* p, __mmask16 lanes, bool whole) {
+  const __m256i v = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(lanes, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// One block of columns [c0, c0 + 16 V) (fewer at the end: Whole = false) over input rows [i0, i1),
+// activation rows R0 .. R0+RN-1 of x (float32 [R, I]), into part [R, O], written if `first`. Kept
+// out of line: inlined into its caller's loop, GCC kept the accumulators in memory.
+template <int R0, int RN, typename T, bool Whole>
+__attribute__((noinline)) void ColBlock(const T* w, const float* x, float* part, int64_t I, int64_t O, int64_t c0,
+                                        int64_t i0, int64_t i1, bool first, const char*& ahead) {
+  constexpr int V = ColVectors<RN>();
+  __mmask16 m[V];
+  for (int v = 0; v < V; ++v) m[v] = Lanes16(O - c0 - 16 * v);
+  __m512 acc[RN * V];
+  for (int r = 0; r < RN; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r * V + v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m[v], part + (R0 + r) * O + c0 + 16 * v);
+  const char* p = ahead;
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* row = w + i * O + c0;
+    __m512 a[V];
+    for (int v = 0; v < V; ++v) a[v] = LoadWeights(row + 16 * v, m[v], Whole);
+    if (p) {
+      for (int v = 0; v < V; ++v) _mm_prefetch(p + v * 16 * (int64_t)sizeof(T), _MM_HINT_T1);
+      p += V * 16 * (int64_t)sizeof(T);
+    }
+    for (int r = 0; r < RN; ++r) {
+      const __m512 b = _mm512_set1_ps(x[(R0 + r) * I + i]);
+      for (int v = 0; v < V; ++v) acc[r * V + v] = _mm512_fmadd_ps(a[v], b, acc[r * V + v]);
+    }
+  }
+  if (p) ahead = p;
+  for (int r = 0; r < RN; ++r)
+    for (int v = 0; v < V; ++v) _mm512_mask_storeu_ps(part + (R0 + r) * O + c0 + 16 * v, m[v], acc[r * V + v]);
+}
+
+// The same for bf16 weights and activations by dot products: columns [c0, c0 + 32 P), input rows
+// taken in pairs (i0 even), a last odd row paired with zeros.
+template <int R0, int RN, bool Whole>
+__attribute__((noinline)) void ColBlockDot(const uint16_t* w, const uint16_t* x, float* part, int64_t I, int64_t O,
+                                           int64_t c0, int64_t i0, int64_t i1, bool first, const char*& ahead) {
+  constexpr int P = ColPairs<RN>();
+  __mmask32 m[P];
+  for (int v = 0; v < P; ++v) m[v] = Lanes32(O - c0 - 32 * v);
+  __m512 acc[RN * 2 * P];
+  for (int k = 0; k < RN * 2 * P; ++k) acc[k] = _mm512_setzero_ps();
+  const char* p = ahead;
+  int64_t i = i0;
+  for (; i + 2 <= i1; i += 2) {
+    const uint16_t* row = w + i * O + c0;
+    __m512bh a[2 * P];
+    for (int v = 0; v < P; ++v) {
+      const __m512i lo = Whole ? _mm512_loadu_si512(row + 32 * v) : _mm512_maskz_loadu_epi16(m[v], row + 32 * v);
+      const __m512i hi = Whole ? _mm512_loadu_si512(row + O + 32 * v) : _mm512_maskz_loadu_epi16(m[v], row + O + 32 * v);
+      a[2 * v] = (__m512bh)_mm512_unpacklo_epi16(lo, hi);
+      a[2 * v + 1] = (__m512bh)_mm512_unpackhi_epi16(lo, hi);
+    }
+    if (p) {
+      for (int v = 0; v < 2 * P; ++v) _mm_prefetch(p + 64 * v, _MM_HINT_T1);
+      p += 128 * P;
+    }
+    for (int r = 0; r < RN; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + (R0 + r) * I + i, sizeof(pair));
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < 2 * P; ++v) acc[r * 2 * P + v] = _mm512_dpbf16_ps(acc[r * 2 * P + v], a[v], b);
+    }
+  }
+  if (i < i1) {
+    const uint16_t* row = w + i * O + c0;
+    __m512bh a[2 * P];
+    for (int v = 0; v < P; ++v) {
+      const __m512i lo = _mm512_maskz_loadu_epi16(m[v], row + 32 * v);
+      a[2 * v] = (__m512bh)_mm512_unpacklo_epi16(lo, _mm512_setzero_si512());
+      a[2 * v + 1] = (__m512bh)_mm512_unpackhi_epi16(lo, _mm512_setzero_si512());
+    }
+    for (int r = 0; r < RN; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32((int32_t)x[(R0 + r) * I + i]);
+      for (int v = 0; v < 2 * P; ++v) acc[r * 2 * P + v] = _mm512_dpbf16_ps(acc[r * 2 * P + v], a[v], b);
+    }
+  }
+  if (p) ahead = p;
+  // Lane 4j + t of the low unpacked half sums column 8j + t, of the high half column 8j + 4 + t.
+  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i next16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int r = 0; r < RN; ++r) {
+    for (int v = 0; v < P; ++v) {
+      const __m512 lo = acc[r * 2 * P + 2 * v], hi = acc[r * 2 * P + 2 * v + 1];
+      __m512 s0 = _mm512_permutex2var_ps(lo, first16, hi), s1 = _mm512_permutex2var_ps(lo, next16, hi);
+      const int64_t n = O - c0 - 32 * v;
+      const __mmask16 m0 = Lanes16(n), m1 = Lanes16(n - 16);
+      float* dst = part + (R0 + r) * O + c0 + 32 * v;
+      if (!first) {
+        s0 = _mm512_add_ps(s0, _mm512_maskz_loadu_ps(m0, dst));
+        s1 = _mm512_add_ps(s1, _mm512_maskz_loadu_ps(m1, dst + 16));
+      }
+      _mm512_mask_storeu_ps(dst, m0, s0);
+      _mm512_mask_storeu_ps(dst + 16, m1, s1);
+    }
+  }
+}
+
+// All column blocks of input rows [i0, i1) for activation rows R0 .. R0+RN-1; the prefetches
+// (from `ahead`, one line per line read) only where `ahead` is set.
+template <int R0, int RN, typename T, bool Dot>
+void ColPass(const T* w, const void* x, float* part, int64_t I, int64_t O, int64_t i0, int64_t i1, bool first,
+             const char* ahead) {
+  if constexpr (Dot) {
+    constexpr int64_t kBlock = 32 * ColPairs<RN>();
+    const auto* xb = static_cast<const uint16_t*>(x);
+    int64_t c0 = 0;
+    for (; c0 + kBlock <= O; c0 += kBlock) ColBlockDot<R0, RN, true>(w, xb, part, I, O, c0, i0, i1, first, ahead);
+    if (c0 < O) ColBlockDot<R0, RN, false>(w, xb, part, I, O, c0, i0, i1, first, ahead);
+  } else {
+    constexpr int64_t kBlock = 16 * ColVectors<RN>();
+    const auto* xf = static_cast<const float*>(x);
+    int64_t c0 = 0;
+    for (; c0 + kBlock <= O; c0 += kBlock) ColBlock<R0, RN, T, true>(w, xf, part, I, O, c0, i0, i1, first, ahead);
+    if (c0 < O) ColBlock<R0, RN, T, false>(w, xf, part, I, O, c0, i0, i1, first, ahead);
+  }
+}
+
+// Input rows [i0, i1) of w [I, O] times x's R rows (bf16 [R, I] for the dot products, else float32
+// [R, I]) into part [R, O]: one pass, or two above kColPassRows (the first with the prefetches).
+template <int R, typename T, bool Dot>
+void ColsRange(const T* w, const void* x, float* part, int64_t I, int64_t O, int64_t i0, int64_t i1, bool first,
+               const char* ahead) {
+  if constexpr (R <= kColPassRows) {
+    ColPass<0, R, T, Dot>(w, x, part, I, O, i0, i1, first, ahead);
+  } else {
+    ColPass<0, R / 2, T, Dot>(w, x, part, I, O, i0, i1, first, ahead);
+    ColPass<R / 2, R - R / 2, T, Dot>(w, x, part, I, O, i0, i1, first, nullptr);
+  }
+}
+
 // Nanoseconds per instruction of 12 independent chains of `op` (the inner loops' mix, without
 // memory): the least of five tries of 2048 rounds.
 template <typename Op>
@@ -507,7 +673,7 @@ inline __m512 Activation(__m512 h, Round round) {
 
 template <int Act, bool Bf16>
 void BiasActivationColumns(const float* yp, const float* bp, void* outp, int64_t O, int64_t R, int64_t o0,
-                           int64_t o1) {
+                           int64_t o1, bool rows_first) {
   const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int32_t)R));
   auto round = [](__m512 v) { return Bf16 ? RoundToBf16(v) : v; };
@@ -522,7 +688,8 @@ void BiasActivationColumns(const float* yp, const float* bp, void* outp, int64_t
       for (int j = 0; j < kActivationVectors; ++j) {
         const int64_t oj = std::min<int64_t>(o + 16 * j, o1);
         m[j] = oj < o1 ? mask(oj) : (__mmask16)0;
-        h[j] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m[j], lanes, yp + oj * R + r, 4);
+        h[j] = rows_first ? _mm512_maskz_loadu_ps(m[j], yp + r * O + oj)
+                          : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m[j], lanes, yp + oj * R + r, 4);
         h[j] = round(_mm512_add_ps(h[j], _mm512_maskz_loadu_ps(m[j], bp + oj)));
       }
       for (int j = 0; j < kActivationVectors; ++j) h[j] = Activation<Act>(h[j], round);
