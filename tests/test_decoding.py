@@ -321,14 +321,19 @@ def test_top_p_keeps_the_smallest_set_when_logits_tie():
     assert set(np.unique(tokens).tolist()) == set(range(7)), np.unique(tokens)
 
 
-def test_top_p_equals_a_sorted_float64_nucleus_on_random_rows():
-    """The bisection finds the same nucleus as sorting: random rows of 1-3000 logits, bf16-rounded
-    and integer-rounded ones (many ties, -0.0 beside 0.0), masked tokens, several top_p. Rows whose
-    boundary lies within 1e-5 of top_p may differ by float32 summation and are skipped."""
-    from transformer_jax.decoding.sampling import _top_p_mask
+@pytest.mark.parametrize("candidates", [1, 128, 4096])
+def test_top_p_equals_a_sorted_float64_nucleus_on_random_rows(candidates, monkeypatch):
+    """Both ways of finding the nucleus give sorting's: random rows of 1-3000 logits, bf16-rounded
+    and integer-rounded ones (many ties, -0.0 beside 0.0), masked tokens, several top_p. One
+    candidate sends every row of more than one token to the bisection, 4096 none; 128 mixes them
+    within a batch. Rows whose boundary lies within 1e-5 of top_p may differ by float32 summation
+    and are skipped."""
+    from transformer_jax.decoding import sampling
 
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+    jax.clear_caches()
     rng = np.random.default_rng(0)
-    mask = jax.jit(_top_p_mask)
+    mask = jax.jit(sampling._top_p_mask)
     compared = 0
     for trial in range(40):
         width = int(rng.integers(1, 3000))
@@ -353,6 +358,21 @@ def test_top_p_equals_a_sorted_float64_nucleus_on_random_rows():
             np.testing.assert_array_equal(kept & (row > -1e29), want & (row > -1e29))
             compared += 1
     assert compared >= 120, compared  # of 160 rows
+
+
+def test_a_rows_nucleus_does_not_depend_on_the_other_rows():
+    """A peaked row (nucleus among the candidates) next to a flat one (which sends the step to the
+    bisection) keeps what it keeps alone, and so does the flat one."""
+    from transformer_jax.decoding.sampling import TOP_P_CANDIDATES, _top_p_mask
+
+    rng = np.random.default_rng(3)
+    peaked = rng.standard_normal(5000).astype(np.float32) * 10
+    flat = rng.standard_normal(5000).astype(np.float32)
+    mask = jax.jit(_top_p_mask)
+    alone = [np.asarray(mask(jnp.asarray(r[None]), jnp.float32(0.9)))[0] for r in (peaked, flat)]
+    both = np.asarray(mask(jnp.asarray(np.stack([peaked, flat])), jnp.float32(0.9)))
+    np.testing.assert_array_equal(both, np.stack(alone))
+    assert 1 <= np.sum(alone[0] > -1e29) <= TOP_P_CANDIDATES < np.sum(alone[1] > -1e29)
 
 
 def test_top_k_and_top_p_compile_without_a_sort():

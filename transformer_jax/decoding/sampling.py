@@ -176,35 +176,65 @@ def _ordered_bits(x: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
+# Tokens taken from the top of each row (`lax.top_k`) as the nucleus's candidates: where they hold
+# top_p of the probability, the cut-off lies among them and their cumulative sum finds it (GPT-2's
+# [8, 50257] logits, one core: ~1.0 ms against ~4.2 ms for the bisection); a row whose nucleus is
+# larger sends the step to the bisection (~0.35 ms more than the bisection alone).
+TOP_P_CANDIDATES = 128
+
+
 def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """Nucleus filtering (Holtzman et al. 2019) on [B, V]: keep the smallest set of most likely
     tokens whose probability reaches ``top_p``; the most likely token is always kept. Tokens of
     equal logits are ranked by id (the lower first), so ties at the cut-off do not widen the set.
 
     Without sorting (XLA:CPU sorts GPT-2's [8, 50257] logits in ~60 ms, ten decoding steps): token
-    i is kept when the mass ranked before it is below top_p. The last kept logit t is the smallest
-    logit value with mass(logits > t) < top_p, found by bisection over the values' ordered bit
-    patterns (32 masked sums over the row); of the tokens tied at t, the first ones by id are kept
-    while the mass before them stays below top_p."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    keys = _ordered_bits(logits)
-    mass_above = lambda k: jnp.sum(jnp.where(keys > k[:, None], probs, 0.0), axis=-1)  # [B]
+    i is kept when the mass ranked before it is below top_p. Where a row's TOP_P_CANDIDATES most
+    likely tokens hold top_p of its mass, the kept ones are a prefix of them (`lax.top_k` ranks
+    equal values by id); otherwise the last kept logit t is the smallest logit value with
+    mass(logits > t) < top_p, found by bisection over the values' ordered bit patterns (32 masked
+    sums over the row), and of the tokens tied at t the first ones by id are kept while the mass
+    before them stays below top_p."""
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    width = logits.shape[-1]
+    values = jnp.where(logits == 0.0, 0.0, logits)  # -0.0 as 0.0: top_k puts it below 0.0
+    ids = jnp.arange(width, dtype=jnp.int32)
+    top, at = jax.lax.top_k(values, min(TOP_P_CANDIDATES, width))
+    p_top = jnp.take_along_axis(probs, at, axis=-1)
+    ahead = jnp.cumsum(p_top, axis=-1) - p_top  # the mass ranked before each candidate
+    covered = (ahead[:, -1] + p_top[:, -1] >= top_p) | (top.shape[-1] == width)
+    last = jnp.sum(ahead < top_p, axis=-1, keepdims=True) - 1  # >= 0: ahead[0] = 0 < top_p
 
-    def halve(_, bounds):  # invariant: mass_above(hi) < top_p <= mass_above(lo), or hi = lo + 1
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-        below = mass_above(mid) < top_p
-        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+    def among_candidates():
+        t = jnp.take_along_axis(top, last, axis=-1)
+        t_id = jnp.take_along_axis(at, last, axis=-1)
+        return (values > t) | ((values == t) & (ids <= t_id))
 
-    lo = jnp.min(keys, axis=-1) - 1  # (-inf's key is far above int32's minimum: no overflow)
-    hi = jnp.max(keys, axis=-1)
-    _, last = jax.lax.fori_loop(0, 32, halve, (lo, hi))
-    before = mass_above(last)[:, None]
-    tied = keys == last[:, None]
-    p_tied = jnp.max(jnp.where(tied, probs, 0.0), axis=-1, keepdims=True)
-    rank = jnp.cumsum(tied, axis=-1, dtype=jnp.int32) - 1  # among the tied tokens, by id
-    keep = (keys > last[:, None]) | (tied & (before + rank * p_tied < top_p)) | (top_p >= 1.0)
-    return jnp.where(keep, logits, NEG_INF)
+    def by_bisection():
+        keys = _ordered_bits(logits)
+        mass_above = lambda k: jnp.sum(jnp.where(keys > k[:, None], probs, 0.0), axis=-1)  # [B]
+
+        def halve(_, bounds):  # invariant: mass_above(hi) < top_p <= mass_above(lo), or hi = lo + 1
+            lo, hi = bounds
+            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+            below = mass_above(mid) < top_p
+            return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+        lo = jnp.min(keys, axis=-1) - 1  # (-inf's key is far above int32's minimum: no overflow)
+        hi = jnp.max(keys, axis=-1)
+        _, cut = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+        before = mass_above(cut)[:, None]
+        tied = keys == cut[:, None]
+        p_tied = jnp.max(jnp.where(tied, probs, 0.0), axis=-1, keepdims=True)
+        rank = jnp.cumsum(tied, axis=-1, dtype=jnp.int32) - 1  # among the tied tokens, by id
+        return (keys > cut[:, None]) | (tied & (before + rank * p_tied < top_p))
+
+    # A row's nucleus does not depend on the others': where the bisection runs, the rows the
+    # candidates cover still take theirs.
+    keep = jax.lax.cond(jnp.all(covered), among_candidates,
+                        lambda: jnp.where(covered[:, None], among_candidates(), by_bisection()))
+    return jnp.where(keep | (top_p >= 1.0), logits, NEG_INF)
 
 
 def _first_argmax(logits_t: jax.Array, col_max: jax.Array) -> jax.Array:
