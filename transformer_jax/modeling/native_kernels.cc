@@ -328,10 +328,9 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // per thread, against the I * O weights. Within a task, a block of columns at a time takes every
 // input row (ColsRange, in the instruction set's header). Measured in a C++ harness over the 72
 // weight products of a GPT-2-small step at 8 rows from memory (AMD Zen 5, two threads, against a
-// plain sum over the same weights in the same round): float32 0.56-0.66 of the sum's rate, and
-// tj_rows_matmul on the same weights stored [O, I] 0.59-0.64; bf16 0.59-0.66 against 0.75-0.77
-// (each dot product needs two input rows interleaved into pairs, shuffles the [O, I] layout does
-// without).
+// plain sum over the same weights in the same round, 67-72 GB/s): float32 41-44 GB/s (0.60-0.62 of
+// the sum), as tj_rows_matmul on the same weights stored [O, I] (41-43 GB/s); bf16 28-34 GB/s
+// against 48-54 (0.40-0.49 of the sum against 0.67-0.79), with dot products or widened alike.
 
 // Bytes of weight per task (an even number of input rows, at least two).
 constexpr int64_t kColTaskBytes = 128 * 1024;
