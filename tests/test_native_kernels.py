@@ -529,6 +529,30 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     assert _custom_calls(_lm(cpu_kernels="xla")) == []
 
 
+@needs_kernels
+def test_in_out_products_too_wide_or_of_many_rows_stay_on_xla():
+    # `native.cols_fit`: up to 8 rows and 16 KB of output per input row take the kernel; wider
+    # outputs (an untied vocabulary head, a wide feed-forward layer) and more rows keep XLA's
+    # product, which was faster there. Either way the values are the product's.
+    from transformer_jax.modeling.matmul import contract
+
+    def on_kernel(rows, out, dtype):
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 40)), dtype)
+        w = jnp.asarray(np.random.default_rng(out).standard_normal((40, out)), dtype)
+        f = jax.jit(lambda x, w: contract(x, w, cpu_kernels="native"))
+        np.testing.assert_allclose(np.asarray(f(x, w)), np.asarray(x, np.float64) @ np.asarray(w, np.float64),
+                                   rtol=0, atol=1e-4)
+        return "transformer_jax_cols_matmul" in f.lower(x, w).as_text()
+
+    assert on_kernel(8, 4096, jnp.float32) and on_kernel(8, 8192, jnp.bfloat16)
+    assert on_kernel(1, 7, jnp.float32)
+    assert not on_kernel(8, 4097, jnp.float32) and not on_kernel(8, 8193, jnp.bfloat16)
+    assert not on_kernel(9, 64, jnp.float32) and not on_kernel(16, 64, jnp.bfloat16)
+    wide = _custom_calls(_lm(d_ff=4160))  # float32 wi of 4160 outputs: XLA's product and activation
+    assert wide.count("transformer_jax_cols_matmul") == 2 * 5
+    assert "transformer_jax_bias_activation" not in wide
+
+
 _SPECIAL = [-1e4, -200.0, -100.0, -90.0, -88.0, -20.0, -3.0, -0.5, -1e-3, 0.0, 1e-3, 0.5, 3.0, 20.0,
             88.0, 90.0, 100.0, 200.0, 1e4, np.inf, -np.inf, np.nan]
 

@@ -389,8 +389,10 @@ class Projection(nn.Module):
                               self.features, self.param_dtype)
         trailing = axis == tuple(range(x.ndim - n_in, x.ndim))
         rows = math.prod(x.shape[:x.ndim - n_in])
-        if (self.activation in native.ACTIVATION_CODES and trailing and n_in == n_out == 1
-                and 1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
+        fits = (1 <= rows <= native.MAX_ROWS if out_first
+                else native.cols_fit(rows, math.prod(self.features), x.dtype))
+        if (self.activation in native.ACTIVATION_CODES and trailing and n_in == n_out == 1 and fits
+                and x.dtype in (jnp.bfloat16, jnp.float32)
                 and out_dtype in (jnp.bfloat16, jnp.float32) and native.use_native(self.cpu_kernels)):
             return _native_dense(x, kernel, bias, self.activation, out_dtype, out_first)
         if trailing and out_first:

@@ -209,14 +209,14 @@ def contract(x, w, n_in: int = 1, *, cpu_kernels: str = "xla"):
     """x [..., in...] times w [in..., out...] over the `n_in` `in` axes -> float32 [..., out...].
 
     x and w must share a dtype; bfloat16 inputs take the backward pass described above (or, on a
-    CPU without bf16 matrix instructions and from MIN_TOKENS_TO_WIDEN rows, run in float32). With
-    1 <= rows <= native.MAX_ROWS (decoding steps) on CPU, where `native.use_native(cpu_kernels)`,
+    CPU without bf16 matrix instructions and from MIN_TOKENS_TO_WIDEN rows, run in float32). With a
+    few rows (decoding steps) on CPU, where `native.use_native(cpu_kernels)` and `native.cols_fit`,
     the product runs on the package's kernel for input-major weights (`native.cols_matmul`)."""
     if x.dtype != w.dtype:
         raise TypeError(f"contract: x is {x.dtype} but w is {w.dtype}; cast both to the compute dtype")
     lead, out_shape = x.shape[:x.ndim - n_in], w.shape[n_in:]
     rows = math.prod(lead)
-    if (1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
+    if (x.dtype in (jnp.bfloat16, jnp.float32) and native.cols_fit(rows, math.prod(out_shape), x.dtype)
             and x.shape[x.ndim - n_in:] == w.shape[:n_in] and native.use_native(cpu_kernels)):
         size = math.prod(w.shape[:n_in])
         x2, w2 = x.reshape(rows, size), w.reshape(size, math.prod(out_shape))
