@@ -209,15 +209,17 @@ static void Fail(const std::string& kernel, const Params& p, const char* fmt, ..
 }
 
 // ------------------------------------------------------------------------------------------------
-// tj_rows_matmul. dtype 0 f32 / 1 bf16; path 1 dot / 2 widen (bf16); data 0 small integers (exact),
-// 1 random reals (tolerance).
-static void TestMatmul(const Params& p) {
+// The weight products: tj_rows_matmul ("matmul": x [R, I] times w [O, I] -> y [O, R]) and
+// tj_cols_matmul ("cols": w [I, O] -> y [R, O]). dtype 0 f32 / 1 bf16; path 1 dot / 2 widen (bf16);
+// data 0 small integers (exact), 1 random reals (tolerance).
+static void TestProduct(const std::string& kernel, const Params& p) {
   const int64_t dtype = p.at("dtype"), path = p.at("path"), R = p.at("R"), I = p.at("I"), O = p.at("O");
   const int64_t thr = p.at("thr"), data = p.at("data"), alloc = p.at("alloc");
-  std::mt19937_64 rng(Seed("matmul", p));
+  const bool cols = kernel == "cols";
+  std::mt19937_64 rng(Seed(kernel, p));
   const size_t es = dtype ? 2 : 4;
   Alloc xa(es * R * I, alloc), wa(es * O * I, alloc), ya(4 * O * R, alloc);
-  std::vector<float> xf(R * I), wf(O * I);
+  std::vector<float> xf(R * I), wf(O * I);  // wf in the kernel's layout
   std::uniform_int_distribution<int> small(dtype ? -4 : -8, dtype ? 4 : 8);
   std::uniform_real_distribution<float> real(-1.0f, 1.0f);
   auto gen = [&]() -> float {
@@ -237,22 +239,22 @@ static void TestMatmul(const Params& p) {
   for (int64_t i = 0; i < O * R; ++i) y[i] = std::numeric_limits<float>::quiet_NaN();
   if (dtype && tj_set_bf16_products((int)path) != (kHasBf16Dot ? path : 2)) abort();
   const XLA_FFI_DataType t = dtype ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
-  Buf xb(t, xa.p, {R, I}), wb(t, wa.p, {O, I}), yb(XLA_FFI_DataType_F32, ya.p, {O, R});
-  ffi::Error e = RowsMatmulImpl(MakePool(thr), ffi::AnyBuffer(&xb.b), ffi::AnyBuffer(&wb.b),
-                                ffi::Buffer<ffi::F32>(&yb.b));
-  if (e.failure()) return Fail("matmul", p, "returned error: %s", e.message().c_str());
+  Buf xb(t, xa.p, {R, I}), wb(t, wa.p, cols ? std::vector<int64_t>{I, O} : std::vector<int64_t>{O, I}),
+      yb(XLA_FFI_DataType_F32, ya.p, cols ? std::vector<int64_t>{R, O} : std::vector<int64_t>{O, R});
+  auto impl = cols ? ColsMatmulImpl : RowsMatmulImpl;
+  ffi::Error e = impl(MakePool(thr), ffi::AnyBuffer(&xb.b), ffi::AnyBuffer(&wb.b), ffi::Buffer<ffi::F32>(&yb.b));
+  if (e.failure()) return Fail(kernel, p, "returned error: %s", e.message().c_str());
   double worst = 0;
   int64_t wo = -1, wr = -1;
   for (int64_t o = 0; o < O; ++o) {
     for (int64_t r = 0; r < R; ++r) {
       double ref = 0, mag = 0;
-      const float* wr_ = wf.data() + o * I;
-      const float* xr = xf.data() + r * I;
       for (int64_t i = 0; i < I; ++i) {
-        ref += (double)wr_[i] * xr[i];
-        mag += std::fabs((double)wr_[i] * xr[i]);
+        const double term = (double)wf[cols ? i * O + o : o * I + i] * xf[r * I + i];
+        ref += term;
+        mag += std::fabs(term);
       }
-      const double got = y[o * R + r];
+      const double got = y[cols ? r * O + o : o * R + r];
       double err = std::fabs(got - ref);
       if (std::isnan(got)) err = INFINITY;
       const double tol = data == 0 ? 0.0 : 2e-5 * mag + 1e-30;
@@ -260,59 +262,7 @@ static void TestMatmul(const Params& p) {
       if (scaled > worst) worst = scaled, wo = o, wr = r;
     }
   }
-  if (worst > 0) Fail("matmul", p, "max abs error %.6g (first worst at o=%ld r=%ld)", worst, (long)wo, (long)wr);
-}
-
-// ------------------------------------------------------------------------------------------------
-// tj_cols_matmul: x [R, I] times w [I, O]; parameters as TestMatmul's.
-static void TestCols(const Params& p) {
-  const int64_t dtype = p.at("dtype"), path = p.at("path"), R = p.at("R"), I = p.at("I"), O = p.at("O");
-  const int64_t thr = p.at("thr"), data = p.at("data"), alloc = p.at("alloc");
-  std::mt19937_64 rng(Seed("cols", p));
-  const size_t es = dtype ? 2 : 4;
-  Alloc xa(es * R * I, alloc), wa(es * I * O, alloc), ya(4 * R * O, alloc);
-  std::vector<float> xf(R * I), wf(I * O);
-  std::uniform_int_distribution<int> small(dtype ? -4 : -8, dtype ? 4 : 8);
-  std::uniform_real_distribution<float> real(-1.0f, 1.0f);
-  auto gen = [&]() -> float {
-    float v = data == 0 ? (float)small(rng) : real(rng);
-    return dtype ? RoundBf16(v) : v;
-  };
-  for (auto& v : xf) v = gen();
-  for (auto& v : wf) v = gen();
-  if (dtype) {
-    for (int64_t i = 0; i < R * I; ++i) ((uint16_t*)xa.p)[i] = ToBf16(xf[i]);
-    for (int64_t i = 0; i < I * O; ++i) ((uint16_t*)wa.p)[i] = ToBf16(wf[i]);
-  } else {
-    if (R * I) memcpy(xa.p, xf.data(), 4 * R * I);
-    if (I * O) memcpy(wa.p, wf.data(), 4 * I * O);
-  }
-  float* y = (float*)ya.p;
-  for (int64_t i = 0; i < R * O; ++i) y[i] = std::numeric_limits<float>::quiet_NaN();
-  if (dtype && tj_set_bf16_products((int)path) != (kHasBf16Dot ? path : 2)) abort();
-  const XLA_FFI_DataType t = dtype ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
-  Buf xb(t, xa.p, {R, I}), wb(t, wa.p, {I, O}), yb(XLA_FFI_DataType_F32, ya.p, {R, O});
-  ffi::Error e = ColsMatmulImpl(MakePool(thr), ffi::AnyBuffer(&xb.b), ffi::AnyBuffer(&wb.b),
-                                ffi::Buffer<ffi::F32>(&yb.b));
-  if (e.failure()) return Fail("cols", p, "returned error: %s", e.message().c_str());
-  double worst = 0;
-  int64_t wo = -1, wr = -1;
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t o = 0; o < O; ++o) {
-      double ref = 0, mag = 0;
-      for (int64_t i = 0; i < I; ++i) {
-        ref += (double)xf[r * I + i] * wf[i * O + o];
-        mag += std::fabs((double)xf[r * I + i] * wf[i * O + o]);
-      }
-      const double got = y[r * O + o];
-      double err = std::fabs(got - ref);
-      if (std::isnan(got)) err = INFINITY;
-      const double tol = data == 0 ? 0.0 : 2e-5 * mag + 1e-30;
-      const double scaled = err <= tol ? 0 : err;
-      if (scaled > worst) worst = scaled, wo = o, wr = r;
-    }
-  }
-  if (worst > 0) Fail("cols", p, "max abs error %.6g (first worst at r=%ld o=%ld)", worst, (long)wr, (long)wo);
+  if (worst > 0) Fail(kernel, p, "max abs error %.6g (first worst at o=%ld r=%ld)", worst, (long)wo, (long)wr);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -760,8 +710,7 @@ static void Sweep(std::vector<Case>& cs) {
 static void RunCase(const Case& c) {
   snprintf(g_case, sizeof g_case, "%s", CaseString(c.kernel, c.p).c_str());
   ++g_cases;
-  if (c.kernel == "matmul") TestMatmul(c.p);
-  else if (c.kernel == "cols") TestCols(c.p);
+  if (c.kernel == "matmul" || c.kernel == "cols") TestProduct(c.kernel, c.p);
   else if (c.kernel == "attention") TestAttention(c.p);
   else if (c.kernel == "cachewrite") TestCacheWrite(c.p);
   else if (c.kernel == "cachereorder") TestCacheReorder(c.p);

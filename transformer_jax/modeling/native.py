@@ -311,14 +311,18 @@ def rows_matmul(x, w):
     Differentiable in both modes (the derivatives are XLA's product's), and `jax.vmap` maps it one
     call per element. Call only where `available()` is True, and only in a computation placed on
     the CPU."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"rows_matmul: expected x [R, I] and w [O, I], got {x.shape} and {w.shape}")
-    if not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"rows_matmul: x has {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
-    if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float32):
-        raise TypeError(f"rows_matmul: x and w must both be bfloat16 or float32 (got {x.dtype}, {w.dtype})")
-    _check_available()
+    _check_product("rows_matmul", "[O, I]", x, w, 1)
     return _rows_matmul(x, w)
+
+
+def _check_product(name, layout, x, w, in_axis):
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[in_axis]:
+        raise ValueError(f"{name}: expected x [R, I] and w {layout}, got {x.shape} and {w.shape}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{name}: x has {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
+    if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"{name}: x and w must both be bfloat16 or float32 (got {x.dtype}, {w.dtype})")
+    _check_available()
 
 
 # Where a model's products of [in, out] weights take `cols_matmul`: up to COLS_MAX_ROWS rows, and
@@ -360,13 +364,7 @@ def cols_matmul(x, w):
     weights stored input-major (``kernel_layout='in_out'``). As `rows_matmul`: differentiable in
     both modes (XLA's product's derivatives), mapped by `jax.vmap` one call per element; call only
     where `available()` is True, in a computation placed on the CPU."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"cols_matmul: expected x [R, I] and w [I, O], got {x.shape} and {w.shape}")
-    if not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"cols_matmul: x has {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
-    if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float32):
-        raise TypeError(f"cols_matmul: x and w must both be bfloat16 or float32 (got {x.dtype}, {w.dtype})")
-    _check_available()
+    _check_product("cols_matmul", "[I, O]", x, w, 0)
     return _cols_matmul(x, w)
 
 

@@ -39,6 +39,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -274,16 +275,25 @@ void RunBf16Dot(ffi::ThreadPool& pool, int rows, const uint16_t* w, const uint16
                                     w, x, y, O, I);
 }
 
+// What both weight products check: x [R, I] (1 <= R <= kMaxRows) and a 2-axis w of x's dtype whose
+// axis `in_axis` is I. Sets R, I and O (w's other axis); `kernel` and `layout` name them in errors.
+ffi::Error ProductShape(const char* kernel, const char* layout, ffi::AnyBuffer& x, ffi::AnyBuffer& w, int in_axis,
+                        int64_t& R, int64_t& I, int64_t& O) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  const std::string name(kernel);
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[in_axis])
+    return ffi::Error::InvalidArgument(name + ": expected x [R, I] and w " + layout);
+  if (x.element_type() != w.element_type())
+    return ffi::Error::InvalidArgument(name + ": x and w differ in dtype");
+  R = xd[0], I = xd[1], O = wd[1 - in_axis];
+  if (R < 1 || R > kMaxRows) return ffi::Error::InvalidArgument(name + ": 1 to 16 rows supported");
+  return ffi::Error::Success();
+}
+
 ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("tj_rows_matmul: expected x [R, I] and w [O, I]");
-  if (x.element_type() != w.element_type())
-    return ffi::Error::InvalidArgument("tj_rows_matmul: x and w differ in dtype");
-  const int64_t R = xd[0], I = xd[1], O = wd[0];
-  if (R < 1 || R > kMaxRows)
-    return ffi::Error::InvalidArgument("tj_rows_matmul: 1 to 16 rows supported");
+  int64_t R, I, O;
+  if (ffi::Error e = ProductShape("tj_rows_matmul", "[O, I]", x, w, 1, R, I, O); e.failure()) return e;
   float* out = y->typed_data();
   if (I == 0) {
     std::memset(out, 0, sizeof(float) * R * O);
@@ -382,14 +392,8 @@ void RunColsDot(ffi::ThreadPool& pool, int R, const uint16_t* w, const uint16_t*
 
 ffi::Error ColsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("tj_cols_matmul: expected x [R, I] and w [I, O]");
-  if (x.element_type() != w.element_type())
-    return ffi::Error::InvalidArgument("tj_cols_matmul: x and w differ in dtype");
-  const int64_t R = xd[0], I = xd[1], O = wd[1];
-  if (R < 1 || R > kMaxRows)
-    return ffi::Error::InvalidArgument("tj_cols_matmul: 1 to 16 rows supported");
+  int64_t R, I, O;
+  if (ffi::Error e = ProductShape("tj_cols_matmul", "[I, O]", x, w, 0, R, I, O); e.failure()) return e;
   float* out = y->typed_data();
   if (O == 0) return ffi::Error::Success();
   if (I == 0) {
