@@ -219,30 +219,25 @@ inline int64_t Workers(ffi::ThreadPool& pool, int64_t tasks) {
   return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), tasks));
 }
 
-// Runs task(t, slot, first) for t in 0..tasks-1 on the calling thread and the pool's other threads;
-// returns when all are done. `slot` (0 .. Workers(pool, tasks) - 1) names the thread running the
-// task, for as long as the loop runs (no two threads share one), and `first` is whether the task
-// is the first that thread runs. `task` is copied into each helper, so it must hold only pointers
-// and values that stay valid until then.
+// Runs task(0..tasks-1) on the calling thread and the pool's other threads; returns when all are
+// done. `task` is copied into each helper, so it must hold only pointers and values that stay
+// valid until then.
 template <typename Task>
-void ParallelForSlots(ffi::ThreadPool& pool, int64_t tasks, Task task) {
+void ParallelFor(ffi::ThreadPool& pool, int64_t tasks, Task task) {
   if (tasks <= 0) return;
   if (tasks >= (int64_t{1} << 31)) std::abort();  // ranges pack two task indices in 64 bits
   const int64_t workers = Workers(pool, tasks);
   auto work = std::make_shared<Work>(tasks, workers);
   auto drain = [task](Work& s) {
     const int64_t own = s.arrived.fetch_add(1, std::memory_order_relaxed) % s.ranges.parts();
-    bool first = true;
     for (int64_t t; (t = s.ranges.Front(own)) >= 0;) {
-      task(t, own, first);
-      first = false;
+      task(t);
       s.done.fetch_add(1, std::memory_order_release);
     }
     for (int64_t k = 1; k < s.ranges.parts(); ++k) {
       const int64_t other = (own + k) % s.ranges.parts();
       for (int64_t t; (t = s.ranges.Back(other)) >= 0;) {
-        task(t, own, first);
-        first = false;
+        task(t);
         s.done.fetch_add(1, std::memory_order_release);
       }
     }
@@ -250,12 +245,6 @@ void ParallelForSlots(ffi::ThreadPool& pool, int64_t tasks, Task task) {
   for (int64_t h = 1; h < workers; ++h) pool.Schedule([work, drain] { drain(*work); });
   drain(*work);
   while (work->done.load(std::memory_order_acquire) < tasks) _mm_pause();
-}
-
-// Runs task(0..tasks-1) as ParallelForSlots does.
-template <typename Task>
-void ParallelFor(ffi::ThreadPool& pool, int64_t tasks, Task task) {
-  ParallelForSlots(pool, tasks, [task](int64_t t, int64_t, bool) { task(t); });
 }
 
 template <typename T>
@@ -333,9 +322,11 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 //
 // A task is a run of input rows, all columns: a run of contiguous memory, which each thread reads
 // front to back as tj_rows_matmul's tasks are read (prefetching the next task's run into L2 as it
-// reads its own, one line per line). Tasks of one thread add into that thread's partial sums
-// (ParallelForSlots; the first thread's are y itself), which are added up at the end: R * O floats
-// per thread, against the I * O weights. Within a task, a block of columns at a time takes every
+// reads its own, one line per line). The tasks form one group per thread, each a contiguous run of
+// them with partial sums of its own (the first group's are y itself), which are added up in group
+// order at the end: R * O floats per group, against the I * O weights. A thread takes a whole group
+// (ParallelFor), so every sum is taken in the same order whichever thread runs which group, and
+// the result is the same from call to call. Within a task, a block of columns at a time takes every
 // input row (ColsRange, in the instruction set's header). Measured in a C++ harness over the 72
 // weight products of a GPT-2-small step at 8 rows from memory (AMD Zen 5, two threads, against a
 // plain sum over the same weights in the same round, 67-72 GB/s): float32 41-44 GB/s (0.60-0.62 of
@@ -360,27 +351,25 @@ template <typename T, bool Dot>
 void RunCols(ffi::ThreadPool& pool, int R, const T* w, const void* x, float* y, int64_t I, int64_t O) {
   const ColsFn<T> fn = PickCols<T, Dot>(R, std::make_integer_sequence<int, kMaxRows>{});
   const int64_t rows = std::max<int64_t>(1, kColTaskBytes / (2 * O * (int64_t)sizeof(T))) * 2;
-  const int64_t tasks = (I + rows - 1) / rows, workers = Workers(pool, tasks);
-  // The other threads' partial sums, in the calling thread's buffer (it outlives the call).
+  const int64_t tasks = (I + rows - 1) / rows, groups = Workers(pool, tasks);
+  // Group g's partial sums (the first group's are y itself), in the calling thread's buffer (it
+  // outlives the call).
   thread_local std::vector<float> partial;
-  partial.resize((workers - 1) * R * O);
-  std::vector<uint8_t> used(workers, 0);
+  partial.resize((groups - 1) * R * O);
   float* more = partial.data();
-  uint8_t* seen = used.data();
   const uintptr_t base = reinterpret_cast<uintptr_t>(w);
-  ParallelForSlots(pool, tasks, [=](int64_t t, int64_t slot, bool first) {
-    const int64_t i0 = t * rows, i1 = std::min(I, i0 + rows);
-    seen[slot] = 1;
-    float* part = slot == 0 ? y : more + (slot - 1) * R * O;
-    // The next task's run (past the weight after the last task: a prefetch never faults).
-    const char* ahead = reinterpret_cast<const char*>(base + i1 * O * (int64_t)sizeof(T));
-    fn(w, x, part, I, O, i0, i1, first, ahead);
+  ParallelFor(pool, groups, [=](int64_t g) {
+    float* part = g == 0 ? y : more + (g - 1) * R * O;
+    for (int64_t t = tasks * g / groups; t < tasks * (g + 1) / groups; ++t) {
+      const int64_t i0 = t * rows, i1 = std::min(I, i0 + rows);
+      // The next task's run (past the weight after the last task: a prefetch never faults).
+      const char* ahead = reinterpret_cast<const char*>(base + i1 * O * (int64_t)sizeof(T));
+      fn(w, x, part, I, O, i0, i1, t == tasks * g / groups, ahead);
+    }
   });
   const int64_t n = R * O;
-  if (!used[0]) std::memset(y, 0, sizeof(float) * n);
-  for (int64_t s = 1; s < workers; ++s) {
-    if (!used[s]) continue;
-    const float* p = more + (s - 1) * n;
+  for (int64_t g = 1; g < groups; ++g) {
+    const float* p = more + (g - 1) * n;
     for (int64_t k = 0; k < n; ++k) y[k] += p[k];
   }
 }
