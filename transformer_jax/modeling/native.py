@@ -327,7 +327,7 @@ def _check_product(name, layout, x, w, in_axis):
 
 # Where a model's products of [in, out] weights take `cols_matmul`: up to COLS_MAX_ROWS rows, and
 # outputs of at most COLS_MAX_ROW_BYTES per input row. The kernel's tasks are runs of whole input
-# rows of ~128 KB, each adding into the thread's [R, O] partial sums once per block of columns; a
+# rows of ~128 KB, each adding into its group's [R, O] partial sums once per block of columns; a
 # wider row leaves too few input rows per task (at O = 8192 float32, one), and at more rows the two
 # passes over each block read the partial sums twice: there XLA's product was faster (one core
 # of the AMD Zen 5 host, per call: float32 [768, 8192] at 8 rows 0.70 against 0.42 ms, at 16 rows

@@ -560,8 +560,9 @@ void BiasActivationColumns(const float* yp, const float* bp, void* outp, int64_t
         const int64_t oj = std::min<int64_t>(o + 8 * j, o1);
         n[j] = std::min<int64_t>(8, o1 - oj);
         const __m256i m = FirstLanes(n[j]);
-        h[j] = rows_first ? _mm256_maskload_ps(yp + r * O + oj, m)
-                          : _mm256_mask_i32gather_ps(_mm256_setzero_ps(), yp + oj * R + r, lanes, _mm256_castsi256_ps(m), 4);
+        h[j] = rows_first
+                   ? _mm256_maskload_ps(yp + r * O + oj, m)
+                   : _mm256_mask_i32gather_ps(_mm256_setzero_ps(), yp + oj * R + r, lanes, _mm256_castsi256_ps(m), 4);
         h[j] = round(_mm256_add_ps(h[j], _mm256_maskload_ps(bp + oj, m)));
       }
       for (int j = 0; j < kActivationVectors; ++j) h[j] = Activation<Act>(h[j], round);

@@ -290,7 +290,8 @@ inline __m512 LoadWeights(const float* p, __mmask16 lanes, bool whole) {
   return whole ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes, p);
 }
 inline __m512 LoadWeights(const uint16_t* p, __mmask16 lanes, bool whole) {
-  const __m256i v = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(lanes, p);
+  const __m256i v =
+      whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(lanes, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
@@ -342,8 +343,9 @@ __attribute__((noinline)) void ColBlockDot(const uint16_t* w, const uint16_t* x,
     const uint16_t* row = w + i * O + c0;
     __m512bh a[2 * P];
     for (int v = 0; v < P; ++v) {
+      const uint16_t* next = row + O;  // input row i + 1
       const __m512i lo = Whole ? _mm512_loadu_si512(row + 32 * v) : _mm512_maskz_loadu_epi16(m[v], row + 32 * v);
-      const __m512i hi = Whole ? _mm512_loadu_si512(row + O + 32 * v) : _mm512_maskz_loadu_epi16(m[v], row + O + 32 * v);
+      const __m512i hi = Whole ? _mm512_loadu_si512(next + 32 * v) : _mm512_maskz_loadu_epi16(m[v], next + 32 * v);
       a[2 * v] = (__m512bh)_mm512_unpacklo_epi16(lo, hi);
       a[2 * v + 1] = (__m512bh)_mm512_unpackhi_epi16(lo, hi);
     }
