@@ -63,7 +63,9 @@ _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_cache_write": "TjCacheWrite",
             "transformer_jax_cache_reorder": "TjCacheReorder",
             "transformer_jax_greedy_choice": "TjGreedyChoice",
-            "transformer_jax_bias_activation": "TjBiasActivation"}
+            "transformer_jax_bias_activation": "TjBiasActivation",
+            "transformer_jax_attention_fwd": "TjAttentionFwd",
+            "transformer_jax_attention_bwd": "TjAttentionBwd"}
 # Activations `bias_activation` computes (the kernel's codes); others run in XLA.
 ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu_tanh": 2, "silu": 3}
 # Under `jax.vmap` every kernel runs once per element of the mapped axis (they take unbatched
@@ -400,6 +402,67 @@ def cache_attention(q, k, v, mask):
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     out = jax.ShapeDtypeStruct((B, L, H, K), jnp.float32)
     return jax.ffi.ffi_call("transformer_jax_cache_attention", out, vmap_method=VMAP)(q, k, v, mask)
+
+
+# Query x key pairs above which `attention_fits` refuses (each task keeps [64, S] blocks of logits).
+ATTENTION_MAX_KEYS = 16384
+
+
+def attention_fits(q, k, v, mask) -> bool:
+    """Whether `attention_forward` takes these: q [B, T, H, D] and k, v [B, S, N, D] (float32, or
+    bfloat16 widened by the caller), N dividing H, D a multiple of 16 up to MAX_HEAD_DIM, at most
+    ATTENTION_MAX_KEYS keys, and None or an `masks.AttentionMask` without a dense part or a causal
+    offset (`attention_mask_args` folds the rest into segment ids)."""
+    from transformer_jax.modeling import masks
+
+    if mask is not None and (not isinstance(mask, masks.AttentionMask) or mask.dense is not None
+                             or mask.causal_offset is not None
+                             or (mask.causal and q.shape[1] != k.shape[1])):
+        return False
+    return (all(x.dtype in (jnp.float32, jnp.bfloat16) for x in (q, k, v))
+            and q.shape[-1] % 16 == 0 and q.shape[-1] <= MAX_HEAD_DIM
+            and k.shape[1] <= ATTENTION_MAX_KEYS and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
+
+
+def attention_mask_args(mask, batch: int, q_length: int, kv_length: int):
+    """(causal, q_seg int32 [B, T], kv_seg int32 [B, S]) for `attention_forward` from an
+    `masks.AttentionMask` that `attention_fits` accepts (or None). Key j is visible to query i when
+    kv_seg[j] != 0 and q_seg[i] == kv_seg[j] (and j <= i if causal): segment ids, key validity,
+    key lengths and a key limit all fold into these two arrays."""
+    q_seg = jnp.ones((batch, q_length), jnp.int32)
+    kv_seg = jnp.ones((batch, kv_length), jnp.int32)
+    if mask is None:
+        return False, q_seg, kv_seg
+    if mask.q_segment_ids is not None:
+        q_seg = jnp.broadcast_to(mask.q_segment_ids.astype(jnp.int32), (batch, q_length))
+        kv_seg = jnp.broadcast_to(mask.kv_segment_ids.astype(jnp.int32), (batch, kv_length))
+    keys = jnp.arange(kv_length)[None, :]
+    if mask.kv_valid is not None:
+        kv_seg = jnp.where(mask.kv_valid, kv_seg, 0)
+    if mask.kv_lengths is not None:
+        kv_seg = jnp.where(keys < jnp.reshape(mask.kv_lengths, (-1, 1)), kv_seg, 0)
+    if mask.kv_limit is not None:
+        kv_seg = jnp.where(keys < mask.kv_limit, kv_seg, 0)
+    return mask.causal, q_seg, kv_seg
+
+
+def attention_forward(q, k, v, q_seg, kv_seg, causal: bool):
+    """softmax(q k^T / sqrt(D)) v for float32 q [B, T, H, D], k, v [B, S, N, D] with the visibility
+    of `attention_mask_args` -> (out [B, T, H, D], log-sum-exp of each query's logits [B, H, T], -inf
+    where it sees no key; its output is then zero)."""
+    _check_available()
+    B, T, H, D = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((B, H, T), jnp.float32))
+    return jax.ffi.ffi_call("transformer_jax_attention_fwd", out, vmap_method=VMAP)(
+        q, k, v, q_seg, kv_seg, causal=bool(causal), scale=np.float32(1.0 / np.sqrt(D)))
+
+
+def attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal: bool):
+    """(dq, dk, dv) of `attention_forward` for the output's cotangent g, from its out and lse."""
+    _check_available()
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+    return jax.ffi.ffi_call("transformer_jax_attention_bwd", shapes, vmap_method=VMAP)(
+        q, k, v, out, g, lse, q_seg, kv_seg, causal=bool(causal), scale=np.float32(1.0 / np.sqrt(q.shape[-1])))
 
 
 def cache_write_xla(cache, new, index):

@@ -587,3 +587,27 @@ void BiasActivationColumns(const float* yp, const float* bp, void* outp, int64_t
     }
   }
 }
+
+// The vector operations of the training attention, as in native_avx512.h (8 lanes).
+using FVec = __m256;
+constexpr int kFLanes = 8;
+constexpr int kGemmRows = 4;
+constexpr int kGemmVecs = 2;  // 8 accumulators of 16 registers
+inline FVec FLoad(const float* p) { return _mm256_loadu_ps(p); }
+inline void FStore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+inline FVec FSet(float x) { return _mm256_set1_ps(x); }
+inline FVec FFma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline FVec FMul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec FSub(FVec a, FVec b) { return _mm256_sub_ps(a, b); }
+inline FVec FMax(FVec a, FVec b) { return _mm256_max_ps(a, b); }
+inline float FSum(FVec v) { return SumLanes(v); }
+inline float FMaxLanes(FVec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+inline FVec ExpOrZero(FVec x) {
+  const __m256 finite = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+  return _mm256_and_ps(finite, Exp(x));
+}

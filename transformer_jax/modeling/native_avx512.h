@@ -707,3 +707,27 @@ void BiasActivationColumns(const float* yp, const float* bp, void* outp, int64_t
   }
 }
 
+
+// The vector operations of the training attention (TrainAttention* in native_kernels.cc), which
+// is written once for both instruction sets in terms of these.
+using FVec = __m512;
+constexpr int kFLanes = 16;
+// The block of its products: kGemmRows rows by kGemmVecs vectors of accumulators (16 of 32
+// registers), each loaded vector of the right operand feeding kGemmRows FMAs.
+constexpr int kGemmRows = 4;
+constexpr int kGemmVecs = 4;
+inline FVec FLoad(const float* p) { return _mm512_loadu_ps(p); }
+inline void FStore(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+inline FVec FSet(float x) { return _mm512_set1_ps(x); }
+inline FVec FFma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline FVec FMul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec FSub(FVec a, FVec b) { return _mm512_sub_ps(a, b); }
+inline FVec FMax(FVec a, FVec b) { return _mm512_max_ps(a, b); }
+inline float FSum(FVec v) { return _mm512_reduce_add_ps(v); }
+inline float FMaxLanes(FVec v) { return _mm512_reduce_max_ps(v); }
+// exp(x) for x <= 0, and exactly 0 where x is -inf (a masked logit).
+inline FVec ExpOrZero(FVec x) {
+  const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                              _CMP_NEQ_OQ);
+  return _mm512_maskz_mov_ps(finite, Exp(x));
+}

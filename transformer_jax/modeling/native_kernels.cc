@@ -698,6 +698,287 @@ ffi::Error BiasActivationImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Training attention: softmax(q k^T * scale) v over whole sequences, forward and backward, float32.
+// XLA:CPU runs attention's batched [T, d] x [d, S] products at ~0.1-0.2 of its matmul peak and
+// makes ~10 passes over the [B, H, T, S] logits between them; here one task takes a (batch row,
+// KV head) and keeps every block it touches in L2. Causal masking skips the keys after a query
+// block's last query. Layouts: q, o, dq [B, T, H, D]; k, v, dk, dv [B, S, N, D] (H = N * G);
+// lse [B, H, T]. Key j is visible to query i when kv_seg[b, j] != 0, q_seg[b, i] == kv_seg[b, j]
+// and, if causal, j <= i.
+
+// Query rows per block: a block's logits, probabilities and their gradient are [kAttnBlock, S].
+constexpr int64_t kAttnBlock = 64;
+constexpr int64_t kGemmWidth = kGemmVecs * kFLanes;
+
+inline int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// C[kGemmRows, NV * kFLanes] += A(i, k) B[k, :] over k < K: A(i, k) = a[i * ai + k * ak], row k of
+// B at b + k * ldb, row i of C at c + i * ldc.
+template <int NV>
+inline void GemmBlock(const float* a, int64_t ai, int64_t ak, const float* b, int64_t ldb, float* c,
+                      int64_t ldc, int64_t K) {
+  FVec acc[kGemmRows][NV];
+  for (int r = 0; r < kGemmRows; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = FLoad(c + r * ldc + v * kFLanes);
+  for (int64_t k = 0; k < K; ++k) {
+    FVec bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = FLoad(b + k * ldb + v * kFLanes);
+    for (int r = 0; r < kGemmRows; ++r) {
+      const FVec s = FSet(a[r * ai + k * ak]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = FFma(s, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kGemmRows; ++r)
+    for (int v = 0; v < NV; ++v) FStore(c + r * ldc + v * kFLanes, acc[r][v]);
+}
+
+// C[M, N] += A B as above; M a multiple of kGemmRows, N of kFLanes.
+inline void Gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t ai, int64_t ak, const float* b,
+                 int64_t ldb, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < M; i += kGemmRows) {
+    int64_t j = 0;
+    for (; j + kGemmWidth <= N; j += kGemmWidth)
+      GemmBlock<kGemmVecs>(a + i * ai, ai, ak, b + j, ldb, c + i * ldc + j, ldc, K);
+    for (; j < N; j += kFLanes) GemmBlock<1>(a + i * ai, ai, ak, b + j, ldb, c + i * ldc + j, ldc, K);
+  }
+}
+
+struct TrainAttentionShape {
+  int64_t B, T, H, N, S, D;
+  bool causal;
+  float scale;
+  int64_t G() const { return H / N; }
+  int64_t Tp() const { return RoundUp(T, kGemmRows); }
+  int64_t Sp() const { return RoundUp(S, kGemmWidth); }
+  // Keys a block of queries from i0 can see: all, or with causal masking up to its last query.
+  int64_t KeyEnd(int64_t i0) const {
+    return causal ? std::min(Sp(), RoundUp(std::min(i0 + kAttnBlock, T), kGemmWidth)) : Sp();
+  }
+};
+
+// Rows [0, rows) of x (row stride `stride`, D floats each) times `scale` into dst [padded, D],
+// the rows after them zero.
+inline void CopyRows(const float* x, int64_t stride, int64_t rows, int64_t padded, int64_t D, float scale,
+                     float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) dst[r * D + d] = x[r * stride + d] * scale;
+  std::fill(dst + rows * D, dst + padded * D, 0.0f);
+}
+
+// The transpose of rows [0, rows) of x into dst [D, padded], the columns after them zero.
+inline void CopyTransposed(const float* x, int64_t stride, int64_t rows, int64_t padded, int64_t D,
+                           float* dst) {
+  for (int64_t d = 0; d < D; ++d) {
+    for (int64_t r = 0; r < rows; ++r) dst[d * padded + r] = x[r * stride + d];
+    std::fill(dst + d * padded + rows, dst + (d + 1) * padded, 0.0f);
+  }
+}
+
+// Logits row s[0, end) of query i: masked keys set to -inf. Returns whether any key is visible.
+inline bool MaskRow(const TrainAttentionShape& a, float* s, int64_t i, int64_t end, int32_t q_seg,
+                    const int32_t* kv_seg) {
+  const float masked = -std::numeric_limits<float>::infinity();
+  const int64_t limit = std::min(end, a.causal ? std::min(i + 1, a.S) : a.S);
+  bool any = false;
+  for (int64_t j = 0; j < limit; ++j) {
+    const bool visible = kv_seg[j] != 0 && kv_seg[j] == q_seg;
+    any |= visible;
+    s[j] = visible ? s[j] : masked;
+  }
+  std::fill(s + limit, s + end, masked);
+  return any;
+}
+
+// Per-thread scratch of a task, reused from task to task.
+struct AttentionScratch {
+  std::vector<float> kt, vt, kh, vh, qh, gh, oh, dkh, dvh, s, ds, delta;
+};
+
+void TrainAttentionForward(ffi::ThreadPool& pool, const TrainAttentionShape& a, const float* qp,
+                           const float* kp, const float* vp, const int32_t* q_seg, const int32_t* kv_seg,
+                           float* op, float* lsep) {
+  ParallelFor(pool, a.B * a.N, [a, qp, kp, vp, q_seg, kv_seg, op, lsep](int64_t t) {
+    const int64_t b = t / a.N, n = t % a.N, D = a.D, Tp = a.Tp(), Sp = a.Sp();
+    thread_local AttentionScratch w;
+    w.kt.resize(D * Sp);
+    w.vh.resize(Sp * D);
+    w.qh.resize(Tp * D);
+    w.oh.resize(Tp * D);
+    w.s.resize(kAttnBlock * Sp);
+    const int64_t kv_stride = a.N * D, q_stride = a.H * D;
+    CopyTransposed(kp + (b * a.S * a.N + n) * D, kv_stride, a.S, Sp, D, w.kt.data());
+    CopyRows(vp + (b * a.S * a.N + n) * D, kv_stride, a.S, Sp, D, 1.0f, w.vh.data());
+    const int32_t* ks = kv_seg + b * a.S;
+    for (int64_t g = 0; g < a.G(); ++g) {
+      const int64_t h = n * a.G() + g;
+      CopyRows(qp + (b * a.T * a.H + h) * D, q_stride, a.T, Tp, D, a.scale, w.qh.data());
+      std::fill(w.oh.begin(), w.oh.end(), 0.0f);
+      float* lse = lsep + (b * a.H + h) * a.T;
+      for (int64_t i0 = 0; i0 < Tp; i0 += kAttnBlock) {
+        const int64_t rows = std::min(kAttnBlock, Tp - i0), end = a.KeyEnd(i0);
+        float* s = w.s.data();
+        std::fill(s, s + rows * end, 0.0f);
+        Gemm(rows, end, D, w.qh.data() + i0 * D, D, 1, w.kt.data(), Sp, s, end);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          float* row = s + r * end;
+          if (i >= a.T || !MaskRow(a, row, i, end, q_seg[b * a.T + i], ks)) {
+            std::fill(row, row + end, 0.0f);
+            if (i < a.T) lse[i] = -std::numeric_limits<float>::infinity();
+            continue;
+          }
+          FVec top = FSet(-std::numeric_limits<float>::infinity());
+          for (int64_t j = 0; j < end; j += kFLanes) top = FMax(top, FLoad(row + j));
+          const float m = FMaxLanes(top);
+          FVec sum = FSet(0.0f);
+          for (int64_t j = 0; j < end; j += kFLanes) {
+            const FVec e = ExpOrZero(FSub(FLoad(row + j), FSet(m)));
+            FStore(row + j, e);
+            sum = FFma(e, FSet(1.0f), sum);
+          }
+          const float total = FSum(sum);
+          const FVec inv = FSet(1.0f / total);
+          for (int64_t j = 0; j < end; j += kFLanes) FStore(row + j, FMul(FLoad(row + j), inv));
+          lse[i] = m + std::log(total);
+        }
+        Gemm(rows, D, end, s, end, 1, w.vh.data(), D, w.oh.data() + i0 * D, D);
+      }
+      float* out = op + (b * a.T * a.H + h) * D;
+      for (int64_t i = 0; i < a.T; ++i) std::memcpy(out + i * q_stride, w.oh.data() + i * D, D * sizeof(float));
+    }
+  });
+}
+
+void TrainAttentionBackward(ffi::ThreadPool& pool, const TrainAttentionShape& a, const float* qp,
+                            const float* kp, const float* vp, const float* op, const float* gp,
+                            const float* lsep, const int32_t* q_seg, const int32_t* kv_seg, float* dqp,
+                            float* dkp, float* dvp) {
+  ParallelFor(pool, a.B * a.N, [=](int64_t t) {
+    const int64_t b = t / a.N, n = t % a.N, D = a.D, Tp = a.Tp(), Sp = a.Sp();
+    thread_local AttentionScratch w;
+    w.kt.resize(D * Sp);
+    w.vt.resize(D * Sp);
+    w.kh.resize(Sp * D);
+    w.qh.resize(Tp * D);
+    w.gh.resize(Tp * D);
+    w.oh.resize(Tp * D);
+    w.dkh.assign(Sp * D, 0.0f);
+    w.dvh.assign(Sp * D, 0.0f);
+    w.s.resize(kAttnBlock * Sp);
+    w.ds.resize(kAttnBlock * Sp);
+    w.delta.resize(Tp);
+    const int64_t kv_stride = a.N * D, q_stride = a.H * D;
+    const float* key = kp + (b * a.S * a.N + n) * D;
+    const float* val = vp + (b * a.S * a.N + n) * D;
+    CopyTransposed(key, kv_stride, a.S, Sp, D, w.kt.data());
+    CopyTransposed(val, kv_stride, a.S, Sp, D, w.vt.data());
+    CopyRows(key, kv_stride, a.S, Sp, D, 1.0f, w.kh.data());
+    const int32_t* ks = kv_seg + b * a.S;
+    for (int64_t g = 0; g < a.G(); ++g) {
+      const int64_t h = n * a.G() + g;
+      const int64_t offset = (b * a.T * a.H + h) * D;
+      CopyRows(qp + offset, q_stride, a.T, Tp, D, a.scale, w.qh.data());
+      CopyRows(gp + offset, q_stride, a.T, Tp, D, 1.0f, w.gh.data());
+      const float* lse = lsep + (b * a.H + h) * a.T;
+      for (int64_t i = 0; i < a.T; ++i) {  // delta_i = sum_d dO[i, d] O[i, d]
+        const float* o = op + offset + i * q_stride;
+        float sum = 0.0f;
+        for (int64_t d = 0; d < D; ++d) sum += w.gh[i * D + d] * o[d];
+        w.delta[i] = sum;
+      }
+      std::fill(w.oh.begin(), w.oh.end(), 0.0f);  // dq of this head, before the scale
+      for (int64_t i0 = 0; i0 < Tp; i0 += kAttnBlock) {
+        const int64_t rows = std::min(kAttnBlock, Tp - i0), end = a.KeyEnd(i0);
+        float* s = w.s.data();
+        float* ds = w.ds.data();
+        std::fill(s, s + rows * end, 0.0f);
+        std::fill(ds, ds + rows * end, 0.0f);
+        Gemm(rows, end, D, w.qh.data() + i0 * D, D, 1, w.kt.data(), Sp, s, end);        // logits
+        Gemm(rows, end, D, w.gh.data() + i0 * D, D, 1, w.vt.data(), Sp, ds, end);       // dP = dO V^T
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          float* p = s + r * end;
+          float* dp = ds + r * end;
+          if (i >= a.T || lse[i] == -std::numeric_limits<float>::infinity() ||
+              !MaskRow(a, p, i, end, q_seg[b * a.T + i], ks)) {
+            std::fill(p, p + end, 0.0f);
+            std::fill(dp, dp + end, 0.0f);
+            continue;
+          }
+          const FVec top = FSet(lse[i]), delta = FSet(w.delta[i]);
+          for (int64_t j = 0; j < end; j += kFLanes) {
+            const FVec pj = ExpOrZero(FSub(FLoad(p + j), top));  // P = exp(logit - lse)
+            FStore(p + j, pj);
+            FStore(dp + j, FMul(pj, FSub(FLoad(dp + j), delta)));  // dS = P (dP - delta)
+          }
+        }
+        // dV += P^T dO, dK += dS^T (scale Q), dQ += dS K (scaled below).
+        Gemm(end, D, rows, s, 1, end, w.gh.data() + i0 * D, D, w.dvh.data(), D);
+        Gemm(end, D, rows, ds, 1, end, w.qh.data() + i0 * D, D, w.dkh.data(), D);
+        Gemm(rows, D, end, ds, end, 1, w.kh.data(), D, w.oh.data() + i0 * D, D);
+      }
+      float* dq = dqp + offset;
+      for (int64_t i = 0; i < a.T; ++i)
+        for (int64_t d = 0; d < D; ++d) dq[i * q_stride + d] = w.oh[i * D + d] * a.scale;
+    }
+    float* dk = dkp + (b * a.S * a.N + n) * D;
+    float* dv = dvp + (b * a.S * a.N + n) * D;
+    for (int64_t j = 0; j < a.S; ++j) {
+      std::memcpy(dk + j * kv_stride, w.dkh.data() + j * D, D * sizeof(float));
+      std::memcpy(dv + j * kv_stride, w.dvh.data() + j * D, D * sizeof(float));
+    }
+  });
+}
+
+// Shapes of q [B, T, H, D], k and v [B, S, N, D], q_seg [B, T], kv_seg [B, S]; an error names
+// what does not fit.
+ffi::Error TrainAttentionCheck(const char* name, ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, ffi::Span<const int64_t> qs,
+                               ffi::Span<const int64_t> ks, TrainAttentionShape& a) {
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qs.size() != 2 || ks.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(name) + ": expected 4-axis q, k, v and 2-axis segment ids");
+  a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3], a.S = kd[1], a.N = kd[2];
+  if (kd[0] != a.B || kd[3] != a.D || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] ||
+      a.N == 0 || a.H % a.N != 0 || a.D % kFLanes != 0 || a.D > kMaxHeadDim || qs[0] != a.B || qs[1] != a.T ||
+      ks[0] != a.B || ks[1] != a.S)
+    return ffi::Error::InvalidArgument(std::string(name) + ": shapes do not fit");
+  return ffi::Error::Success();
+}
+
+ffi::Error TrainAttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_seg,
+                                 ffi::Buffer<ffi::S32> kv_seg, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> lse, bool causal, float scale) {
+  TrainAttentionShape a{};
+  ffi::Error error = TrainAttentionCheck("tj_attention_fwd", q.dimensions(), k.dimensions(), v.dimensions(),
+                                         q_seg.dimensions(), kv_seg.dimensions(), a);
+  if (error.failure()) return error;
+  a.causal = causal;
+  a.scale = scale;
+  TrainAttentionForward(pool, a, q.typed_data(), k.typed_data(), v.typed_data(), q_seg.typed_data(),
+                        kv_seg.typed_data(), out->typed_data(), lse->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error TrainAttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> g,
+                                 ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_seg,
+                                 ffi::Buffer<ffi::S32> kv_seg, ffi::Result<ffi::Buffer<ffi::F32>> dq,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> dk, ffi::Result<ffi::Buffer<ffi::F32>> dv,
+                                 bool causal, float scale) {
+  TrainAttentionShape a{};
+  ffi::Error error = TrainAttentionCheck("tj_attention_bwd", q.dimensions(), k.dimensions(), v.dimensions(),
+                                         q_seg.dimensions(), kv_seg.dimensions(), a);
+  if (error.failure()) return error;
+  a.causal = causal;
+  a.scale = scale;
+  TrainAttentionBackward(pool, a, q.typed_data(), k.typed_data(), v.typed_data(), o.typed_data(),
+                         g.typed_data(), lse.typed_data(), q_seg.typed_data(), kv_seg.typed_data(),
+                         dq->typed_data(), dk->typed_data(), dv->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGreedyChoice, GreedyChoiceImpl,
@@ -752,6 +1033,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjBiasActivation, BiasActivationImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("activation")
                                   .Attr<int32_t>("rows_first"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjAttentionFwd, TrainAttentionFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("causal")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjAttentionBwd, TrainAttentionBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("causal")
+                                  .Attr<float>("scale"));
 
 // How bf16 products run (1: bf16 dot products, 2: widened to float32), deciding it by measurement
 // if not yet decided; and setting it (0: measure again, 1 or 2) for tests and measurements. Called

@@ -19,7 +19,11 @@ from transformer_jax.modeling.layers import Embed, make_norm
 from transformer_jax.modeling.positional import sinusoidal_encoding
 
 _REMAT_POLICIES = {
-    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The native attention kernel's output and log-sum-exp are kept too: its backward kernel
+    # needs them, and recomputing them would run its forward kernel a second time.
+    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 
