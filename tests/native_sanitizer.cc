@@ -3,7 +3,8 @@
 // tests/test_native_kernels.py for each instruction set the CPU runs.
 //
 // It calls the FFI implementation functions (RowsMatmulImpl, ColsMatmulImpl, CacheAttentionImpl,
-// CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl) directly, through an XLA_FFI_Api whose
+// CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl, TrainAttentionFwdImpl,
+// TrainAttentionBwdImpl) directly, through an XLA_FFI_Api whose
 // thread pool is threads of its own (so ParallelFor runs as in XLA, threads taking each other's
 // ranges), on buffers allocated with exactly the bytes their shapes need, and compares every result
 // with a scalar reference in double precision (bit for bit on small-integer data, where the sums
@@ -361,6 +362,120 @@ static void TestAttention(const Params& p) {
   if (worst > 0) Fail("attention", p, "max abs error %.6g at %s", worst, where.c_str());
 }
 
+// ------------------------------------------------------------------------------------------------
+// tj_attention_fwd / tj_attention_bwd (training attention). causal 0/1; mask 0 none, 1 packed
+// segments (ids sorted, some 0 = padding), 2 random invalid keys, 3 every key of batch row 0
+// invalid (its queries see nothing: zero output, -inf log-sum-exp, zero gradients).
+static void TestTrainAttention(const Params& p) {
+  const int64_t B = p.at("B"), T = p.at("T"), S = p.at("S"), H = p.at("H"), N = p.at("N"), D = p.at("D");
+  const int64_t causal = p.at("causal"), mask = p.at("mask"), thr = p.at("thr"), alloc = p.at("alloc");
+  std::mt19937_64 rng(Seed("trainattn", p));
+  std::uniform_real_distribution<float> real(-1.0f, 1.0f);
+  const int64_t nq = B * T * H * D, nk = B * S * N * D;
+  Alloc qa(4 * nq, alloc), ka(4 * nk, alloc), va(4 * nk, alloc), ga(4 * nq, alloc), qsa(4 * B * T, alloc),
+      ksa(4 * B * S, alloc), oa(4 * nq, alloc), la(4 * B * H * T, alloc), dqa(4 * nq, alloc), dka(4 * nk, alloc),
+      dva(4 * nk, alloc);
+  float *q = (float*)qa.p, *k = (float*)ka.p, *v = (float*)va.p, *g = (float*)ga.p;
+  for (int64_t i = 0; i < nq; ++i) q[i] = 2.0f * real(rng), g[i] = real(rng);
+  for (int64_t i = 0; i < nk; ++i) k[i] = 2.0f * real(rng), v[i] = real(rng);
+  int32_t *qs = (int32_t*)qsa.p, *ks = (int32_t*)ksa.p;
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t seg = 1;
+    for (int64_t i = 0; i < std::max(T, S); ++i) {
+      if (mask == 1 && rng() % 9 == 0) seg = (seg + 1) % 4;  // 0: padding
+      if (i < T) qs[b * T + i] = mask == 1 ? seg : 1;
+      if (i < S) ks[b * S + i] = mask == 1 ? seg : (mask == 2 ? (int32_t)(rng() % 3 != 0) : (mask == 3 && b == 0 ? 0 : 1));
+    }
+    if (mask == 1 && T != S)
+      for (int64_t j = 0; j < S; ++j) ks[b * S + j] = (int32_t)(rng() % 4);
+  }
+  float *o = (float*)oa.p, *lse = (float*)la.p, *dq = (float*)dqa.p, *dk = (float*)dka.p, *dv = (float*)dva.p;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::fill(o, o + nq, nan), std::fill(lse, lse + B * H * T, nan), std::fill(dq, dq + nq, nan);
+  std::fill(dk, dk + nk, nan), std::fill(dv, dv + nk, nan);
+  const float scale = 1.0f / std::sqrt((float)D);
+  Buf qb(XLA_FFI_DataType_F32, q, {B, T, H, D}), kb(XLA_FFI_DataType_F32, k, {B, S, N, D}),
+      vb(XLA_FFI_DataType_F32, v, {B, S, N, D}), gb(XLA_FFI_DataType_F32, g, {B, T, H, D}),
+      qsb(XLA_FFI_DataType_S32, qs, {B, T}), ksb(XLA_FFI_DataType_S32, ks, {B, S}),
+      ob(XLA_FFI_DataType_F32, o, {B, T, H, D}), lb(XLA_FFI_DataType_F32, lse, {B, H, T}),
+      dqb(XLA_FFI_DataType_F32, dq, {B, T, H, D}), dkb(XLA_FFI_DataType_F32, dk, {B, S, N, D}),
+      dvb(XLA_FFI_DataType_F32, dv, {B, S, N, D});
+  ffi::Error e = TrainAttentionFwdImpl(MakePool(thr), ffi::Buffer<ffi::F32>(&qb.b), ffi::Buffer<ffi::F32>(&kb.b),
+                                       ffi::Buffer<ffi::F32>(&vb.b), ffi::Buffer<ffi::S32>(&qsb.b),
+                                       ffi::Buffer<ffi::S32>(&ksb.b), ffi::Buffer<ffi::F32>(&ob.b),
+                                       ffi::Buffer<ffi::F32>(&lb.b), causal != 0, scale);
+  const bool fits = D % kFLanes == 0 && D <= kMaxHeadDim && H % N == 0;
+  if (!fits) {
+    if (!e.failure()) Fail("trainattn", p, "accepted head dimension %ld", (long)D);
+    return;
+  }
+  if (e.failure()) return Fail("trainattn", p, "forward returned error: %s", e.message().c_str());
+  e = TrainAttentionBwdImpl(MakePool(thr), ffi::Buffer<ffi::F32>(&qb.b), ffi::Buffer<ffi::F32>(&kb.b),
+                            ffi::Buffer<ffi::F32>(&vb.b), ffi::Buffer<ffi::F32>(&ob.b), ffi::Buffer<ffi::F32>(&gb.b),
+                            ffi::Buffer<ffi::F32>(&lb.b), ffi::Buffer<ffi::S32>(&qsb.b), ffi::Buffer<ffi::S32>(&ksb.b),
+                            ffi::Buffer<ffi::F32>(&dqb.b), ffi::Buffer<ffi::F32>(&dkb.b), ffi::Buffer<ffi::F32>(&dvb.b),
+                            causal != 0, scale);
+  if (e.failure()) return Fail("trainattn", p, "backward returned error: %s", e.message().c_str());
+  const int64_t G = H / N;
+  std::vector<double> rdq(nq, 0.0), rdk(nk, 0.0), rdv(nk, 0.0), pr(S), dp(S);
+  double worst = 0;
+  std::string where;
+  auto check = [&](const char* what, float got, double ref, int64_t at) {
+    double err = std::isnan(got) ? INFINITY : std::fabs(got - ref) / (1.0 + std::fabs(ref));
+    if (err > 2e-5 && err > worst) worst = err, where = std::string(what) + " at " + std::to_string(at);
+  };
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < T; ++i) {
+        const int64_t n = h / G, qi = ((b * T + i) * H + h) * D;
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < S; ++j) {
+          const int32_t kseg = ks[b * S + j];
+          const bool on = kseg != 0 && kseg == qs[b * T + i] && (!causal || j <= i);
+          double d = -INFINITY;
+          if (on) {
+            d = 0;
+            for (int64_t c = 0; c < D; ++c) d += (double)q[qi + c] * k[((b * S + j) * N + n) * D + c];
+            d *= scale;
+          }
+          pr[j] = d;
+          mx = std::max(mx, d);
+        }
+        double tot = 0;
+        for (int64_t j = 0; j < S; ++j) tot += mx == -INFINITY ? 0.0 : std::exp(pr[j] - mx);
+        const int64_t li = (b * H + h) * T + i;
+        if (tot == 0) {
+          if (!(lse[li] == -INFINITY)) check("lse (no key)", lse[li], -1e30, li);
+        } else {
+          check("lse", lse[li], mx + std::log(tot), li);
+        }
+        double delta = 0;
+        for (int64_t c = 0; c < D; ++c) {
+          double oc = 0;
+          for (int64_t j = 0; j < S; ++j)
+            if (tot > 0) oc += std::exp(pr[j] - mx) / tot * v[((b * S + j) * N + n) * D + c];
+          check("out", o[qi + c], oc, qi + c);
+          delta += oc * g[qi + c];
+        }
+        for (int64_t j = 0; j < S; ++j) {
+          const double pj = tot > 0 ? std::exp(pr[j] - mx) / tot : 0.0;
+          if (pj == 0) continue;
+          const int64_t kj = ((b * S + j) * N + n) * D;
+          double dpj = 0;
+          for (int64_t c = 0; c < D; ++c) dpj += (double)g[qi + c] * v[kj + c];
+          const double ds = pj * (dpj - delta) * scale;
+          for (int64_t c = 0; c < D; ++c) {
+            rdv[kj + c] += pj * g[qi + c];
+            rdq[qi + c] += ds * k[kj + c];
+            rdk[kj + c] += ds * q[qi + c];
+          }
+        }
+      }
+  for (int64_t i = 0; i < nq; ++i) check("dq", dq[i], rdq[i], i);
+  for (int64_t i = 0; i < nk; ++i) check("dk", dk[i], rdk[i], i), check("dv", dv[i], rdv[i], i);
+  if (worst > 0) Fail("trainattn", p, "max relative error %.6g in %s", worst, where.c_str());
+}
+
 // An output that must equal its reference byte for byte (the cache kernels only move bytes).
 static void CheckBytes(const char* kernel, const Params& p, const void* out, const std::vector<unsigned char>& ref) {
   if (ref.empty() || memcmp(out, ref.data(), ref.size()) == 0) return;
@@ -653,6 +768,22 @@ static void Sweep(std::vector<Case>& cs) {
   // S = 0 (empty cache axis)
   for (int64_t kt = 0; kt < 2; ++kt)
     cs.push_back({"attention", {{"kt", kt}, {"B", 2}, {"L", 2}, {"H", 2}, {"N", 1}, {"S", 0}, {"Kd", 17}, {"hm", 1}, {"lm", 1}, {"mask", 0}, {"thr", 2}, {"alloc", 0}}});
+  // --- training attention ---
+  {
+    int64_t t = 0;
+    const std::vector<std::array<int64_t, 3>> heads = {{1, 1, 1}, {2, 3, 3}, {1, 4, 2}, {3, 2, 1}};
+    for (int64_t D : {8, 16, 32, 48, 64, 128, 256, 17})
+      for (int64_t T : {1, 3, 4, 5, 63, 64, 65, 130})
+        for (int64_t causal = 0; causal < 2; ++causal)
+          for (int64_t mask = 0; mask < 4; ++mask) {
+            auto hs = heads[t % heads.size()];
+            const int64_t S = causal ? T : std::vector<int64_t>{1, 7, 64, 65, 100}[t % 5];
+            ++t;
+            if (D >= 128 && T > 64 && t % 3) continue;  // the scalar reference is slow
+            cs.push_back({"trainattn", {{"B", hs[0]}, {"T", T}, {"S", S}, {"H", hs[1]}, {"N", hs[2]}, {"D", D},
+                                        {"causal", causal}, {"mask", mask}, {"thr", thr()}, {"alloc", t % 3}}});
+          }
+  }
   // --- cache write ---
   for (int64_t ct = 0; ct < 2; ++ct)
     for (int64_t S : {1, 2, 3, 5, 17})
@@ -712,6 +843,7 @@ static void RunCase(const Case& c) {
   ++g_cases;
   if (c.kernel == "matmul" || c.kernel == "cols") TestProduct(c.kernel, c.p);
   else if (c.kernel == "attention") TestAttention(c.p);
+  else if (c.kernel == "trainattn") TestTrainAttention(c.p);
   else if (c.kernel == "cachewrite") TestCacheWrite(c.p);
   else if (c.kernel == "cachereorder") TestCacheReorder(c.p);
   else if (c.kernel == "greedy") TestGreedy(c.p);

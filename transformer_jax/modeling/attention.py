@@ -104,30 +104,30 @@ def _fused_attention(q, k, v, mask, implementation):
 
 
 def _dense_attention_lse(q, k, v, q_seg, kv_seg, causal):
-    """What `native.attention_forward` computes, in XLA ops: (out, log-sum-exp [B, H, T])."""
+    """What `native.sequence_attention_forward` computes, in XLA ops: (out, lse [B, H, T])."""
     B, T, H, D = q.shape
     N = k.shape[2]
     visible = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
     if causal:
         visible &= jnp.tril(jnp.ones((T, k.shape[1]), jnp.bool_))
-    logits = jnp.einsum("BTNGD,BSND->BNGTS", q.reshape(B, T, N, H // N, D) / jnp.sqrt(jnp.float32(D)), k)
-    logits = jnp.where(visible[:, None, None], logits.reshape(B, N, H // N, T, -1), -jnp.inf)
+    visible = visible[:, None, None]  # [B, 1, 1, T, S] against [B, N, G, T, S]
+    q = q.reshape(B, T, N, H // N, D) / jnp.sqrt(jnp.float32(D))
+    logits = jnp.where(visible, jnp.einsum("BTNGD,BSND->BNGTS", q, k), -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.where(visible[:, None, None], jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+    probs = jnp.where(visible, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
     out = jnp.einsum("BNGTS,BSND->BTNGD", probs, v).reshape(B, T, H, D)
     return out, lse.reshape(B, H, T)
 
 
 def _native_forward(q, k, v, q_seg, kv_seg, causal):
     return jax.lax.platform_dependent(
-        q, k, v, q_seg, kv_seg, cpu=functools.partial(native.attention_forward, causal=causal),
+        q, k, v, q_seg, kv_seg, cpu=functools.partial(native.sequence_attention_forward, causal=causal),
         default=functools.partial(_dense_attention_lse, causal=causal))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _native_attention(q, k, v, q_seg, kv_seg, causal):
-    """float32 attention by the package's CPU kernel (`native.attention_forward`), differentiable
-    by its backward kernel; XLA's ops off the CPU."""
+    """float32 attention by the package's CPU kernels, forward and backward; XLA's ops elsewhere."""
     return _native_forward(q, k, v, q_seg, kv_seg, causal)[0]
 
 
@@ -143,13 +143,15 @@ def _native_attention_fwd(q, k, v, q_seg, kv_seg, causal):
 def _native_attention_bwd(causal, residuals, g):
     q, k, v, q_seg, kv_seg, out, lse = residuals
 
-    def xla_backward(q, k, v, q_seg, kv_seg, out, lse, g):
-        return jax.vjp(lambda q, k, v: _dense_attention_lse(q, k, v, q_seg, kv_seg, causal)[0], q, k, v)[1](g)
+    def on_cpu(q, k, v, q_seg, kv_seg, out, lse, g):
+        return native.sequence_attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal)
 
-    dq, dk, dv = jax.lax.platform_dependent(
-        q, k, v, q_seg, kv_seg, out, lse, g,
-        cpu=lambda q, k, v, qs, ks, o, lse, g: native.attention_backward(q, k, v, o, lse, g, qs, ks, causal),
-        default=xla_backward)
+    def elsewhere(q, k, v, q_seg, kv_seg, out, lse, g):
+        forward = lambda q, k, v: _dense_attention_lse(q, k, v, q_seg, kv_seg, causal)[0]
+        return jax.vjp(forward, q, k, v)[1](g)
+
+    dq, dk, dv = jax.lax.platform_dependent(q, k, v, q_seg, kv_seg, out, lse, g, cpu=on_cpu,
+                                            default=elsewhere)
     return dq, dk, dv, None, None
 
 
@@ -157,9 +159,9 @@ _native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 
 def native_attention(q, k, v, mask):
-    """Attention by `native.attention_forward` (see `native.attention_fits` for what it takes):
-    bfloat16 inputs are widened to float32 and the output rounded back."""
-    causal, q_seg, kv_seg = native.attention_mask_args(mask, q.shape[0], q.shape[1], k.shape[1])
+    """Attention by `native.sequence_attention_forward`, for what `native.sequence_attention_fits`
+    accepts: bfloat16 inputs are widened to float32 and the output rounded back."""
+    causal, q_seg, kv_seg = native.sequence_attention_mask_args(mask, q.shape[0], q.shape[1], k.shape[1])
     out = _native_attention(*(x.astype(jnp.float32) for x in (q, k, v)), q_seg, kv_seg, causal)
     return out.astype(q.dtype)
 
@@ -391,7 +393,7 @@ def dot_product_attention(
         return chunked_attention(q, k, v, mask), None
     if impl == "flash":
         return _flash_attention(q, k, v, mask), None
-    if (impl == "xla" and native.attention_fits(q, k, v, mask) and native.use_native(cpu_kernels)):
+    if impl == "xla" and native.sequence_attention_fits(q, k, v, mask) and native.use_native(cpu_kernels):
         return native_attention(q, k, v, mask), None
     if impl in ("xla", "cudnn"):
         return _fused_attention(q, k, v, mask, impl), None

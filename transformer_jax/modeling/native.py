@@ -404,15 +404,16 @@ def cache_attention(q, k, v, mask):
     return jax.ffi.ffi_call("transformer_jax_cache_attention", out, vmap_method=VMAP)(q, k, v, mask)
 
 
-# Query x key pairs above which `attention_fits` refuses (each task keeps [64, S] blocks of logits).
-ATTENTION_MAX_KEYS = 16384
+# Keys above which `sequence_attention_fits` refuses: a task keeps [64, S] blocks of logits and the
+# probabilities' gradient, and its head's keys and values, in its own buffers.
+SEQUENCE_ATTENTION_MAX_KEYS = 16384
 
 
-def attention_fits(q, k, v, mask) -> bool:
-    """Whether `attention_forward` takes these: q [B, T, H, D] and k, v [B, S, N, D] (float32, or
-    bfloat16 widened by the caller), N dividing H, D a multiple of 16 up to MAX_HEAD_DIM, at most
-    ATTENTION_MAX_KEYS keys, and None or an `masks.AttentionMask` without a dense part or a causal
-    offset (`attention_mask_args` folds the rest into segment ids)."""
+def sequence_attention_fits(q, k, v, mask) -> bool:
+    """Whether `sequence_attention_forward` takes these: q [B, T, H, D] and k, v [B, S, N, D] (float32,
+    or bfloat16 that the caller widens), N dividing H, D a multiple of 16 up to MAX_HEAD_DIM, at most
+    SEQUENCE_ATTENTION_MAX_KEYS keys, and None or an `masks.AttentionMask` with no dense part and no
+    causal offset (`sequence_attention_mask_args` folds the rest into segment ids)."""
     from transformer_jax.modeling import masks
 
     if mask is not None and (not isinstance(mask, masks.AttentionMask) or mask.dense is not None
@@ -421,13 +422,14 @@ def attention_fits(q, k, v, mask) -> bool:
         return False
     return (all(x.dtype in (jnp.float32, jnp.bfloat16) for x in (q, k, v))
             and q.shape[-1] % 16 == 0 and q.shape[-1] <= MAX_HEAD_DIM
-            and k.shape[1] <= ATTENTION_MAX_KEYS and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
+            and k.shape[1] <= SEQUENCE_ATTENTION_MAX_KEYS
+            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
 
 
-def attention_mask_args(mask, batch: int, q_length: int, kv_length: int):
-    """(causal, q_seg int32 [B, T], kv_seg int32 [B, S]) for `attention_forward` from an
-    `masks.AttentionMask` that `attention_fits` accepts (or None). Key j is visible to query i when
-    kv_seg[j] != 0 and q_seg[i] == kv_seg[j] (and j <= i if causal): segment ids, key validity,
+def sequence_attention_mask_args(mask, batch: int, q_length: int, kv_length: int):
+    """(causal, q_seg int32 [B, T], kv_seg int32 [B, S]) for `sequence_attention_forward` from None
+    or an `masks.AttentionMask` that `sequence_attention_fits` accepts. Key j is visible to query i
+    when kv_seg[j] != 0 and q_seg[i] == kv_seg[j] (and j <= i if causal): segment ids, key validity,
     key lengths and a key limit all fold into these two arrays."""
     q_seg = jnp.ones((batch, q_length), jnp.int32)
     kv_seg = jnp.ones((batch, kv_length), jnp.int32)
@@ -446,23 +448,28 @@ def attention_mask_args(mask, batch: int, q_length: int, kv_length: int):
     return mask.causal, q_seg, kv_seg
 
 
-def attention_forward(q, k, v, q_seg, kv_seg, causal: bool):
-    """softmax(q k^T / sqrt(D)) v for float32 q [B, T, H, D], k, v [B, S, N, D] with the visibility
-    of `attention_mask_args` -> (out [B, T, H, D], log-sum-exp of each query's logits [B, H, T], -inf
-    where it sees no key; its output is then zero)."""
+def _scale(head_dim: int) -> np.float32:
+    return np.float32(1.0 / np.sqrt(head_dim))
+
+
+def sequence_attention_forward(q, k, v, q_seg, kv_seg, causal: bool):
+    """softmax(q k^T / sqrt(D)) v for float32 q [B, T, H, D] and k, v [B, S, N, D], key j visible to
+    query i as `sequence_attention_mask_args` says -> (out [B, T, H, D], lse [B, H, T]: the
+    log-sum-exp of each query's visible logits, -inf where it sees no key, whose output is zero)."""
     _check_available()
     B, T, H, D = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((B, H, T), jnp.float32))
     return jax.ffi.ffi_call("transformer_jax_attention_fwd", out, vmap_method=VMAP)(
-        q, k, v, q_seg, kv_seg, causal=bool(causal), scale=np.float32(1.0 / np.sqrt(D)))
+        q, k, v, q_seg, kv_seg, causal=bool(causal), scale=_scale(D))
 
 
-def attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal: bool):
-    """(dq, dk, dv) of `attention_forward` for the output's cotangent g, from its out and lse."""
+def sequence_attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal: bool):
+    """(dq, dk, dv) of `sequence_attention_forward` for the cotangent g of its output, from the
+    forward's out and lse (nothing of size [T, S] is kept between the two)."""
     _check_available()
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
     return jax.ffi.ffi_call("transformer_jax_attention_bwd", shapes, vmap_method=VMAP)(
-        q, k, v, out, g, lse, q_seg, kv_seg, causal=bool(causal), scale=np.float32(1.0 / np.sqrt(q.shape[-1])))
+        q, k, v, out, g, lse, q_seg, kv_seg, causal=bool(causal), scale=_scale(q.shape[-1]))
 
 
 def cache_write_xla(cache, new, index):
