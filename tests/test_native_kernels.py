@@ -18,8 +18,10 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError
 from transformer_jax.decoding import generate
 from transformer_jax.decoding.model_steps import LMStep
-from transformer_jax.modeling import native
+from transformer_jax.modeling import attention, masks, native
 from transformer_jax.modeling.attention import _reference_attention, dot_product_attention
+from transformer_jax.modeling.transformer import segment_positions
+from transformer_jax.training import losses
 
 needs_kernels = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not native.available(),
@@ -714,6 +716,161 @@ def test_generate_chooses_greedy_tokens_natively_as_the_model_is_set():
     assert "transformer_jax_greedy_choice" not in targets(config, temperature=1.0, rng=jax.random.key(0))
     assert targets(config.replace(cpu_kernels="xla")) == set()
     del _generate_jit
+
+
+# --- the training attention kernels (native.sequence_attention_*) ---
+
+
+def _mask_cases():
+    rng = np.random.default_rng(5)
+    segments = jnp.asarray(np.sort(rng.integers(0, 3, (2, 77)), axis=1), jnp.int32)
+    kv_valid = jnp.asarray(rng.random((3, 50)) > 0.3)
+    return {
+        # (B, T, S, H, N, D, mask)
+        "causal": (2, 100, 100, 4, 4, 32, masks.causal_spec(100)),
+        "causal, packed segments, grouped heads": (2, 77, 77, 4, 2, 64, masks.causal_spec(77, segments)),
+        "cross, invalid keys": (3, 40, 50, 4, 4, 16, masks.bidirectional_spec(40, 50, kv_valid=kv_valid)),
+        "key lengths, one row sees nothing": (2, 70, 70, 2, 2, 128,
+                                              masks.AttentionMask(70, 70, kv_lengths=jnp.array([0, 33]))),
+        "key limit": (1, 65, 130, 3, 1, 48, masks.AttentionMask(65, 130, kv_limit=100)),
+        "no mask": (2, 64, 64, 4, 4, 256, None),
+    }
+
+
+def _attention_inputs(B, T, S, H, N, D, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (B, T, H, D), dtype), jax.random.normal(keys[1], (B, S, N, D), dtype),
+            jax.random.normal(keys[2], (B, S, N, D), dtype), jax.random.normal(keys[3], (B, T, H, D), dtype))
+
+
+def _value_and_vjp(f, q, k, v, g):
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out, *vjp(g))
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(_mask_cases()))
+def test_sequence_attention_and_its_gradients_equal_the_reference(case):
+    # The output and the gradients of q, k and v against the einsum path in float32, for each kind
+    # of mask the kernel folds into segment ids. A query that sees no key: zeros, and no gradient.
+    B, T, S, H, N, D, mask = _mask_cases()[case]
+    q, k, v, g = _attention_inputs(B, T, S, H, N, D)
+    assert native.sequence_attention_fits(q, k, v, mask)
+    reference = lambda q, k, v: _reference_attention(q, k, v, attention._materialize(mask), dropout_rate=0.0,
+                                                     dropout_rng=None, deterministic=True)[0]
+    got = jax.jit(lambda *a: _value_and_vjp(lambda q, k, v: attention.native_attention(q, k, v, mask), *a))(
+        q, k, v, g)
+    want = jax.jit(lambda *a: _value_and_vjp(reference, *a))(q, k, v, g)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5, err_msg=name)
+    if case.startswith("key lengths"):
+        assert not np.any(np.asarray(got[0][0])) and not np.any(np.asarray(got[1][0]))
+
+
+@needs_kernels
+def test_sequence_attention_log_sum_exp_and_the_path_off_the_cpu():
+    # The kernel's second output, and `_dense_attention_lse` (what runs where the kernels do not):
+    # the same values, -inf for a query that sees no key (its segment id matches no key's).
+    q, k, v, _ = _attention_inputs(2, 30, 30, 4, 2, 16, seed=3)
+    q_seg = jnp.array([[1] * 10 + [2] * 15 + [0] * 5, [3] * 30], jnp.int32)
+    kv_seg = q_seg.at[1].set(1)
+    out, lse = native.sequence_attention_forward(q, k, v, q_seg, kv_seg, True)
+    want_out, want_lse = attention._dense_attention_lse(q, k, v, q_seg, kv_seg, True)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
+    assert np.all(np.isneginf(lse[1])) and np.all(np.isneginf(lse[0, :, 25:]))
+    assert np.all(np.isfinite(lse[0, :, :25])) and not np.any(np.asarray(out[1]))
+
+
+@needs_kernels
+def test_sequence_attention_widens_bf16_and_gives_the_same_bits_on_every_call():
+    q, k, v, g = _attention_inputs(2, 64, 64, 4, 4, 64, jnp.bfloat16, seed=4)
+    mask = masks.causal_spec(64)
+    f = jax.jit(lambda *a: _value_and_vjp(lambda q, k, v: attention.native_attention(q, k, v, mask), *a))
+    got = f(q, k, v, g)
+    assert all(x.dtype == jnp.bfloat16 for x in got)
+    wide = [x.astype(jnp.float32) for x in (q, k, v, g)]
+    want = _value_and_vjp(lambda q, k, v: _reference_attention(
+        q, k, v, mask.materialize(), dropout_rate=0.0, dropout_rng=None, deterministic=True)[0], *wide)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x, np.float32), y, rtol=2e-2, atol=2e-2)
+    # One (row, KV head) per task, summed in a fixed order: the same bits whichever thread runs it.
+    for _ in range(5):
+        for x, y in zip(f(q, k, v, g), got):
+            np.testing.assert_array_equal(x, y)
+
+
+@needs_kernels
+def test_sequence_attention_takes_vmap_and_refuses_what_it_cannot_take():
+    q, k, v, _ = _attention_inputs(3, 20, 20, 2, 2, 16, seed=6)
+    seg = jnp.ones((20,), jnp.int32)
+    per_row = jax.vmap(lambda q, k, v: native.sequence_attention_forward(
+        q[None], k[None], v[None], seg[None], seg[None], True)[0][0])(q, k, v)
+    np.testing.assert_allclose(per_row, native.sequence_attention_forward(
+        q, k, v, jnp.ones((3, 20), jnp.int32), jnp.ones((3, 20), jnp.int32), True)[0], rtol=0, atol=0)
+    # What the model keeps on XLA's ops: other head dimensions, dense masks, causal masking from an
+    # offset or between lengths that differ, keys beyond the limit.
+    fits = lambda D=16, S=20, mask=None: native.sequence_attention_fits(
+        q[..., :1].repeat(D, -1), k[:, :1].repeat(S, 1)[..., :1].repeat(D, -1), v[:, :1].repeat(S, 1), mask)
+    assert fits() and not fits(D=8) and not fits(D=24) and not fits(D=272)
+    assert not fits(mask=masks.AttentionMask(20, 20, dense=jnp.ones((1, 1, 20, 20), bool)))
+    assert not fits(mask=masks.AttentionMask(20, 20, causal=True, causal_offset=jnp.zeros((3,), jnp.int32)))
+    assert not fits(S=21, mask=masks.AttentionMask(20, 21, causal=True))
+    assert not fits(S=native.SEQUENCE_ATTENTION_MAX_KEYS + 1)
+    # The kernel itself names a shape it cannot take (the model never sends one).
+    with pytest.raises(Exception, match="tj_attention_fwd: shapes do not fit"):
+        native.sequence_attention_forward(q[..., :8], k[..., :8], v[..., :8], jnp.ones((3, 20), jnp.int32),
+                                          jnp.ones((3, 20), jnp.int32), True)[0].block_until_ready()
+
+
+def _train_calls_and_grads(kernels, scan):
+    config = _lm(cpu_kernels=kernels, scan_layers=scan, remat="dots_saveable" if scan else "none")
+    model = tj.TransformerLM(config)
+    ids = jax.random.randint(jax.random.key(2), (2, 40), 3, config.vocab_size)
+    segments = jnp.array([[1] * 25 + [2] * 15, [1] * 33 + [0] * 7], jnp.int32)
+    params = model.init(jax.random.key(0), ids[:, :8])["params"]
+
+    def loss(p):
+        logits = model.apply({"params": p}, ids, segment_ids=segments,
+                             positions=segment_positions(segments))
+        return losses.cross_entropy(logits[:, :-1], ids[:, 1:], segments[:, 1:] > 0)[0]
+
+    step = jax.jit(jax.value_and_grad(loss))
+    hlo = step.lower(params).compile().as_text()
+    return re.findall(r'custom_call_target="(transformer_jax_attention_\w+)"', hlo), step(params)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scan", [False, True])
+def test_training_runs_attention_on_the_kernels_and_equals_xla(scan):
+    # A training step of packed sequences: loss and every gradient as on XLA's ops. Under
+    # nn.scan with remat='dots_saveable' the forward kernel runs once (its output and log-sum-exp
+    # are kept for the backward one, not recomputed).
+    calls, (loss, grads) = _train_calls_and_grads("auto", scan)
+    assert sorted(set(calls)) == ["transformer_jax_attention_bwd", "transformer_jax_attention_fwd"]
+    assert calls.count("transformer_jax_attention_fwd") == (1 if scan else 2)
+    xla_calls, (xla_loss, xla_grads) = _train_calls_and_grads("xla", scan)
+    assert xla_calls == []
+    np.testing.assert_allclose(loss, xla_loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(xla_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+@needs_kernels
+def test_forward_mode_through_a_sequence_is_refused_and_xla_takes_it():
+    # Reverse mode only: jax.jvp through the kernels is JAX's TypeError; cpu_kernels='xla' takes it
+    # (a call of at most 16 tokens stays on XLA's ops, so it does too).
+    def jvp(kernels, length):
+        model = tj.TransformerLM(_lm(cpu_kernels=kernels))
+        ids = jnp.ones((1, length), jnp.int32)
+        params = model.init(jax.random.key(0), ids)["params"]
+        f = lambda p: jnp.sum(model.apply({"params": p}, ids))
+        return jax.jvp(f, (params,), (jax.tree.map(jnp.ones_like, params),))[1]
+
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+        jvp("auto", 17)
+    assert np.isfinite(jvp("xla", 17)) and np.isfinite(jvp("auto", 16))
+
 
 
 @needs_kernels

@@ -359,7 +359,9 @@ def dot_product_attention(
     them in place (with positions first, XLA would copy a transposed cache every decoding step),
     the other backends get them as [B, S, N, K]. With 'xla' or 'auto', a float32 'BNSK' cache, up
     to 16 queries, no dropout or weights, and `native.use_native(cpu_kernels)` (see
-    `ModelConfig.cpu_kernels`), a CPU computation runs `native.cache_attention` instead.
+    `ModelConfig.cpu_kernels`), a CPU computation runs `native.cache_attention` instead; with 'xla'
+    or 'auto' and 'BSNK' inputs of more than 16 queries that `native.sequence_attention_fits`,
+    `native_attention` (forward and backward kernels; reverse-mode differentiation only).
     Returns (out [B, L, H, K], probs [B, H, L, S] float32 or None).
     """
     _check_inputs(q, k, v, mask, kv_layout)
@@ -393,7 +395,12 @@ def dot_product_attention(
         return chunked_attention(q, k, v, mask), None
     if impl == "flash":
         return _flash_attention(q, k, v, mask), None
-    if impl == "xla" and native.sequence_attention_fits(q, k, v, mask) and native.use_native(cpu_kernels):
+    # Whole sequences (training, evaluation, a long prompt's prefill) on the CPU: the native kernels,
+    # differentiable in reverse mode only (forward mode through them is JAX's TypeError; XLA's ops,
+    # cpu_kernels='xla', take every transformation). A few queries stay on XLA's ops, where the
+    # kernel saves little.
+    if (impl == "xla" and q.shape[1] > native.MAX_ROWS and native.sequence_attention_fits(q, k, v, mask)
+            and native.use_native(cpu_kernels)):
         return native_attention(q, k, v, mask), None
     if impl in ("xla", "cudnn"):
         return _fused_attention(q, k, v, mask, impl), None
