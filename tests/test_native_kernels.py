@@ -996,10 +996,11 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # On an AVX-512 CPU the tests above run the AVX-512 build; the AVX2 one (for CPUs without
     # AVX-512) then runs a check of every kernel against NumPy and XLA in a child process: products
     # at 1, 5, 13 and 16 rows (one and two passes, tails, several blocks), attention with grouped
-    # heads and per-query masks, the cache write and reordering, the greedy choice at batch 1 and 17
-    # and the bf16 activations over 131,072 values (35 tests, 7 of them for the bf16 dot products
-    # AVX2 lacks). Built at -O1 (the last -O wins) into a cache of its own, so that the suite does
-    # not wait for an optimised build of code that runs nowhere else in it.
+    # heads and per-query masks, the cache write and reordering, the greedy choice at batch 1 and 17,
+    # the bf16 activations over 131,072 values and the training attention's forward and backward
+    # kernels (37 tests, 7 of them for the bf16 dot products AVX2 lacks). Built at -O1 (the last
+    # -O wins) into a cache of its own, so that the suite does not wait for an optimised build of
+    # code that runs nowhere else in it.
     if native.isa() != "avx512":
         pytest.skip(f"the kernels here are the {native.isa()} build, which the tests above check")
     cxx = tmp_path / "cxx"
@@ -1009,7 +1010,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
                 "or (cache_attention_equals and (2-3-8 or 3-2-6)) or (cache_write_equals and 3) "
                 "or (greedy_choice_equals and (50257-1 or 1000-17)) or bit_for_bit or instruction_set_named "
                 "or (cache_reorder_equals and bfloat16) or cols_matmul_sums_exactly "
-                "or (cols_matmul_equals and (3-33-50 or 9-70-130 or 16-2049-300))")
+                "or (cols_matmul_equals and (3-33-50 or 9-70-130 or 16-2049-300)) "
+                "or (sequence_attention_and and packed) or sequence_attention_log_sum_exp")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected]
     env = dict(os.environ, CXX=str(cxx), TRANSFORMER_JAX_CACHE=str(tmp_path / "cache"))
     env[native.ISA_ENV] = "avx2"
@@ -1018,7 +1020,7 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # Every selected test ran but the 4 of the bf16 dot-product path, which AVX2 lacks: a build that
     # compiles but cannot load skipped them all.
     summary = out.stdout[-2000:]
-    assert re.search(r"\b28 passed, 7 skipped\b", out.stdout) and " failed" not in out.stdout, summary
+    assert re.search(r"\b30 passed, 7 skipped\b", out.stdout) and " failed" not in out.stdout, summary
     skips = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
     assert skips and all("AVX2 has no bf16 dot product" in line for line in skips), out.stdout[-2000:]
 
@@ -1028,12 +1030,12 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
 def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     """tests/native_sanitizer.cc runs every kernel (the products of [out, in] and [in, out] weights at
     1-16 rows on both bf16 paths, the cache attention, the cache write, beam search's cache
-    reordering, the greedy choice, the bias and activation) over ~47,000 awkward shapes on buffers of
-    exactly their size, some flush against a no-access page, with the work split over threads as
-    XLA's pool splits it, and checks each result against a scalar
-    reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each instruction set, and
-    under ThreadSanitizer. It found the greedy choice naming token V past the vocabulary when every
-    logit is negative (fixed; the tests above cover it too)."""
+    reordering, the greedy choice, the bias and activation, the training attention forward and
+    backward) over ~47,500 awkward shapes on buffers of exactly their size, some flush against a
+    no-access page, with the work split over threads as XLA's pool splits it, and checks each result
+    against a scalar reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each
+    instruction set, and under ThreadSanitizer. It found the greedy choice naming token V past the
+    vocabulary when every logit is negative (fixed; the tests above cover it too)."""
     import platform
     import shutil
 
