@@ -12,7 +12,7 @@ import pytest
 
 import transformer_jax as tj
 from transformer_jax import parallel
-from transformer_jax.modeling import matmul
+from transformer_jax.modeling import matmul, native
 
 # Distinct primes: a transposed axis cannot pass. 3 * 29 = 87 rows, above the transposed-copy threshold.
 LEAD, IN, OUT = (3, 29), (5, 7), (11, 13)
@@ -88,6 +88,47 @@ def test_bf16_backward_products_stay_bf16_on_cpu():
         hlo = jax.jit(jax.grad(_loss(product), argnums=(0, 1))).lower(*args).compile().as_text()
         kinds = _dot_operand_dtypes(hlo)
         assert len(kinds) == 3 and set(kinds) == {("bf16", "bf16")}, kinds
+
+
+needs_kernels = pytest.mark.skipif(jax.default_backend() != "cpu" or not native.available(),
+                                   reason="the native CPU kernels do not run here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16_backward_materializes_the_activation_before_its_transposed_copy(transposed):
+    # With the native kernels the activation reaches its transposed copy through
+    # `native.materialize` (XLA:CPU otherwise fuses its producer, here a tanh, into the transposing
+    # loop, ~5-10x slower). The identity changes nothing: the same gradients, bit for bit, and the
+    # weight (a parameter, which would only be copied) is transposed as before.
+    x, w = _arrays(jnp.bfloat16, 1)
+    if transposed:
+        w = w[:, :, 0].T  # [11, 7]: weights stored output axes first
+    product = matmul.contract_transposed if transposed else matmul.contract
+
+    def grads(kernels):
+        f = lambda x, w: jnp.sum(jnp.sin(product(jnp.tanh(x), w, cpu_kernels=kernels)))
+        step = jax.jit(jax.grad(f, argnums=(0, 1)))
+        hlo = step.lower(x, w).compile().as_text()
+        calls = hlo.count('custom_call_target="transformer_jax_materialize"')
+        return calls, _dot_operand_dtypes(hlo), step(x, w)
+
+    calls, kinds, got = grads("native")
+    xla_calls, _, want = grads("xla")
+    assert (calls, xla_calls) == (1, 0) and set(kinds) == {("bf16", "bf16")}, kinds
+    for g, r in zip(got, want):
+        np.testing.assert_array_equal(g, r)
+
+
+@needs_kernels
+def test_materialize_is_the_identity_under_transformations():
+    x = jax.random.normal(jax.random.key(3), (4, 5, 6))
+    f = lambda x: jnp.sum(jnp.sin(native.materialize(x * 2.0)))
+    np.testing.assert_array_equal(jax.jit(native.materialize)(x), x)
+    np.testing.assert_array_equal(jax.vmap(native.materialize)(x), x)
+    np.testing.assert_allclose(jax.grad(f)(x), 2.0 * jnp.cos(x * 2.0), rtol=1e-6)
+    tangent = jax.jvp(f, (x,), (jnp.ones_like(x),))[1]
+    np.testing.assert_allclose(tangent, jnp.sum(2.0 * jnp.cos(x * 2.0)), rtol=1e-5)
 
 
 def test_bf16_embedding_lookup_gathers_in_place_with_the_usual_gradient():

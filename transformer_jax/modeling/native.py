@@ -17,6 +17,10 @@
   only the filled positions of the rows whose parent changed; XLA gathers the whole cache.
 - `greedy_choice(logits_t)`: each column's first maximum and log-sum-exp over vocabulary-major
   logits [V, B], in two passes where XLA:CPU makes several.
+- `sequence_attention_forward` / `sequence_attention_backward`: attention over whole sequences
+  (training), one (batch row, KV head) per task, for `attention.native_attention`.
+- `materialize(a)`: the identity as a custom call, in place, so that XLA fuses no producer into the
+  transposing copies of the bf16 backward products (`matmul.transposed_copy`).
 - `bias_activation(y, bias, activation, dtype)`: a feed-forward layer's first product's bias,
   rounding and activation (ReLU, tanh-GELU, SiLU) in one pass; XLA:CPU's tanh-GELU over a
   decoding step's [8, 3072] took ~50 us.
@@ -65,7 +69,8 @@ _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_greedy_choice": "TjGreedyChoice",
             "transformer_jax_bias_activation": "TjBiasActivation",
             "transformer_jax_attention_fwd": "TjAttentionFwd",
-            "transformer_jax_attention_bwd": "TjAttentionBwd"}
+            "transformer_jax_attention_bwd": "TjAttentionBwd",
+            "transformer_jax_materialize": "TjMaterialize"}
 # Activations `bias_activation` computes (the kernel's codes); others run in XLA.
 ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu_tanh": 2, "silu": 3}
 # Under `jax.vmap` every kernel runs once per element of the mapped axis (they take unbatched
@@ -470,6 +475,22 @@ def sequence_attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal: boo
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
     return jax.ffi.ffi_call("transformer_jax_attention_bwd", shapes, vmap_method=VMAP)(
         q, k, v, out, g, lse, q_seg, kv_seg, causal=bool(causal), scale=_scale(q.shape[-1]))
+
+
+@jax.custom_jvp
+def materialize(a):
+    """a itself, by a custom call that returns its input buffer in place: XLA fuses no producer into
+    the operation that reads the result. XLA:CPU fuses a transposed operand's producer (a ReLU or GELU
+    recomputed under remat) into its transposing copy, which then runs ~10x slower than a copy of an
+    array (bf16 [2048, 3072]: 8.8 against 0.9 ms). Call only where `available()` is True, on the CPU."""
+    _check_available()
+    return jax.ffi.ffi_call("transformer_jax_materialize", jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            input_output_aliases={0: 0}, vmap_method="broadcast_all")(a)
+
+
+@materialize.defjvp
+def _materialize_jvp(primals, tangents):
+    return materialize(primals[0]), tangents[0]
 
 
 def cache_write_xla(cache, new, index):

@@ -979,6 +979,15 @@ ffi::Error TrainAttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   return ffi::Error::Success();
 }
 
+// The identity, in place (the output aliases the input): XLA cannot fuse an operation into a custom
+// call, so the value reaches the next operation as an array of its own (see native.materialize).
+ffi::Error MaterializeImpl(ffi::AnyBuffer a, ffi::Result<ffi::AnyBuffer> b) {
+  if (a.element_type() != b->element_type() || a.size_bytes() != b->size_bytes())
+    return ffi::Error::InvalidArgument("tj_materialize: the output must be the input's shape and dtype");
+  if (a.untyped_data() != b->untyped_data()) std::memcpy(b->untyped_data(), a.untyped_data(), a.size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGreedyChoice, GreedyChoiceImpl,
@@ -1063,6 +1072,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjAttentionBwd, TrainAttentionBwdImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("causal")
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMaterialize, MaterializeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 // How bf16 products run (1: bf16 dot products, 2: widened to float32), deciding it by measurement
 // if not yet decided; and setting it (0: measure again, 1 or 2) for tests and measurements. Called
