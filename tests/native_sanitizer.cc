@@ -4,7 +4,7 @@
 //
 // It calls the FFI implementation functions (RowsMatmulImpl, ColsMatmulImpl, CacheAttentionImpl,
 // CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl, TrainAttentionFwdImpl,
-// TrainAttentionBwdImpl) directly, through an XLA_FFI_Api whose
+// TrainAttentionBwdImpl, MaterializeImpl) directly, through an XLA_FFI_Api whose
 // thread pool is threads of its own (so ParallelFor runs as in XLA, threads taking each other's
 // ranges), on buffers allocated with exactly the bytes their shapes need, and compares every result
 // with a scalar reference in double precision (bit for bit on small-integer data, where the sums
@@ -485,6 +485,23 @@ static void CheckBytes(const char* kernel, const Params& p, const void* out, con
 }
 
 // ------------------------------------------------------------------------------------------------
+// tj_materialize: the identity; alias 1 = output is the input buffer (as XLA calls it), 0 = a copy.
+static void TestMaterialize(const Params& p) {
+  const int64_t n = p.at("n"), es = p.at("es"), alias = p.at("alias"), alloc = p.at("alloc");
+  std::mt19937_64 rng(Seed("materialize", p));
+  Alloc in(n * es, alloc), out(n * es, alloc);
+  std::vector<unsigned char> ref(n * es);
+  for (auto& c : ref) c = (unsigned char)rng();
+  if (n) memcpy(in.p, ref.data(), ref.size());
+  void* dst = alias ? in.p : out.p;
+  const XLA_FFI_DataType t = es == 2 ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
+  Buf ib(t, in.p, {n}), ob(t, dst, {n});
+  ffi::Error e = MaterializeImpl(ffi::AnyBuffer(&ib.b), ffi::AnyBuffer(&ob.b));
+  if (e.failure()) return Fail("materialize", p, "returned error: %s", e.message().c_str());
+  CheckBytes("materialize", p, dst, ref);
+}
+
+// ------------------------------------------------------------------------------------------------
 // tj_cache_write. ct 0 f32 / 1 bf16; idx mode; alias 1 = output is the cache buffer.
 static void TestCacheWrite(const Params& p) {
   const int64_t ct = p.at("ct"), B = p.at("B"), N = p.at("N"), S = p.at("S"), L = p.at("L"), Kd = p.at("Kd");
@@ -784,6 +801,11 @@ static void Sweep(std::vector<Case>& cs) {
                                         {"causal", causal}, {"mask", mask}, {"thr", thr()}, {"alloc", t % 3}}});
           }
   }
+  // --- materialize ---
+  for (int64_t es : {2, 4})
+    for (int64_t n : {0, 1, 7, 1000})
+      for (int64_t alias = 0; alias < 2; ++alias)
+        cs.push_back({"materialize", {{"n", n}, {"es", es}, {"alias", alias}, {"alloc", n % 3}}});
   // --- cache write ---
   for (int64_t ct = 0; ct < 2; ++ct)
     for (int64_t S : {1, 2, 3, 5, 17})
@@ -844,6 +866,7 @@ static void RunCase(const Case& c) {
   if (c.kernel == "matmul" || c.kernel == "cols") TestProduct(c.kernel, c.p);
   else if (c.kernel == "attention") TestAttention(c.p);
   else if (c.kernel == "trainattn") TestTrainAttention(c.p);
+  else if (c.kernel == "materialize") TestMaterialize(c.p);
   else if (c.kernel == "cachewrite") TestCacheWrite(c.p);
   else if (c.kernel == "cachereorder") TestCacheReorder(c.p);
   else if (c.kernel == "greedy") TestGreedy(c.p);

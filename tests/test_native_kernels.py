@@ -1031,11 +1031,12 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     """tests/native_sanitizer.cc runs every kernel (the products of [out, in] and [in, out] weights at
     1-16 rows on both bf16 paths, the cache attention, the cache write, beam search's cache
     reordering, the greedy choice, the bias and activation, the training attention forward and
-    backward) over ~47,500 awkward shapes on buffers of exactly their size, some flush against a
-    no-access page, with the work split over threads as XLA's pool splits it, and checks each result
-    against a scalar reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each
-    instruction set, and under ThreadSanitizer. It found the greedy choice naming token V past the
-    vocabulary when every logit is negative (fixed; the tests above cover it too)."""
+    backward, the in-place identity) over ~47,500 awkward shapes on buffers of exactly their size,
+    some flush against a no-access page, with the work split over threads as XLA's pool splits it,
+    and checks each result against a scalar reference: under AddressSanitizer and
+    UndefinedBehaviorSanitizer for each instruction set, and under ThreadSanitizer. It found the
+    greedy choice naming token V past the vocabulary when every logit is negative (fixed; the tests
+    above cover it too)."""
     import platform
     import shutil
 
