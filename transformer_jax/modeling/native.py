@@ -1,4 +1,5 @@
-"""The package's own CPU kernels for decoding steps, called through the XLA FFI.
+"""The package's own CPU kernels for decoding steps and training's attention, called through the
+XLA FFI.
 
 - `rows_matmul(x, w)`: x [R, I] times a weight stored output-major, w [O, I], for R <= 16 rows
   (a decoding step's tokens) -> float32 [R, O], bfloat16 or float32 inputs. XLA:CPU's matmul
