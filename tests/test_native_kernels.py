@@ -817,10 +817,31 @@ def test_sequence_attention_takes_vmap_and_refuses_what_it_cannot_take():
     assert not fits(mask=masks.AttentionMask(20, 20, causal=True, causal_offset=jnp.zeros((3,), jnp.int32)))
     assert not fits(S=21, mask=masks.AttentionMask(20, 21, causal=True))
     assert not fits(S=native.SEQUENCE_ATTENTION_MAX_KEYS + 1)
-    # The kernel itself names a shape it cannot take (the model never sends one).
+    # The kernels themselves name a shape they cannot take (the model never sends one).
+    seg = jnp.ones((3, 20), jnp.int32)
+    narrow = (x[..., :8] for x in (q, k, v))
     with pytest.raises(Exception, match="tj_attention_fwd: shapes do not fit"):
-        native.sequence_attention_forward(q[..., :8], k[..., :8], v[..., :8], jnp.ones((3, 20), jnp.int32),
-                                          jnp.ones((3, 20), jnp.int32), True)[0].block_until_ready()
+        native.sequence_attention_forward(*narrow, seg, seg, True)[0].block_until_ready()
+    out, lse = native.sequence_attention_forward(q, k, v, seg, seg, True)
+    with pytest.raises(Exception, match="tj_attention_bwd: out, its gradient or lse do not fit q"):
+        dq = native.sequence_attention_backward(q, k, v, out, lse[..., :19], out, seg, seg, True)[0]
+        dq.block_until_ready()
+
+
+@needs_kernels
+def test_sequence_attention_does_not_hide_a_nan():
+    # A NaN key: the queries that see it get NaN outputs, exactly those the XLA path makes NaN (a
+    # probability of 0 for it would have hidden it), and the gradients carry the NaN too.
+    q, k, v, g = _attention_inputs(1, 40, 40, 2, 2, 16, seed=7)
+    k = k.at[0, 20, 1, 3].set(jnp.nan)
+    mask = masks.causal_spec(40)
+    got = _value_and_vjp(lambda q, k, v: attention.native_attention(q, k, v, mask), q, k, v, g)
+    want = _value_and_vjp(lambda q, k, v: _reference_attention(
+        q, k, v, mask.materialize(), dropout_rate=0.0, dropout_rng=None, deterministic=True)[0], q, k, v, g)
+    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
+    assert np.isnan(got[0][0, 20:, 1]).all() and not np.isnan(got[0][0, :20]).any()
+    assert not np.isnan(got[0][0, :, 0]).any()  # the other head does not read that key
+    assert all(np.isnan(x).any() for x in got[1:])
 
 
 def _train_calls_and_grads(kernels, scan):

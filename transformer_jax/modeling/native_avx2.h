@@ -607,6 +607,7 @@ inline float FMaxLanes(FVec v) {
   m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
   return _mm_cvtss_f32(m);
 }
+inline FVec FNaNLanes(FVec x) { return _mm256_and_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q), _mm256_set1_ps(1.0f)); }
 inline FVec ExpOrZero(FVec x) {
   const __m256 finite = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
   return _mm256_and_ps(finite, Exp(x));

@@ -725,6 +725,10 @@ inline FVec FSub(FVec a, FVec b) { return _mm512_sub_ps(a, b); }
 inline FVec FMax(FVec a, FVec b) { return _mm512_max_ps(a, b); }
 inline float FSum(FVec v) { return _mm512_reduce_add_ps(v); }
 inline float FMaxLanes(FVec v) { return _mm512_reduce_max_ps(v); }
+// 1 in the lanes where x is NaN, else 0.
+inline FVec FNaNLanes(FVec x) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_ps(1.0f));
+}
 // exp(x) for x <= 0, and exactly 0 where x is -inf (a masked logit).
 inline FVec ExpOrZero(FVec x) {
   const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),

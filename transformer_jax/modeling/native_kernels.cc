@@ -703,7 +703,8 @@ ffi::Error BiasActivationImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi
 // Training attention: softmax(q k^T * scale) v over whole sequences, forward and backward, float32.
 // XLA:CPU runs attention's batched [T, d] x [d, S] products at ~0.1-0.2 of its matmul peak and
 // makes ~10 passes over the [B, H, T, S] logits between them; here one task takes a (batch row,
-// KV head) and keeps every block it touches in L2. Causal masking skips the keys after a query
+// KV head) and, at training lengths, keeps every block it touches in L2. A NaN logit a query sees
+// makes its output (and the gradients through it) NaN, as XLA's softmax does. Causal masking skips the keys after a query
 // block's last query. Layouts: q, o, dq [B, T, H, D]; k, v, dk, dv [B, S, N, D] (H = N * G);
 // lse [B, H, T]. Key j is visible to query i when kv_seg[b, j] != 0, q_seg[b, i] == kv_seg[b, j]
 // and, if causal, j <= i.
@@ -791,9 +792,20 @@ inline bool MaskRow(const TrainAttentionShape& a, float* s, int64_t i, int64_t e
   return any;
 }
 
-// Per-thread scratch of a task, reused from task to task.
+// Per-thread scratch of a task, reused from task to task: O((S + T) D + kAttnBlock S) floats, a few
+// hundred KB at training lengths. Buffers of more than kScratchKeepBytes in all are freed after the
+// task, so that a long sequence leaves no memory behind in each of the pool's threads.
+constexpr size_t kScratchKeepBytes = size_t{8} << 20;
+
 struct AttentionScratch {
   std::vector<float> kt, vt, kh, vh, qh, gh, oh, dkh, dvh, s, ds, delta;
+  void ReleaseIfLarge() {
+    std::vector<float>* all[] = {&kt, &vt, &kh, &vh, &qh, &gh, &oh, &dkh, &dvh, &s, &ds, &delta};
+    size_t bytes = 0;
+    for (auto* v : all) bytes += v->capacity() * sizeof(float);
+    if (bytes > kScratchKeepBytes)
+      for (auto* v : all) std::vector<float>().swap(*v);
+  }
 };
 
 void TrainAttentionForward(ffi::ThreadPool& pool, const TrainAttentionShape& a, const float* qp,
@@ -829,8 +841,17 @@ void TrainAttentionForward(ffi::ThreadPool& pool, const TrainAttentionShape& a, 
             if (i < a.T) lse[i] = -std::numeric_limits<float>::infinity();
             continue;
           }
-          FVec top = FSet(-std::numeric_limits<float>::infinity());
-          for (int64_t j = 0; j < end; j += kFLanes) top = FMax(top, FLoad(row + j));
+          FVec top = FSet(-std::numeric_limits<float>::infinity()), nan = FSet(0.0f);
+          for (int64_t j = 0; j < end; j += kFLanes) {
+            const FVec x = FLoad(row + j);
+            top = FMax(top, x);
+            nan = FMax(nan, FNaNLanes(x));
+          }
+          if (FMaxLanes(nan) > 0.0f) {  // a NaN logit: the row's output is NaN, as XLA's softmax gives
+            std::fill(row, row + end, std::numeric_limits<float>::quiet_NaN());
+            lse[i] = std::numeric_limits<float>::quiet_NaN();
+            continue;
+          }
           const float m = FMaxLanes(top);
           FVec sum = FSet(0.0f);
           for (int64_t j = 0; j < end; j += kFLanes) {
@@ -848,6 +869,7 @@ void TrainAttentionForward(ffi::ThreadPool& pool, const TrainAttentionShape& a, 
       float* out = op + (b * a.T * a.H + h) * D;
       for (int64_t i = 0; i < a.T; ++i) std::memcpy(out + i * q_stride, w.oh.data() + i * D, D * sizeof(float));
     }
+    w.ReleaseIfLarge();
   });
 }
 
@@ -901,6 +923,11 @@ void TrainAttentionBackward(ffi::ThreadPool& pool, const TrainAttentionShape& a,
           const int64_t i = i0 + r;
           float* p = s + r * end;
           float* dp = ds + r * end;
+          if (i < a.T && std::isnan(lse[i])) {  // a NaN in the forward pass: NaN gradients
+            std::fill(p, p + end, std::numeric_limits<float>::quiet_NaN());
+            std::fill(dp, dp + end, std::numeric_limits<float>::quiet_NaN());
+            continue;
+          }
           if (i >= a.T || lse[i] == -std::numeric_limits<float>::infinity() ||
               !MaskRow(a, p, i, end, q_seg[b * a.T + i], ks)) {
             std::fill(p, p + end, 0.0f);
@@ -929,6 +956,7 @@ void TrainAttentionBackward(ffi::ThreadPool& pool, const TrainAttentionShape& a,
       std::memcpy(dk + j * kv_stride, w.dkh.data() + j * D, D * sizeof(float));
       std::memcpy(dv + j * kv_stride, w.dvh.data() + j * D, D * sizeof(float));
     }
+    w.ReleaseIfLarge();
   });
 }
 
@@ -971,6 +999,12 @@ ffi::Error TrainAttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   ffi::Error error = TrainAttentionCheck("tj_attention_bwd", q.dimensions(), k.dimensions(), v.dimensions(),
                                          q_seg.dimensions(), kv_seg.dimensions(), a);
   if (error.failure()) return error;
+  auto qd = q.dimensions(), od = o.dimensions(), gd = g.dimensions(), ld = lse.dimensions();
+  if (od.size() != 4 || gd.size() != 4 || ld.size() != 3 || ld[0] != a.B || ld[1] != a.H || ld[2] != a.T)
+    return ffi::Error::InvalidArgument("tj_attention_bwd: out, its gradient or lse do not fit q");
+  for (int d = 0; d < 4; ++d)
+    if (od[d] != qd[d] || gd[d] != qd[d])
+      return ffi::Error::InvalidArgument("tj_attention_bwd: out, its gradient or lse do not fit q");
   a.causal = causal;
   a.scale = scale;
   TrainAttentionBackward(pool, a, q.typed_data(), k.typed_data(), v.typed_data(), o.typed_data(),
