@@ -778,18 +778,31 @@ inline void CopyTransposed(const float* x, int64_t stride, int64_t rows, int64_t
 }
 
 // Logits row s[0, end) of query i: masked keys set to -inf. Returns whether any key is visible.
+// `uniform` is the segment id of every key of the row when they all share one, else 0: then a query
+// of that id sees every key up to the limit, and no key needs a look.
 inline bool MaskRow(const TrainAttentionShape& a, float* s, int64_t i, int64_t end, int32_t q_seg,
-                    const int32_t* kv_seg) {
+                    const int32_t* kv_seg, int32_t uniform) {
   const float masked = -std::numeric_limits<float>::infinity();
   const int64_t limit = std::min(end, a.causal ? std::min(i + 1, a.S) : a.S);
   bool any = false;
-  for (int64_t j = 0; j < limit; ++j) {
-    const bool visible = kv_seg[j] != 0 && kv_seg[j] == q_seg;
-    any |= visible;
-    s[j] = visible ? s[j] : masked;
+  if (uniform != 0 && q_seg == uniform) {
+    any = limit > 0;
+  } else {
+    for (int64_t j = 0; j < limit; ++j) {
+      const bool visible = kv_seg[j] != 0 && kv_seg[j] == q_seg;
+      any |= visible;
+      s[j] = visible ? s[j] : masked;
+    }
   }
   std::fill(s + limit, s + end, masked);
   return any;
+}
+
+// The segment id all S keys share (`MaskRow`), or 0.
+inline int32_t UniformSegment(const int32_t* kv_seg, int64_t S) {
+  for (int64_t j = 1; j < S; ++j)
+    if (kv_seg[j] != kv_seg[0]) return 0;
+  return S > 0 ? kv_seg[0] : 0;
 }
 
 // Per-thread scratch of a task, reused from task to task: O((S + T) D + kAttnBlock S) floats, a few
@@ -823,6 +836,7 @@ void TrainAttentionForward(ffi::ThreadPool& pool, const TrainAttentionShape& a, 
     CopyTransposed(kp + (b * a.S * a.N + n) * D, kv_stride, a.S, Sp, D, w.kt.data());
     CopyRows(vp + (b * a.S * a.N + n) * D, kv_stride, a.S, Sp, D, 1.0f, w.vh.data());
     const int32_t* ks = kv_seg + b * a.S;
+    const int32_t uniform = UniformSegment(ks, a.S);
     for (int64_t g = 0; g < a.G(); ++g) {
       const int64_t h = n * a.G() + g;
       CopyRows(qp + (b * a.T * a.H + h) * D, q_stride, a.T, Tp, D, a.scale, w.qh.data());
@@ -836,7 +850,7 @@ void TrainAttentionForward(ffi::ThreadPool& pool, const TrainAttentionShape& a, 
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t i = i0 + r;
           float* row = s + r * end;
-          if (i >= a.T || !MaskRow(a, row, i, end, q_seg[b * a.T + i], ks)) {
+          if (i >= a.T || !MaskRow(a, row, i, end, q_seg[b * a.T + i], ks, uniform)) {
             std::fill(row, row + end, 0.0f);
             if (i < a.T) lse[i] = -std::numeric_limits<float>::infinity();
             continue;
@@ -898,6 +912,7 @@ void TrainAttentionBackward(ffi::ThreadPool& pool, const TrainAttentionShape& a,
     CopyTransposed(val, kv_stride, a.S, Sp, D, w.vt.data());
     CopyRows(key, kv_stride, a.S, Sp, D, 1.0f, w.kh.data());
     const int32_t* ks = kv_seg + b * a.S;
+    const int32_t uniform = UniformSegment(ks, a.S);
     for (int64_t g = 0; g < a.G(); ++g) {
       const int64_t h = n * a.G() + g;
       const int64_t offset = (b * a.T * a.H + h) * D;
@@ -929,7 +944,7 @@ void TrainAttentionBackward(ffi::ThreadPool& pool, const TrainAttentionShape& a,
             continue;
           }
           if (i >= a.T || lse[i] == -std::numeric_limits<float>::infinity() ||
-              !MaskRow(a, p, i, end, q_seg[b * a.T + i], ks)) {
+              !MaskRow(a, p, i, end, q_seg[b * a.T + i], ks, uniform)) {
             std::fill(p, p + end, 0.0f);
             std::fill(dp, dp + end, 0.0f);
             continue;
