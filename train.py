@@ -96,6 +96,10 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]} (a config file is given as --config=FILE; "
               "--helpshort lists the flags)", file=sys.stderr, flush=True)
         sys.exit(2)
+    from transformer_jax import host_memory
+
+    # Large buffers on huge pages: ~12% off a GPT-2-small training step on a CPU (see its doc).
+    host_memory.restart_with_huge_page_malloc()
     import jax
     from absl import logging
 

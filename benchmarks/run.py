@@ -41,6 +41,7 @@ import jax  # noqa: E402
 
 import transformer_jax as tj  # noqa: E402
 from benchmarks import bench_attention, bench_compile, bench_model, hardware  # noqa: E402
+from transformer_jax import host_memory  # noqa: E402
 from transformer_jax.modeling import native  # noqa: E402
 
 SECTIONS = ("train", "decode", "attention", "compile")
@@ -331,9 +332,12 @@ def main():
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     wanted = set(args.only or SECTIONS)
+    # As train.py does: large buffers on huge pages where glibc can (transformer_jax/host_memory.py).
+    host_memory.restart_with_huge_page_malloc()
 
     meta = dict(hardware.describe(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                quick=args.quick, load_start=hardware.load())
+                quick=args.quick, load_start=hardware.load(),
+                glibc_tunables=os.environ.get(host_memory.ENV))
     start_hw = hardware.measure(repeats=3 if args.quick else 5)
     peaks = dict(float32=start_hw["matmul_f32_tflops"], bfloat16=start_hw["matmul_bf16_tflops"])
     bandwidth = start_hw["bandwidth_gb_s"]
