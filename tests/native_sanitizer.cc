@@ -384,7 +384,8 @@ static void TestTrainAttention(const Params& p) {
     for (int64_t i = 0; i < std::max(T, S); ++i) {
       if (mask == 1 && rng() % 9 == 0) seg = (seg + 1) % 4;  // 0: padding
       if (i < T) qs[b * T + i] = mask == 1 ? seg : 1;
-      if (i < S) ks[b * S + i] = mask == 1 ? seg : (mask == 2 ? (int32_t)(rng() % 3 != 0) : (mask == 3 && b == 0 ? 0 : 1));
+      const int32_t other = mask == 2 ? (int32_t)(rng() % 3 != 0) : (mask == 3 && b == 0 ? 0 : 1);
+      if (i < S) ks[b * S + i] = mask == 1 ? seg : other;
     }
     if (mask == 1 && T != S)
       for (int64_t j = 0; j < S; ++j) ks[b * S + j] = (int32_t)(rng() % 4);

@@ -704,8 +704,8 @@ ffi::Error BiasActivationImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi
 // XLA:CPU runs attention's batched [T, d] x [d, S] products at ~0.1-0.2 of its matmul peak and
 // makes ~10 passes over the [B, H, T, S] logits between them; here one task takes a (batch row,
 // KV head) and, at training lengths, keeps every block it touches in L2. A NaN logit a query sees
-// makes its output (and the gradients through it) NaN, as XLA's softmax does. Causal masking skips the keys after a query
-// block's last query. Layouts: q, o, dq [B, T, H, D]; k, v, dk, dv [B, S, N, D] (H = N * G);
+// makes its output (and the gradients through it) NaN, as XLA's softmax does. Causal masking skips
+// the keys after a query block's last query. Layouts: q, o, dq [B, T, H, D]; k, v, dk, dv [B, S, N, D] (H = N * G);
 // lse [B, H, T]. Key j is visible to query i when kv_seg[b, j] != 0, q_seg[b, i] == kv_seg[b, j]
 // and, if causal, j <= i.
 
@@ -977,8 +977,9 @@ void TrainAttentionBackward(ffi::ThreadPool& pool, const TrainAttentionShape& a,
 
 // Shapes of q [B, T, H, D], k and v [B, S, N, D], q_seg [B, T], kv_seg [B, S]; an error names
 // what does not fit.
-ffi::Error TrainAttentionCheck(const char* name, ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, ffi::Span<const int64_t> qs,
-                               ffi::Span<const int64_t> ks, TrainAttentionShape& a) {
+using Dims = ffi::Span<const int64_t>;
+
+ffi::Error TrainAttentionCheck(const char* name, Dims qd, Dims kd, Dims vd, Dims qs, Dims ks, TrainAttentionShape& a) {
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qs.size() != 2 || ks.size() != 2)
     return ffi::Error::InvalidArgument(std::string(name) + ": expected 4-axis q, k, v and 2-axis segment ids");
   a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3], a.S = kd[1], a.N = kd[2];
@@ -997,6 +998,10 @@ ffi::Error TrainAttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   ffi::Error error = TrainAttentionCheck("tj_attention_fwd", q.dimensions(), k.dimensions(), v.dimensions(),
                                          q_seg.dimensions(), kv_seg.dimensions(), a);
   if (error.failure()) return error;
+  auto qd = q.dimensions(), od = out->dimensions(), ld = lse->dimensions();
+  if (od.size() != 4 || ld.size() != 3 || ld[0] != a.B || ld[1] != a.H || ld[2] != a.T ||
+      od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3])
+    return ffi::Error::InvalidArgument("tj_attention_fwd: out or lse do not fit q");
   a.causal = causal;
   a.scale = scale;
   TrainAttentionForward(pool, a, q.typed_data(), k.typed_data(), v.typed_data(), q_seg.typed_data(),
