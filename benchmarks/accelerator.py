@@ -49,7 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 import transformer_jax as tj  # noqa: E402
 from benchmarks import bench_attention, bench_decode, bench_model, hardware  # noqa: E402
 
-SECTIONS = ("train", "decode", "attention")
+SECTIONS = ("checks", "train", "decode", "attention")
 
 TARGETS = dict(train_mfu=0.45, decode_b1_roofline=0.60)
 
@@ -127,6 +127,115 @@ def attention_section(sizes: dict, platform: str):
                 yield dict(impl=impl, length=length, error=f"{type(e).__name__}: {e}")
 
 
+def _attention_inputs(shape, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q, k, v, cotangent = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+    return tuple(x.astype(dtype) for x in (q, k, v)), cotangent
+
+
+def attention_check(impl: str, mask_name: str, *, dtype="bfloat16", length=512, heads=8, head_dim=64):
+    """One backend against the reference einsum path on the same inputs: the output and the
+    gradients of <out, cotangent> with respect to q, k and v. The reference runs in float32 at the
+    highest matmul precision (no TF32 on a GPU); the error is the largest absolute difference over
+    the largest reference magnitude, against a tolerance set by the compute dtype."""
+    from transformer_jax.modeling import dot_product_attention, masks
+
+    batch = 2
+    (q, k, v), cotangent = _attention_inputs((batch, length, heads, head_dim), jnp.dtype(dtype))
+    if mask_name == "causal":
+        mask = masks.causal_spec(length)
+    elif mask_name == "causal_packed":  # two documents per row, split at different places
+        split = jnp.array([[length // 3], [length // 2]])
+        mask = masks.causal_spec(length, (jnp.arange(length)[None] >= split).astype(jnp.int32) + 1)
+    elif mask_name == "key_padding":  # bidirectional, the second row's last quarter padding
+        valid = jnp.arange(length)[None] < jnp.array([[length], [3 * length // 4]])
+        mask = masks.bidirectional_spec(length, length, kv_valid=valid)
+    else:
+        raise ValueError(mask_name)
+
+    def loss(q, k, v, impl):
+        out = dot_product_attention(q, k, v, mask, impl=impl)[0]
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    grad = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True), static_argnums=3)
+    got_grads, got = grad(q, k, v, impl)
+    with jax.default_matmul_precision("highest"):
+        wide = tuple(x.astype(jnp.float32) for x in (q, k, v))
+        want_grads, want = grad(*wide, "reference")
+    errors = {}
+    for name, a, b in [("out", got, want)] + list(zip(("dq", "dk", "dv"), got_grads, want_grads)):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        errors[name] = float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+    tolerance = 3e-2 if jnp.dtype(dtype).itemsize == 2 else 1e-3
+    from transformer_jax.modeling.attention import resolve_impl
+
+    ran = resolve_impl(impl, q_length=length, kv_length=length, mask=mask, dtype=jnp.dtype(dtype),
+                       head_dim=head_dim)
+    return dict(check=f"attention {impl} vs reference", impl_ran=ran, mask=mask_name, dtype=dtype,
+                length=length, relative_errors={key: round(e, 6) for key, e in errors.items()},
+                tolerance=tolerance, passed=all(e <= tolerance for e in errors.values()))
+
+
+def decode_check():
+    """Cached greedy decoding against recomputing the whole sequence every step (no cache), on a
+    small float32 decoder at the highest matmul precision: the same tokens, and log-probabilities
+    within 1e-4. A ragged batch of prompts (right-padded)."""
+    from transformer_jax.decoding import generate, pad_prompts
+    from transformer_jax.decoding.model_steps import LMStep, RecomputeLMStep, recompute_cache
+
+    config = tj.presets.tiny(num_encoder_layers=0, vocab_size=256, d_model=128, num_heads=4, d_ff=256,
+                             num_decoder_layers=3, max_len=64)
+    model = tj.TransformerLM(config)
+    # Weights of unit gain (1/sqrt(fan-in)) and norm scales around 1, so that the greedy choice
+    # varies from step to step (small initial weights repeat one token).
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(jax.random.key(3), len(paths))
+
+    def draw(key, path, leaf):
+        d = jax.random.normal(key, leaf.shape, jnp.float32)
+        if "scale" in jax.tree_util.keystr(path):
+            return 1.0 + 0.3 * d
+        return d / (jnp.sqrt(leaf.shape[0]) if leaf.ndim > 1 else 10.0)
+
+    params = jax.tree.unflatten(treedef, [draw(key, path, leaf) for key, (path, leaf) in zip(keys, paths)])
+    tokens, lengths = pad_prompts([[5, 17, 3, 40, 9, 22], [7], [12, 0, 33, 80]])
+    steps = 12
+    width = tokens.shape[1] + steps
+    with jax.default_matmul_precision("highest"):
+        cached = generate(LMStep(model), params, tj.init_cache(config, 3, width), tokens, lengths,
+                          max_new_tokens=steps, eos_id=None)
+        full = generate(RecomputeLMStep(model), params, recompute_cache(3, width), tokens, lengths,
+                        max_new_tokens=steps, eos_id=None)
+    same = bool(jnp.all(cached.tokens == full.tokens))
+    error = float(jnp.max(jnp.abs(cached.logprobs - full.logprobs)))
+    return dict(check="cached greedy decoding vs full recomputation", dtype="float32",
+                tokens_equal=same, logprob_max_abs_diff=round(error, 8), tolerance=1e-4,
+                distinct_tokens=len(set(jnp.ravel(cached.tokens).tolist())),
+                passed=same and error <= 1e-4)
+
+
+def checks_section(sizes: dict, platform: str):
+    """Correctness on the device before its speed: the platform's fused attention ('auto' too) and
+    the chunked one against the reference path, for causal, packed and key-padding masks, and
+    cached decoding against recomputation. One row each; an error is that row's alone."""
+    fused = fused_attention_impl(platform)
+    cases = [(impl, mask) for impl in dict.fromkeys((fused, "auto", "chunked"))
+             for mask in ("causal", "causal_packed", "key_padding")]
+    length = 128 if sizes is SMOKE else 512
+    for impl, mask in cases:
+        try:
+            yield attention_check(impl, mask, length=length)
+        except Exception as e:
+            yield dict(check=f"attention {impl} vs reference", mask=mask, error=f"{type(e).__name__}: {e}",
+                       passed=False)
+    try:
+        yield decode_check()
+    except Exception as e:
+        yield dict(check="cached greedy decoding vs full recomputation", error=f"{type(e).__name__}: {e}",
+                   passed=False)
+
+
 def _measured(row: dict, *keys: str) -> bool:
     return "error" not in row and all(key in row for key in keys)
 
@@ -134,6 +243,11 @@ def _measured(row: dict, *keys: str) -> bool:
 def summary(results: dict, limits: dict) -> list[dict]:
     """One line per target: measured ratio, target, met."""
     lines = []
+    checks = results.get("checks", {}).get("rows") or []
+    if checks:
+        failed = [f"{row['check']} ({row.get('mask', row.get('dtype'))})" for row in checks if not row["passed"]]
+        lines.append(dict(workload="correctness checks", passed=len(checks) - len(failed), total=len(checks),
+                          failed=failed, met=not failed))
     for train in results.get("train", {}).get("rows") or []:
         if not _measured(train, "mfu"):
             continue
@@ -215,7 +329,8 @@ def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | Non
     first = _hardware(sizes, meta, "hardware_start")
     checkpoint()
     start = first or dict(peak_bf16_flops=None, bandwidth_bytes_s=float("nan"))
-    runners = dict(train=lambda: train_section(sizes, platform, start),
+    runners = dict(checks=lambda: checks_section(sizes, platform),
+                   train=lambda: train_section(sizes, platform, start),
                    decode=lambda: decode_section(sizes, platform, start),
                    attention=lambda: attention_section(sizes, platform))
     for name in sections:
