@@ -98,7 +98,7 @@ def test_xla_backend_equals_reference_forward_and_gradients(name):
     ("key_lengths_one_row_empty", dict(is_causal=False, key_value_seq_lengths=[1, 10])),  # 0 -> 1, zeroed
     ("causal_key_lengths_and_limit", dict(is_causal=True, key_value_seq_lengths=[3, 12])),
     ("causal_cache_offset", dict(mask=(B, 1, L, S))),
-    ("key_padding", dict(mask=(B, 1, 1, S))),
+    ("key_padding", dict(mask=(B, 1, L, S))),  # cuDNN takes a bias of the full [L, S] only
 ])
 def test_cudnn_gets_causal_and_key_lengths_as_arguments_not_a_dense_mask(monkeypatch, name, expected):
     """What the cuDNN path hands jax.nn.dot_product_attention (recorded, then run by XLA on CPU; the
@@ -110,6 +110,12 @@ def test_cudnn_gets_causal_and_key_lengths_as_arguments_not_a_dense_mask(monkeyp
 
     def record(*args, implementation=None, **kwargs):
         calls.append((implementation, kwargs))
+        # JAX's own check of cuDNN's arguments, which runs before the kernel on a GPU (it refused a
+        # [B, 1, 1, S] key-padding mask there: "Bias must have same seq length as QKV").
+        from jax._src.cudnn.fused_attention_stablehlo import AttentionLayout, check_layout
+
+        check_layout(*args, kwargs.get("mask"), None, kwargs.get("key_value_seq_lengths"), None, None,
+                     None, None, AttentionLayout.BTNH)
         return real(*args, implementation="xla", **kwargs)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", record)

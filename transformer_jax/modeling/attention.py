@@ -91,6 +91,11 @@ def _fused_attention(q, k, v, mask, implementation):
     if problem:
         raise NotImplementedError(f"attention_impl={problem}")
     kwargs, visible = _fused_mask_args(mask, q.shape[0])
+    if implementation == "cudnn" and "mask" in kwargs:
+        # cuDNN takes a mask (as a bias) of the full [.., L, S] only: a key-padding mask [B, 1, 1, S]
+        # or a dense one with broadcast axes is spread out here (JAX refuses it otherwise).
+        dense = kwargs["mask"]
+        kwargs["mask"] = jnp.broadcast_to(dense, dense.shape[:2] + (q.shape[1], k.shape[1]))
     if implementation == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         # XLA:CPU has no float16 x float16 -> float32 product, which the 'xla' path asks for: the
         # attention runs in float32 there and rounds once (what its float32 accumulation gives).
