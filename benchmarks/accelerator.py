@@ -62,6 +62,10 @@ FULL = dict(model=dict(vocab_size=50257, pad_vocab_multiple=128, d_model=1024, n
                               d_ff=8192, num_decoder_layers=24, max_len=2048),
             batch=8, length=2048, new_tokens=256, peak_n=8192, bandwidth_mib=4096,
             attention_lengths=(4096, 16384, 32768), attention_heads=16, train_steps=5)
+# A 7B-shaped decoder (LLaMA-7B's widths with GPT-2's vocabulary, ~6.7B parameters, 13 GB in bf16)
+# for `--decode-model 7b`: the bandwidth a batch-1 step reaches when every weight product is large.
+DECODE_7B = dict(vocab_size=50257, pad_vocab_multiple=128, d_model=4096, num_heads=32, d_ff=16384,
+                 num_decoder_layers=32, max_len=2048)
 SMOKE = dict(model=dict(vocab_size=500, pad_vocab_multiple=128, d_model=64, num_heads=4,
                         d_ff=128, num_decoder_layers=2, max_len=256),
              decode_model=dict(vocab_size=500, pad_vocab_multiple=128, d_model=96, num_heads=4,
@@ -83,19 +87,25 @@ def model_config(sizes: dict, platform: str, model: str = "model", **overrides) 
 
 
 def measure_hardware(sizes: dict) -> dict:
-    return dict(peak_bf16_flops=hardware.peak_matmul_flops("bfloat16", n=sizes["peak_n"], repeats=5),
+    """The peak is the faster of single products with float32 outputs and a chain of bf16 ones in
+    one call: the higher reading, so the stricter denominator for MFU."""
+    single = hardware.peak_matmul_flops("bfloat16", n=sizes["peak_n"], repeats=5)
+    chained = hardware.peak_matmul_chain_flops("bfloat16", n=sizes["peak_n"], repeats=5)
+    return dict(peak_bf16_flops=max(single, chained), peak_single_flops=single, peak_chain_flops=chained,
                 bandwidth_bytes_s=hardware.memory_bandwidth(mib=sizes["bandwidth_mib"], repeats=5))
 
 
-def train_section(sizes: dict, platform: str, limits: dict) -> list[dict]:
-    config = model_config(sizes, platform)
+def train_section(sizes: dict, platform: str, limits: dict, remat: str = "dots_saveable") -> list[dict]:
+    config = model_config(sizes, platform, remat=remat)
     row = bench_model.bench_train(config, sizes["batch"], sizes["length"], steps=sizes["train_steps"],
                                   peak_flops=limits["peak_bf16_flops"])
-    return [dict(row, attention_impl=config.attention_impl)]
+    return [dict(row, attention_impl=config.attention_impl, remat=remat)]
 
 
-def decode_section(sizes: dict, platform: str, limits: dict):
+def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "1.3b"):
     """Yields one row per batch size (an error row if that batch size fails)."""
+    if model_name == "7b" and sizes is not SMOKE:
+        sizes = dict(sizes, decode_model=DECODE_7B)
     # Decoding attends one query over the cache: XLA reads the heads-first [B, N, S, K] cache in
     # place, where the cuDNN call takes [B, S, N, K] and would copy every layer's cache each step.
     config = model_config(sizes, platform, "decode_model", param_dtype="bfloat16",
@@ -111,7 +121,7 @@ def decode_section(sizes: dict, platform: str, limits: dict):
                                       limits["bandwidth_bytes_s"], 3)
         except Exception as e:  # batch 8 may still run where batch 1 failed, and the other way
             row = dict(batch=batch, error=f"{type(e).__name__}: {e}")
-        yield dict(row, model="accelerator_decoder", weights="bfloat16")
+        yield dict(row, model=f"accelerator_decoder_{model_name}", weights="bfloat16")
 
 
 def attention_section(sizes: dict, platform: str):
@@ -169,9 +179,10 @@ def attention_check(impl: str, mask_name: str, *, dtype="bfloat16", length=512, 
     tolerance = 3e-2 if jnp.dtype(dtype).itemsize == 2 else 1e-3
     from transformer_jax.modeling.attention import resolve_impl
 
-    ran = resolve_impl(impl, q_length=length, kv_length=length, mask=mask, dtype=jnp.dtype(dtype),
-                       head_dim=head_dim)
-    return dict(check=f"attention {impl} vs reference", impl_ran=ran, mask=mask_name, dtype=dtype,
+    resolved = {name: resolve_impl(name, q_length=length, kv_length=length, mask=mask, dtype=jnp.dtype(dtype),
+                                   head_dim=head_dim) for name in (impl, "auto")}
+    return dict(check=f"attention {impl} vs reference", impl_ran=resolved[impl], auto_picks=resolved["auto"],
+                mask=mask_name, dtype=dtype,
                 length=length, relative_errors={key: round(e, 6) for key, e in errors.items()},
                 tolerance=tolerance, passed=all(e <= tolerance for e in errors.values()))
 
@@ -216,11 +227,12 @@ def decode_check():
 
 
 def checks_section(sizes: dict, platform: str):
-    """Correctness on the device before its speed: the platform's fused attention ('auto' too) and
-    the chunked one against the reference path, for causal, packed and key-padding masks, and
-    cached decoding against recomputation. One row each; an error is that row's alone."""
+    """Correctness on the device before its speed: the platform's fused attention (with what 'auto'
+    picks for the same inputs) and the chunked one against the reference path, for causal, packed
+    and key-padding masks, and cached decoding against recomputation. One row each; an error is
+    that row's alone."""
     fused = fused_attention_impl(platform)
-    cases = [(impl, mask) for impl in dict.fromkeys((fused, "auto", "chunked"))
+    cases = [(impl, mask) for impl in (fused, "chunked")
              for mask in ("causal", "causal_packed", "key_padding")]
     length = 128 if sizes is SMOKE else 512
     for impl, mask in cases:
@@ -245,7 +257,8 @@ def summary(results: dict, limits: dict) -> list[dict]:
     lines = []
     checks = results.get("checks", {}).get("rows") or []
     if checks:
-        failed = [f"{row['check']} ({row.get('mask', row.get('dtype'))})" for row in checks if not row["passed"]]
+        failed = [f"{row['check']} ({row.get('mask', row.get('dtype'))})" for row in checks
+                  if not row["passed"]]
         lines.append(dict(workload="correctness checks", passed=len(checks) - len(failed), total=len(checks),
                           failed=failed, met=not failed))
     for train in results.get("train", {}).get("rows") or []:
@@ -305,7 +318,8 @@ def _hardware(sizes: dict, meta: dict, key: str) -> dict | None:
     return None if "error" in meta[key] else meta[key]
 
 
-def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | None = None) -> dict:
+def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | None = None,
+        remat: str = "dots_saveable", decode_model: str = "1.3b") -> dict:
     """The whole suite; `save(report)` (if given) is called with the report so far after every
     row, so that a run cut short leaves what it measured. After `budget_s` seconds no new row is
     started: the end reading of the limits and the summary are still made."""
@@ -315,7 +329,8 @@ def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | Non
     device = jax.devices()[0]
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 platform=platform, device_kind=str(device.device_kind),
-                device_count=jax.device_count(), jax=jax.__version__, smoke=smoke)
+                device_count=jax.device_count(), jax=jax.__version__, smoke=smoke,
+                xla_flags=os.environ.get("XLA_FLAGS", ""), remat=remat, decode_model=decode_model)
     results = {}
     report = dict(meta=meta, targets=TARGETS, results=results, summary=[])
 
@@ -330,8 +345,8 @@ def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | Non
     checkpoint()
     start = first or dict(peak_bf16_flops=None, bandwidth_bytes_s=float("nan"))
     runners = dict(checks=lambda: checks_section(sizes, platform),
-                   train=lambda: train_section(sizes, platform, start),
-                   decode=lambda: decode_section(sizes, platform, start),
+                   train=lambda: train_section(sizes, platform, start, remat),
+                   decode=lambda: decode_section(sizes, platform, start, decode_model),
                    attention=lambda: attention_section(sizes, platform))
     for name in sections:
         section(name, runners[name], results, checkpoint, deadline)
@@ -377,6 +392,10 @@ def main():
                         help="start no new row after this many seconds of the run (0: no limit), so "
                              "that the row in flight, the end reading of the limits and the summary "
                              "still fit in a 10-minute limit")
+    parser.add_argument("--remat", default="dots_saveable", choices=["none", "dots_saveable", "full"],
+                        help="the training model's rematerialisation policy")
+    parser.add_argument("--decode-model", default="1.3b", choices=["1.3b", "7b"],
+                        help="the decoding model: ~1.3B (d_model 2048) or 7B-shaped (d_model 4096)")
     args = parser.parse_args()
     if args.out:
         # Checked before the run (minutes on an accelerator), not after it, where a bad path would
@@ -390,7 +409,8 @@ def main():
         if os.path.isdir(args.out) or not os.access(folder, os.W_OK):
             parser.error(f"--out {args.out}: not a writable file path")
     save = (lambda report: write_json(args.out, report)) if args.out else None
-    report = run(args.smoke, save=save, sections=tuple(args.only), budget_s=args.budget_s)
+    report = run(args.smoke, save=save, sections=tuple(args.only), budget_s=args.budget_s,
+                 remat=args.remat, decode_model=args.decode_model)
     if save:
         save(report)
     print(json.dumps(dict(meta=report["meta"], summary=report["summary"]), indent=1, default=str))

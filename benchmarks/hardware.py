@@ -49,6 +49,19 @@ def peak_matmul_flops(dtype="float32", n: int = 2048, repeats: int = 5) -> float
     return best
 
 
+def peak_matmul_chain_flops(dtype="bfloat16", n: int = 8192, count: int = 8, repeats: int = 5) -> float:
+    """FLOP/s of `count` dependent [n, n] x [n, n] products in one jitted call, each rounded to
+    `dtype` before the next (the product a layer hands the next one): the cost of launching the call
+    and waiting for it is spread over `count` products, where `peak_matmul_flops` times one product
+    a call. The weight is scaled by 1/sqrt(n), so the values stay of order one along the chain."""
+    def chain(x, w):
+        return jax.lax.fori_loop(0, count, lambda i, x: jnp.matmul(x, w).astype(x.dtype), x)
+
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    w = (jax.random.normal(jax.random.key(1), (n, n), jnp.float32) / n ** 0.5).astype(dtype)
+    return 2 * count * n ** 3 / median_time(lambda: jax.jit(chain)(x, w), repeats)
+
+
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     """Bytes per second read from a `mib` MiB float32 array: the fastest of a jitted sum and a
     jitted matrix-vector product over it (the read a decoding step's weight products make), over

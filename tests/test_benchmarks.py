@@ -44,7 +44,7 @@ def test_accelerator_script_smoke_run_reports_every_section(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     results = report["results"]
-    for name in ("train", "decode", "attention"):
+    for name in ("checks", "train", "decode", "attention"):
         assert "error" not in results[name], results[name].get("traceback")
         assert all("error" not in row for row in results[name]["rows"]), results[name]["rows"]
     [train] = results["train"]["rows"]
@@ -61,7 +61,12 @@ def test_accelerator_script_smoke_run_reports_every_section(tmp_path):
     assert decode[8]["bytes_per_step"] > decode[1]["bytes_per_step"]  # a bigger cache
     impls = {row["impl"] for row in results["attention"]["rows"]}
     assert {"xla", "chunked"} <= impls
-    assert [line["target"] for line in report["summary"]] == [0.45, 0.6, None]
+    # the checks: every backend against the reference for three masks, and cached decoding
+    checks = results["checks"]["rows"]
+    assert len(checks) == 7 and all(row["passed"] for row in checks), checks
+    assert {row["mask"] for row in checks if "mask" in row} == {"causal", "causal_packed", "key_padding"}
+    assert [line.get("target") for line in report["summary"]] == [None, 0.45, 0.6, None]
+    assert report["summary"][0] == dict(workload="correctness checks", passed=7, total=7, failed=[], met=True)
     assert report["meta"]["peak_bf16_tflops"] > 0 and report["meta"]["bandwidth_gb_s"] > 0
 
 
@@ -565,10 +570,11 @@ def test_accelerator_ratios_are_against_the_higher_reading_of_each_limit(monkeyp
     bandwidth at the end), and the summary holds the decode target at batch 1 only."""
     readings = [dict(peak_bf16_flops=1.0e15, bandwidth_bytes_s=3.5e12),
                 dict(peak_bf16_flops=0.8e15, bandwidth_bytes_s=4.0e12)]
+    monkeypatch.setattr(accelerator, "checks_section", lambda sizes, platform: [])
     monkeypatch.setattr(accelerator, "measure_hardware", lambda sizes: readings.pop(0))
-    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits: [
+    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits, *options: [
         dict(tokens_per_s=1000.0, achieved_tflops=460.0, mfu=0.575)])
-    monkeypatch.setattr(accelerator, "decode_section", lambda sizes, platform, limits: [
+    monkeypatch.setattr(accelerator, "decode_section", lambda sizes, platform, limits, *options: [
         dict(batch=batch, decode_tok_s=batch * 1000.0, bytes_per_step=2.6e9, decode_step_s=0.001,
              roofline_frac=0.743) for batch in (1, 8)])
     monkeypatch.setattr(accelerator, "attention_section", lambda sizes, platform: [])
@@ -678,12 +684,13 @@ def test_accelerator_keeps_every_row_measured_before_a_failure_or_a_kill(monkeyp
 
     from benchmarks import bench_attention
 
+    monkeypatch.setattr(accelerator, "checks_section", lambda sizes, platform: [])
     monkeypatch.setattr(accelerator, "measure_hardware", lambda sizes: dict(
         peak_bf16_flops=1.0e15, bandwidth_bytes_s=4.0e12))
-    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits: [
+    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits, *options: [
         dict(tokens_per_s=1000.0, achieved_tflops=460.0, mfu=0.46)])
 
-    def decode(sizes, platform, limits):
+    def decode(sizes, platform, limits, *options):
         yield dict(batch=1, decode_tok_s=1000.0, bytes_per_step=2.6e9, decode_step_s=0.001,
                    roofline_frac=0.65)
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
@@ -711,7 +718,7 @@ def test_accelerator_keeps_every_row_measured_before_a_failure_or_a_kill(monkeyp
 
     # main: the file holds the last saved report when the run dies (SIGKILL is not catchable; a
     # SystemExit from inside the run stands for it), and no half-written file is left
-    def killed(smoke, save, sections, budget_s):
+    def killed(smoke, save, sections, budget_s, **options):
         save(dict(meta=dict(smoke=smoke), results=dict(train=dict(rows=[dict(step_ms=1.0)]))))
         raise SystemExit(137)
 
@@ -733,12 +740,13 @@ def test_accelerator_starts_no_row_after_its_time_budget(monkeypatch):
     monkeypatch.setattr(accelerator, "time", types.SimpleNamespace(
         monotonic=lambda: now[0], perf_counter=lambda: now[0]))
     readings = []
+    monkeypatch.setattr(accelerator, "checks_section", lambda sizes, platform: [])
     monkeypatch.setattr(accelerator, "measure_hardware", lambda sizes: readings.append(1) or dict(
         peak_bf16_flops=1.0e15, bandwidth_bytes_s=4.0e12))
-    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits: [
+    monkeypatch.setattr(accelerator, "train_section", lambda sizes, platform, limits, *options: [
         dict(tokens_per_s=1000.0, achieved_tflops=460.0, mfu=0.46)])
 
-    def decode(sizes, platform, limits):
+    def decode(sizes, platform, limits, *options):
         for batch in (1, 8):
             now[0] += 300.0  # each row takes 5 minutes
             yield dict(batch=batch, decode_tok_s=1000.0, bytes_per_step=2.6e9, decode_step_s=0.001)
