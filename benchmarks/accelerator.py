@@ -6,15 +6,19 @@
 Needs only jax, flax, optax and this repository: synthetic batches, random weights, nothing
 downloaded. One run measures the device's own limits and each workload against them:
 
+  checks     the platform's fused attention (with what 'auto' picks) and the chunked one against the
+             reference path (forward and gradients; causal, packed and key-padding masks), and cached
+             greedy decoding against recomputing the sequence each step: passed or not, per row
   hardware   peak bf16 matmul FLOP/s (the fastest of 8192^2, 8192 x 4096 x 8192 and 8192 x 768 x 3072
-             products, float32 accumulation) and memory bandwidth (the faster of a jitted sum and a
-             matrix-vector product over 4 GiB), each the higher of a measurement at the start and at
-             the end
+             products with float32 output, one a call, and of a chain of eight bf16 8192^2 products in
+             one call) and memory bandwidth (the faster of a jitted sum and a matrix-vector product
+             over 4 GiB), each the higher of a measurement at the start and at the end
   train      a ~350M-parameter decoder (24 layers, d_model 1024, 16 heads, GPT-2's 50257-token
              vocabulary with its table padded to 50304 rows) on 8 x 2048 tokens on one device, bf16
              compute with float32 master weights, scan_layers, dots_saveable remat, cuDNN attention on
              GPU / Pallas flash on TPU: tokens/s and MFU (target: MFU >= 0.45 of the measured bf16 peak)
-  decode     a ~1.3B decoder (d_model 2048, d_ff 8192, 24 layers) with bf16 weights, cached greedy
+  decode     a ~1.3B decoder (d_model 2048, d_ff 8192, 24 layers; `--decode-model 7b`: a 7B-shaped
+             one, d_model 4096, d_ff 16384, 32 layers) with bf16 weights, cached greedy
              decoding of 256 new tokens after a 32-token prompt at batch 1 and 8: ms/step and the
              fraction of the bandwidth roofline (parameters + the KV cache up to each step's own
              position, read once per step; target at batch 1: >= 0.6)

@@ -132,6 +132,36 @@ def test_cudnn_gets_causal_and_key_lengths_as_arguments_not_a_dense_mask(monkeyp
     np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2)
 
 
+def test_encoder_decoder_with_padding_passes_cudnns_argument_check(monkeypatch):
+    """The paper's model in bf16 with cuDNN attention, as on a GPU: every attention call of a padded
+    batch (encoder self-attention, decoder self-attention, cross-attention) hands cuDNN arguments
+    that JAX's own cuDNN check accepts, and the logits equal those of the XLA backend. (The
+    key-padding masks of the encoder and the cross-attention were refused on an H200.)"""
+    from jax._src.cudnn.fused_attention_stablehlo import AttentionLayout, check_layout
+
+    real = jax.nn.dot_product_attention
+    checked = []
+
+    def as_cudnn(*args, implementation=None, **kwargs):
+        if implementation == "cudnn":
+            check_layout(*args, kwargs.get("mask"), None, kwargs.get("key_value_seq_lengths"), None,
+                         None, None, None, AttentionLayout.BTNH)
+            checked.append(kwargs.get("mask") is not None)
+        return real(*args, implementation="xla", **kwargs)
+
+    config = tj.presets.tiny(dtype="bfloat16", pad_id=0)
+    source = jnp.array([[5, 9, 3, 7, 0, 0], [4, 8, 2, 6, 11, 12]])
+    target = jnp.array([[2, 6, 8, 0, 0], [2, 3, 9, 10, 4]])
+    model = tj.Transformer(config)
+    params = model.init(jax.random.key(0), source, target)
+    want = model.apply(params, source, target)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", as_cudnn)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    got = tj.Transformer(config.replace(attention_impl="cudnn")).apply(params, source, target)
+    assert len(checked) == 6 and any(checked)  # 2 encoder, 2 decoder self- and 2 cross-attention calls
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=0.05)
+
+
 def test_fully_masked_rows_are_zero():
     q, k, v = qkv()
     out = chunked_attention(q, k, v, MASKS["segments_with_padding_rows"], q_chunk=4, kv_chunk=8)
