@@ -759,3 +759,26 @@ def test_accelerator_starts_no_row_after_its_time_budget(monkeypatch):
     assert "skipped" in results["attention"]
     assert results["attention"]["rows"] == [] and len(readings) == 2
     assert [line["ratio"] for line in report["summary"]] == [0.46, 0.65, 0.65]
+
+
+def test_random_params_are_drawn_on_an_accelerator_not_in_numpy(monkeypatch):
+    """Off a CPU the benchmark weights are drawn on the device: numpy took longer than a 95 s slot
+    for a 7B model's weights on a GPU machine. Same shapes and dtype, scale 0.02, leaves differ."""
+    import numpy as np
+    import pytest
+
+    import transformer_jax as tj
+    from benchmarks import bench_decode
+
+    model = tj.TransformerLM(tj.presets.tiny(num_encoder_layers=0))
+    tokens = jax.numpy.ones((1, 8), jax.numpy.int32)
+    on_cpu = bench_decode.random_params(model, tokens, dtype=jax.numpy.bfloat16)
+    monkeypatch.setattr(bench_decode.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(bench_decode.np.random, "default_rng", lambda seed: pytest.fail("drew in numpy"))
+    on_device = bench_decode.random_params(model, tokens, dtype=jax.numpy.bfloat16)
+    assert jax.tree.structure(on_device) == jax.tree.structure(on_cpu)
+    leaves = jax.tree.leaves(on_device)
+    assert [(x.shape, x.dtype) for x in leaves] == [(x.shape, x.dtype) for x in jax.tree.leaves(on_cpu)]
+    big = [np.asarray(x, np.float32) for x in leaves if x.size >= 1024]
+    assert all(0.015 < x.std() < 0.025 for x in big)
+    assert len({float(x.ravel()[0]) for x in big}) == len(big)  # each leaf its own key
