@@ -54,6 +54,7 @@ import transformer_jax as tj  # noqa: E402
 from benchmarks import bench_attention, bench_decode, bench_model, hardware  # noqa: E402
 
 SECTIONS = ("checks", "train", "decode", "attention")
+OPTIONAL_SECTIONS = ("profile",)  # run only when named in --only
 
 TARGETS = dict(train_mfu=0.45, decode_b1_roofline=0.60)
 
@@ -126,6 +127,70 @@ def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "
         except Exception as e:  # batch 8 may still run where batch 1 failed, and the other way
             row = dict(batch=batch, error=f"{type(e).__name__}: {e}")
         yield dict(row, model=f"accelerator_decoder_{model_name}", weights="bfloat16")
+
+
+def trace_summary(trace_dir: str, steps: int, top: int = 15) -> list[dict]:
+    """Per thread of the profiler's trace (the device's streams on a GPU; XLA's threads on a CPU):
+    events, their total time, events per decoding step, and the `top` op or kernel names by time."""
+    import collections
+    import glob
+    import gzip
+
+    [path] = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
+    threads = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            where = f"{names.get((e['pid'], None), e['pid'])} / {names.get((e['pid'], e['tid']), e['tid'])}"
+            threads[where].append(e)
+    rows = []
+    # The device's threads first (a GPU's streams: its kernels), then the host's, each by total time.
+    order = lambda kv: (not kv[0].startswith("/device"), -sum(e.get("dur", 0) for e in kv[1]))
+    for where, items in sorted(threads.items(), key=order):
+        by_name = collections.defaultdict(lambda: [0, 0.0])
+        for e in items:
+            by_name[e["name"]][0] += 1
+            by_name[e["name"]][1] += e.get("dur", 0)
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+        rows.append(dict(thread=where, events=len(items), events_per_step=round(len(items) / steps, 1),
+                         total_ms=round(sum(e.get("dur", 0) for e in items) / 1e3, 3),
+                         top=[dict(name=n[:120], count=c, total_us=round(t, 1), mean_us=round(t / c, 2))
+                              for n, (c, t) in ranked]))
+    return rows
+
+
+def profile_section(sizes: dict, platform: str, model_name: str = "1.3b"):
+    """Where a batch-1 decoding step's time goes: `steps` cached greedy steps of the decode section's
+    model under the profiler, summarised per thread (`trace_summary`). Not in the default run
+    (`--only profile`)."""
+    import tempfile
+
+    from transformer_jax.decoding import generate
+
+    if model_name == "7b" and sizes is not SMOKE:
+        sizes = dict(sizes, decode_model=DECODE_7B)
+    config = model_config(sizes, platform, "decode_model", param_dtype="bfloat16",
+                          scan_layers=False, remat="none", attention_impl="xla")
+    model = tj.TransformerLM(config)
+    params = bench_decode.random_params(model, jnp.ones((1, 8), jnp.int32), dtype=jnp.bfloat16)
+    steps = 32 if sizes is not SMOKE else 8
+    prompt = jax.random.randint(jax.random.key(1), (1, bench_decode.PROMPT), 3, config.vocab_size)
+    lengths = jnp.full((1,), bench_decode.PROMPT, jnp.int32)
+    run = lambda: generate(tj.LMStep(model), params, tj.init_cache(config, 1, bench_decode.PROMPT + steps),
+                           prompt, lengths, max_new_tokens=steps, eos_id=None)
+    jax.block_until_ready(run())  # compiled outside the trace
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        try:
+            jax.block_until_ready(run())
+        finally:
+            jax.profiler.stop_trace()
+        for row in trace_summary(trace_dir, steps)[:6]:
+            yield dict(row, model=f"accelerator_decoder_{model_name}", batch=1, steps=steps)
 
 
 def attention_section(sizes: dict, platform: str):
@@ -351,7 +416,8 @@ def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | Non
     runners = dict(checks=lambda: checks_section(sizes, platform),
                    train=lambda: train_section(sizes, platform, start, remat),
                    decode=lambda: decode_section(sizes, platform, start, decode_model),
-                   attention=lambda: attention_section(sizes, platform))
+                   attention=lambda: attention_section(sizes, platform),
+                   profile=lambda: profile_section(sizes, platform, decode_model))
     for name in sections:
         section(name, runners[name], results, checkpoint, deadline)
     last = _hardware(sizes, meta, "hardware_end")
@@ -390,8 +456,10 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: the same code on any CPU")
     parser.add_argument("--out", default=None,
                         help="JSON file (default: print only), rewritten after every row")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="run only these sections (the hardware limits are always measured)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS + OPTIONAL_SECTIONS, default=list(SECTIONS),
+                        help="run only these sections (the hardware limits are always measured); "
+                             "'profile' (a per-kernel breakdown of batch-1 decoding steps) runs only "
+                             "when named")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="start no new row after this many seconds of the run (0: no limit), so "
                              "that the row in flight, the end reading of the limits and the summary "

@@ -782,3 +782,34 @@ def test_random_params_are_drawn_on_an_accelerator_not_in_numpy(monkeypatch):
     big = [np.asarray(x, np.float32) for x in leaves if x.size >= 1024]
     assert all(0.015 < x.std() < 0.025 for x in big)
     assert len({float(x.ravel()[0]) for x in big}) == len(big)  # each leaf its own key
+
+
+def test_trace_summary_puts_the_devices_kernels_first(tmp_path):
+    """The profile section's summary of a profiler trace: per thread, the device's streams before the
+    host's threads, event counts per step, and op names ranked by total time."""
+    import gzip
+
+    meta = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind, args=dict(name=name))
+    op = lambda pid, tid, name, dur: dict(ph="X", pid=pid, tid=tid, name=name, ts=0, dur=dur)
+    events = [meta(1, None, "process_name", "/host:CPU"), meta(1, 7, "thread_name", "python"),
+              meta(2, None, "process_name", "/device:GPU:0"), meta(2, 3, "thread_name", "Stream #1"),
+              op(1, 7, "generate", 5000.0)]
+    events += [op(2, 3, "gemv_kernel", 8.0) for _ in range(8)]
+    events += [op(2, 3, "fusion_ln", 2.0) for _ in range(4)]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "host.trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=events), f)
+    device, host = accelerator.trace_summary(str(tmp_path), steps=4)
+    assert device["thread"] == "/device:GPU:0 / Stream #1" and host["thread"] == "/host:CPU / python"
+    assert (device["events"], device["events_per_step"], device["total_ms"]) == (12, 3.0, 0.072)
+    assert [(t["name"], t["count"], t["total_us"], t["mean_us"]) for t in device["top"]] == [
+        ("gemv_kernel", 8, 64.0, 8.0), ("fusion_ln", 4, 8.0, 2.0)]
+
+
+def test_profile_section_traces_decoding_steps():
+    """--only profile on the smoke model, on this CPU: XLA's threads ran the decoding loop."""
+    rows = list(accelerator.profile_section(accelerator.SMOKE, "cpu"))
+    assert rows and all(row["steps"] == 8 and row["batch"] == 1 for row in rows)
+    names = {t["name"] for row in rows for t in row["top"]}
+    assert any(name.startswith("while") for name in names), names  # the generate loop
