@@ -54,12 +54,13 @@ def peak_matmul_chain_flops(dtype="bfloat16", n: int = 8192, count: int = 8, rep
     `dtype` before the next (the product a layer hands the next one): the cost of launching the call
     and waiting for it is spread over `count` products, where `peak_matmul_flops` times one product
     a call. The weight is scaled by 1/sqrt(n), so the values stay of order one along the chain."""
+    @jax.jit
     def chain(x, w):
         return jax.lax.fori_loop(0, count, lambda i, x: jnp.matmul(x, w).astype(x.dtype), x)
 
     x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     w = (jax.random.normal(jax.random.key(1), (n, n), jnp.float32) / n ** 0.5).astype(dtype)
-    return 2 * count * n ** 3 / median_time(lambda: jax.jit(chain)(x, w), repeats)
+    return 2 * count * n ** 3 / median_time(lambda: chain(x, w), repeats)
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
