@@ -1054,9 +1054,10 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     """tests/native_sanitizer.cc runs every kernel (the products of [out, in] and [in, out] weights at
     1-16 rows on both bf16 paths, the cache attention, the cache write, beam search's cache
     reordering, the greedy choice, the bias and activation, the training attention forward and
-    backward, the in-place identity) over ~47,500 awkward shapes on buffers of exactly their size,
-    some flush against a no-access page, with the work split over threads as XLA's pool splits it,
-    and checks each result against a scalar reference: under AddressSanitizer and
+    backward, the in-place identity) over ~47,500 awkward shapes (~35,500 on AVX2, which has one
+    bf16 path) on buffers of exactly their size, some flush against a no-access page, with the
+    work split over threads as XLA's pool splits it, and checks each result against a scalar
+    reference: under AddressSanitizer and
     UndefinedBehaviorSanitizer for each instruction set, and under ThreadSanitizer. It found the
     greedy choice naming token V past the vocabulary when every logit is negative (fixed; the tests
     above cover it too)."""
@@ -1086,7 +1087,9 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = re.search(r": (\d+) cases, (\d+) mismatches", run.stdout)
-    assert summary and int(summary.group(1)) > 45_000 and summary.group(2) == "0", run.stdout[-2000:]
+    # ~47,500 cases; ~35,500 on AVX2, where bf16 products have one path (widened), not two
+    assert summary and int(summary.group(1)) > (45_000 if isa == "avx512" else 34_000), run.stdout[-2000:]
+    assert summary.group(2) == "0", run.stdout[-2000:]
     # The check itself: an unmasked overread is reported by ASan, a masked one faults on the page.
     for mode in ("0", "2") if "address" in sanitizers else ():
         probe = subprocess.run([str(binary), "selftest", mode], capture_output=True, text=True, timeout=60,
