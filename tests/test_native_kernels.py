@@ -886,9 +886,9 @@ def test_forward_mode_through_a_sequence_is_refused_and_xla_takes_it():
     def jvp(kernels, length):
         model = tj.TransformerLM(_lm(cpu_kernels=kernels))
         ids = jnp.ones((1, length), jnp.int32)
-        params = model.init(jax.random.key(0), ids)["params"]
+        params = jax.jit(model.init)(jax.random.key(0), ids)["params"]
         f = lambda p: jnp.sum(model.apply({"params": p}, ids))
-        return jax.jvp(f, (params,), (jax.tree.map(jnp.ones_like, params),))[1]
+        return jax.jit(lambda p, t: jax.jvp(f, (p,), (t,))[1])(params, jax.tree.map(jnp.ones_like, params))
 
     with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
         jvp("auto", 17)
