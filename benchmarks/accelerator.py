@@ -107,8 +107,9 @@ def train_section(sizes: dict, platform: str, limits: dict, remat: str = "dots_s
     return [dict(row, attention_impl=config.attention_impl, remat=remat)]
 
 
-def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "1.3b"):
-    """Yields one row per batch size (an error row if that batch size fails)."""
+def decoding_model(sizes: dict, platform: str, model_name: str):
+    """(config, model, random bf16 params) of the decoding model: ~1.3B, or with `model_name` '7b'
+    (outside the smoke sizes) the 7B-shaped one."""
     if model_name == "7b" and sizes is not SMOKE:
         sizes = dict(sizes, decode_model=DECODE_7B)
     # Decoding attends one query over the cache: XLA reads the heads-first [B, N, S, K] cache in
@@ -116,7 +117,12 @@ def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "
     config = model_config(sizes, platform, "decode_model", param_dtype="bfloat16",
                           scan_layers=False, remat="none", attention_impl="xla")
     model = tj.TransformerLM(config)
-    params = bench_decode.random_params(model, jnp.ones((1, 8), jnp.int32), dtype=jnp.bfloat16)
+    return config, model, bench_decode.random_params(model, jnp.ones((1, 8), jnp.int32), dtype=jnp.bfloat16)
+
+
+def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "1.3b"):
+    """Yields one row per batch size (an error row if that batch size fails)."""
+    config, model, params = decoding_model(sizes, platform, model_name)
     for batch in (1, 8):
         try:
             prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3,
@@ -171,13 +177,8 @@ def profile_section(sizes: dict, platform: str, model_name: str = "1.3b"):
 
     from transformer_jax.decoding import generate
 
-    if model_name == "7b" and sizes is not SMOKE:
-        sizes = dict(sizes, decode_model=DECODE_7B)
-    config = model_config(sizes, platform, "decode_model", param_dtype="bfloat16",
-                          scan_layers=False, remat="none", attention_impl="xla")
-    model = tj.TransformerLM(config)
-    params = bench_decode.random_params(model, jnp.ones((1, 8), jnp.int32), dtype=jnp.bfloat16)
-    steps = 32 if sizes is not SMOKE else 8
+    config, model, params = decoding_model(sizes, platform, model_name)
+    steps = 8 if sizes is SMOKE else 32
     prompt = jax.random.randint(jax.random.key(1), (1, bench_decode.PROMPT), 3, config.vocab_size)
     lengths = jnp.full((1,), bench_decode.PROMPT, jnp.int32)
     run = lambda: generate(tj.LMStep(model), params, tj.init_cache(config, 1, bench_decode.PROMPT + steps),
