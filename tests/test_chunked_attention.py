@@ -93,6 +93,16 @@ def test_xla_backend_equals_reference_forward_and_gradients(name):
         np.testing.assert_allclose(g, w, atol=2e-5)
 
 
+def _check_cudnn_arguments(args, kwargs):
+    """JAX's own check of what jax.nn.dot_product_attention hands cuDNN (q, k, v in [B, T, N, H],
+    the mask as its bias, key lengths), which runs before the kernel on a GPU: it refused a
+    [B, 1, 1, S] key-padding mask there ("Bias must have same seq length as QKV")."""
+    from jax._src.cudnn.fused_attention_stablehlo import AttentionLayout, check_layout
+
+    check_layout(*args, kwargs.get("mask"), None, kwargs.get("key_value_seq_lengths"), None, None,
+                 None, None, AttentionLayout.BTNH)
+
+
 @pytest.mark.parametrize("name, expected", [
     ("causal", dict(is_causal=True)),
     ("key_lengths_one_row_empty", dict(is_causal=False, key_value_seq_lengths=[1, 10])),  # 0 -> 1, zeroed
@@ -110,12 +120,7 @@ def test_cudnn_gets_causal_and_key_lengths_as_arguments_not_a_dense_mask(monkeyp
 
     def record(*args, implementation=None, **kwargs):
         calls.append((implementation, kwargs))
-        # JAX's own check of cuDNN's arguments, which runs before the kernel on a GPU (it refused a
-        # [B, 1, 1, S] key-padding mask there: "Bias must have same seq length as QKV").
-        from jax._src.cudnn.fused_attention_stablehlo import AttentionLayout, check_layout
-
-        check_layout(*args, kwargs.get("mask"), None, kwargs.get("key_value_seq_lengths"), None, None,
-                     None, None, AttentionLayout.BTNH)
+        _check_cudnn_arguments(args, kwargs)
         return real(*args, implementation="xla", **kwargs)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", record)
@@ -137,15 +142,12 @@ def test_encoder_decoder_with_padding_passes_cudnns_argument_check(monkeypatch):
     batch (encoder self-attention, decoder self-attention, cross-attention) hands cuDNN arguments
     that JAX's own cuDNN check accepts, and the logits equal those of the XLA backend. (The
     key-padding masks of the encoder and the cross-attention were refused on an H200.)"""
-    from jax._src.cudnn.fused_attention_stablehlo import AttentionLayout, check_layout
-
     real = jax.nn.dot_product_attention
     checked = []
 
     def as_cudnn(*args, implementation=None, **kwargs):
         if implementation == "cudnn":
-            check_layout(*args, kwargs.get("mask"), None, kwargs.get("key_value_seq_lengths"), None,
-                         None, None, None, AttentionLayout.BTNH)
+            _check_cudnn_arguments(args, kwargs)
             checked.append(kwargs.get("mask") is not None)
         return real(*args, implementation="xla", **kwargs)
 
