@@ -690,15 +690,19 @@ if __name__ == "__main__":
 INTERRUPTED_TRAINER = PIPELINE_WITH_A_WORKER + '''
 if __name__ == "__main__":
     it = pipeline_with_a_worker(long_target=True)
+    interrupted = False
     try:  # (entered first: the signal may come as soon as READY is out)
         print("READY", flush=True)
-        time.sleep(120)
+        # Short sleeps: a signal that lands on another thread (grain's) does not end the main
+        # thread's sleep, only the next check between sleeps sees it (one 120 s sleep ran out).
+        for _ in range(1200):
+            time.sleep(0.1)
     except KeyboardInterrupt:  # train.py's first Ctrl-C: save a checkpoint (reading on), then stop
-        pass
+        interrupted = True
     read = sum(len(next(it)["targets"]) for _ in range(30))  # more than the worker had queued
     it.close()
     del it  # as when train.py's training function returns (not at interpreter exit)
-    print("READ", read // 4, flush=True)
+    print("READ", read // 4, "after Ctrl-C" if interrupted else "without a Ctrl-C", flush=True)
 '''
 
 
@@ -716,8 +720,11 @@ def test_a_ctrl_c_leaves_the_input_workers_serving(tmp_path):
     script.write_text(INTERRUPTED_TRAINER)
     log = tmp_path / "stderr.txt"
     with open(log, "w") as err:  # not run(capture_output): the workers hold the pipe open
+        # As from a terminal: SIGINT at its default (a shell's background job, as a test run may
+        # be, passes it on ignored, and then no Ctrl-C would reach the script or its workers).
         proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             assert proc.stdout.readline().strip() == "READY"
             os.killpg(proc.pid, signal.SIGINT)
@@ -728,7 +735,7 @@ def test_a_ctrl_c_leaves_the_input_workers_serving(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.stdout.close()
     stderr = log.read_text()
-    assert proc.returncode == 0 and out.strip() == "READ 30", stderr[-2000:]
+    assert proc.returncode == 0 and out.strip() == "READ 30 after Ctrl-C", stderr[-2000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
     assert "Truncating train targets longer than 16 tokens" in stderr, stderr[-2000:]
     assert "(input worker 0 of 1: reported once by each worker" in stderr, stderr[-2000:]
