@@ -29,6 +29,13 @@ class ConfigError(ValueError):
     """A configuration value is invalid. The message names the field."""
 
 
+def first_line(error: BaseException) -> str:
+    """An exception as one short line for a message that names what failed: its type and the first
+    line of its text (at most 300 characters)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of `Transformer` (encoder-decoder) and `TransformerLM` (decoder-only).

@@ -15,12 +15,8 @@ from __future__ import annotations
 import os
 import re
 
+from transformer_jax.config import first_line
 from transformer_jax.convert.hf_files import ConversionError, read_config, read_json, require
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
 
 
 class HFTokenizer:
@@ -71,7 +67,7 @@ class ByteLevelBPETokenizer(HFTokenizer):
             try:
                 return cls(tokenizers.Tokenizer.from_file(path), eos_id)
             except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
-                raise ConversionError(f"{path} is not a readable tokenizer ({_first_line(e)})") from e
+                raise ConversionError(f"{path} is not a readable tokenizer ({first_line(e)})") from e
         vocab, merges = (os.path.join(directory, n) for n in ("vocab.json", "merges.txt"))
         if not (os.path.exists(vocab) and os.path.exists(merges)):
             raise ConversionError(
@@ -83,7 +79,7 @@ class ByteLevelBPETokenizer(HFTokenizer):
             tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
         except Exception as e:  # noqa: BLE001 (as above)
             raise ConversionError(f"{vocab} and {merges} are not a readable BPE vocabulary "
-                                  f"({_first_line(e)})") from e
+                                  f"({first_line(e)})") from e
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         eos = tok.id_to_token(eos_id) if eos_id is not None else None
@@ -124,7 +120,7 @@ class MarianSentencePieceTokenizer(HFTokenizer):
             self._target = spm.SentencePieceProcessor(model_file=target_spm)
         except (RuntimeError, OSError) as e:
             raise ConversionError(f"{source_spm} or {target_spm} is not a readable SentencePiece model "
-                                  f"({_first_line(e)})") from e
+                                  f"({first_line(e)})") from e
         if unk not in vocab:
             raise ConversionError(f"vocab.json has no {unk!r} entry")
         self._vocab = dict(vocab)

@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from transformer_jax import parallel
-from transformer_jax.config import ConfigError, ModelConfig
+from transformer_jax.config import ConfigError, ModelConfig, first_line
 from transformer_jax.data import DataError, Tokenizer, checkpoint_args
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
@@ -654,7 +654,7 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
                     with integrity.quiet_abandoned_reads():
                         params = manager.restore(step, args=args)["params"]
                 except Exception as e:  # noqa: BLE001 (an unreadable step is a corrupt one)
-                    problem = f"orbax could not restore it ({integrity.first_line(e)})"
+                    problem = f"orbax could not restore it ({first_line(e)})"
             if problem is not None:
                 _check_still_there(directory, step)
                 raise integrity.CheckpointCorruptError(

@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 
-from transformer_jax.config import ConfigError, ModelConfig
+from transformer_jax.config import ConfigError, ModelConfig, first_line
 from transformer_jax.data.errors import DataError
 
 MANIFEST_NAME = "integrity.json"
@@ -324,11 +324,6 @@ def write_error(error: OSError, step: int, directory: str, kept: list[int]) -> C
         f"Could not write checkpoint step {step} to {directory}: {reason} ({error}). {partial}; "
         f"{intact}. Free space (or fix permissions) and rerun the same command to resume.",
     )
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
 def _is_abandoned_read(unraisable) -> bool:
