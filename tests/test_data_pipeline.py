@@ -693,8 +693,8 @@ if __name__ == "__main__":
     interrupted = False
     try:  # (entered first: the signal may come as soon as READY is out)
         print("READY", flush=True)
-        # Short sleeps: a signal that lands on another thread (grain's) does not end the main
-        # thread's sleep, only the next check between sleeps sees it (one 120 s sleep ran out).
+        # Short sleeps: a signal delivered to another thread of the process (grain's) would not
+        # end one long sleep of the main thread; the check between sleeps sees it.
         for _ in range(1200):
             time.sleep(0.1)
     except KeyboardInterrupt:  # train.py's first Ctrl-C: save a checkpoint (reading on), then stop
