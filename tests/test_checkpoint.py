@@ -470,6 +470,7 @@ def test_a_save_on_cpu_devices_copies_each_replicated_array_once(tmp_path, monke
 
     assert save(Checkpointer(str(tmp_path / "ours"))) <= leaves + 1  # + reading the step number
     default = Checkpointer(str(tmp_path / "default"))
+    default.manager.close()
     default.manager = ocp.CheckpointManager(default.directory)  # orbax's own handlers
     assert save(default) > 4 * leaves  # the cost avoided: the two big arrays in 8 slices each
 
