@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -879,10 +881,51 @@ def test_training_runs_attention_on_the_kernels_and_equals_xla(scan):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
+def _second_order(kernels):
+    """A Hessian-vector product (forward over reverse) of a packed-sequence loss, the Hessian of
+    that loss in 16 entries of the first attention's LayerNorm scale (jax.hessian: jacfwd over
+    jacrev, so vmap too), and the kernels the product's program calls."""
+    model = tj.TransformerLM(_lm(cpu_kernels=kernels))
+    ids = jax.random.randint(jax.random.key(3), (2, 24), 3, 997)
+    segments = jnp.array([[1] * 15 + [2] * 9, [1] * 20 + [0] * 4], jnp.int32)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids[:, :8])["params"])
+
+    def loss(p):
+        logits = model.apply({"params": p}, ids, segment_ids=segments, positions=segment_positions(segments))
+        return losses.cross_entropy(logits[:, :-1], ids[:, 1:], segments[:, 1:] > 0)[0]
+
+    direction = jax.tree.map(lambda x: jax.random.normal(jax.random.key(4), x.shape), params)
+    hvp = jax.jit(lambda p, t: jax.jvp(jax.grad(loss), (p,), (t,))[1]).lower(params, direction).compile()
+    calls = re.findall(r'custom_call_target="(transformer_jax_attention_\w+)"', hvp.as_text())
+    norm = ("decoder", "layer_0", "self_attention_norm", "scale")
+    flat = flax.traverse_util.flatten_dict(params)
+    with_scale = lambda s: loss(flax.traverse_util.unflatten_dict({**flat, norm: flat[norm].at[:16].set(s)}))
+    hessian = jax.jit(jax.hessian(with_scale))(flat[norm][:16])
+    return hvp(params, direction), hessian, sorted(set(calls))
+
+
+@needs_kernels
+def test_second_derivatives_through_the_kernels_equal_xla():
+    """Forward over reverse (Hessian-vector products, jax.hessian) differentiates the forward and
+    backward kernels themselves: their tangents are XLA's ops', their values still the kernels'.
+    Before, the custom call's 'cannot be differentiated' error stopped it."""
+    hvp, hessian, calls = _second_order("auto")
+    assert calls == ["transformer_jax_attention_bwd", "transformer_jax_attention_fwd"]
+    xla_hvp, xla_hessian, xla_calls = _second_order("xla")
+    assert xla_calls == []
+    assert hessian.shape == (16, 16) and np.abs(xla_hessian).max() > 1e-3
+    np.testing.assert_allclose(hessian, xla_hessian, rtol=1e-4, atol=1e-5 * np.abs(xla_hessian).max())
+    # Against the product's largest entry: the key bias's entries are zero but for rounding (a
+    # bias on every key moves a query's logits alike, which softmax ignores).
+    scale = max(np.abs(x).max() for x in jax.tree.leaves(xla_hvp))
+    for got, want in zip(jax.tree.leaves(hvp), jax.tree.leaves(xla_hvp)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
 @needs_kernels
 def test_forward_mode_through_a_sequence_is_refused_and_xla_takes_it():
-    # Reverse mode only: jax.jvp through the kernels is JAX's TypeError; cpu_kernels='xla' takes it
-    # (a call of at most 16 tokens stays on XLA's ops, so it does too).
+    # Forward mode alone (not over a gradient) meets the custom VJP itself: JAX's TypeError;
+    # cpu_kernels='xla' takes it (a call of at most 16 tokens stays on XLA's ops, so it does too).
     def jvp(kernels, length):
         model = tj.TransformerLM(_lm(cpu_kernels=kernels))
         ids = jnp.ones((1, length), jnp.int32)
@@ -893,7 +936,6 @@ def test_forward_mode_through_a_sequence_is_refused_and_xla_takes_it():
     with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
         jvp("auto", 17)
     assert np.isfinite(jvp("xla", 17)) and np.isfinite(jvp("auto", 16))
-
 
 
 @needs_kernels

@@ -124,9 +124,46 @@ def _dense_attention_lse(q, k, v, q_seg, kv_seg, causal):
     return out, lse.reshape(B, H, T)
 
 
+def _dense_attention_vjp(q, k, v, q_seg, kv_seg, g, causal):
+    """What `native.sequence_attention_backward` computes, in XLA ops: (dq, dk, dv)."""
+    forward = lambda q, k, v: _dense_attention_lse(q, k, v, q_seg, kv_seg, causal)[0]
+    return jax.vjp(forward, q, k, v)[1](g)
+
+
+# The kernels' own derivatives, for forward mode through the custom VJP below: differentiating a
+# gradient (a Hessian-vector product `jax.jvp(jax.grad(f), ...)`, `jax.hessian`) takes the
+# derivatives of the forward and backward kernels, which custom calls do not have. Their tangents are
+# XLA's ops', as `rows_matmul`'s are; the primal values stay the kernels'.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _kernel_forward(q, k, v, q_seg, kv_seg, causal):
+    return native.sequence_attention_forward(q, k, v, q_seg, kv_seg, causal)
+
+
+@_kernel_forward.defjvp
+def _kernel_forward_jvp(causal, primals, tangents):
+    q, k, v, q_seg, kv_seg = primals
+    dense = lambda q, k, v: _dense_attention_lse(q, k, v, q_seg, kv_seg, causal)
+    return _kernel_forward(*primals, causal), jax.jvp(dense, (q, k, v), tangents[:3])[1]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
+def _kernel_backward(q, k, v, q_seg, kv_seg, out, lse, g, causal):
+    return native.sequence_attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal)
+
+
+@_kernel_backward.defjvp
+def _kernel_backward_jvp(causal, primals, tangents):
+    # out and lse are the forward's, functions of q, k and v: the XLA ops recompute them from those,
+    # so their tangents (carried by q's, k's and v's) are not read here.
+    q, k, v, q_seg, kv_seg, out, lse, g = primals
+    dq, dk, dv, _, _, _, _, dg = tangents
+    dense = lambda q, k, v, g: _dense_attention_vjp(q, k, v, q_seg, kv_seg, g, causal)
+    return _kernel_backward(*primals, causal), jax.jvp(dense, (q, k, v, g), (dq, dk, dv, dg))[1]
+
+
 def _native_forward(q, k, v, q_seg, kv_seg, causal):
     return jax.lax.platform_dependent(
-        q, k, v, q_seg, kv_seg, cpu=functools.partial(native.sequence_attention_forward, causal=causal),
+        q, k, v, q_seg, kv_seg, cpu=functools.partial(_kernel_forward, causal=causal),
         default=functools.partial(_dense_attention_lse, causal=causal))
 
 
@@ -149,11 +186,10 @@ def _native_attention_bwd(causal, residuals, g):
     q, k, v, q_seg, kv_seg, out, lse = residuals
 
     def on_cpu(q, k, v, q_seg, kv_seg, out, lse, g):
-        return native.sequence_attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal)
+        return _kernel_backward(q, k, v, q_seg, kv_seg, out, lse, g, causal)
 
     def elsewhere(q, k, v, q_seg, kv_seg, out, lse, g):
-        forward = lambda q, k, v: _dense_attention_lse(q, k, v, q_seg, kv_seg, causal)[0]
-        return jax.vjp(forward, q, k, v)[1](g)
+        return _dense_attention_vjp(q, k, v, q_seg, kv_seg, g, causal)
 
     dq, dk, dv = jax.lax.platform_dependent(q, k, v, q_seg, kv_seg, out, lse, g, cpu=on_cpu,
                                             default=elsewhere)
