@@ -882,10 +882,11 @@ def test_training_runs_attention_on_the_kernels_and_equals_xla(scan):
 
 
 def _second_order(kernels):
-    """A Hessian-vector product (forward over reverse) of a packed-sequence loss, the Hessian of
-    that loss in 16 entries of the first attention's LayerNorm scale (jax.hessian: jacfwd over
-    jacrev, so vmap too), and the kernels the product's program calls."""
-    model = tj.TransformerLM(_lm(cpu_kernels=kernels))
+    """A Hessian-vector product (forward over reverse) of a packed-sequence loss, the gradient of
+    its gradient's squared norm (reverse over reverse), the Hessian of the loss in 16 entries of the
+    first attention's LayerNorm scale (jax.hessian: jacfwd over jacrev, so vmap too), and the
+    kernels the product's program calls."""
+    model = tj.TransformerLM(_lm(cpu_kernels=kernels, num_decoder_layers=1))
     ids = jax.random.randint(jax.random.key(3), (2, 24), 3, 997)
     segments = jnp.array([[1] * 15 + [2] * 9, [1] * 20 + [0] * 4], jnp.int32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids[:, :8])["params"])
@@ -901,25 +902,27 @@ def _second_order(kernels):
     flat = flax.traverse_util.flatten_dict(params)
     with_scale = lambda s: loss(flax.traverse_util.unflatten_dict({**flat, norm: flat[norm].at[:16].set(s)}))
     hessian = jax.jit(jax.hessian(with_scale))(flat[norm][:16])
-    return hvp(params, direction), hessian, sorted(set(calls))
+    penalty = lambda p: sum(jnp.sum(g ** 2) for g in jax.tree.leaves(jax.grad(loss)(p)))
+    return (hvp(params, direction), jax.jit(jax.grad(penalty))(params)), hessian, sorted(set(calls))
 
 
 @needs_kernels
 def test_second_derivatives_through_the_kernels_equal_xla():
-    """Forward over reverse (Hessian-vector products, jax.hessian) differentiates the forward and
-    backward kernels themselves: their tangents are XLA's ops', their values still the kernels'.
-    Before, the custom call's 'cannot be differentiated' error stopped it."""
+    """Second derivatives (Hessian-vector products, jax.hessian, a gradient penalty's gradient)
+    differentiate the forward and backward kernels themselves: their tangents are XLA's ops', their
+    values still the kernels'. Before, the custom call's 'cannot be differentiated' error stopped it."""
     hvp, hessian, calls = _second_order("auto")
     assert calls == ["transformer_jax_attention_bwd", "transformer_jax_attention_fwd"]
     xla_hvp, xla_hessian, xla_calls = _second_order("xla")
     assert xla_calls == []
     assert hessian.shape == (16, 16) and np.abs(xla_hessian).max() > 1e-3
     np.testing.assert_allclose(hessian, xla_hessian, rtol=1e-4, atol=1e-5 * np.abs(xla_hessian).max())
-    # Against the product's largest entry: the key bias's entries are zero but for rounding (a
-    # bias on every key moves a query's logits alike, which softmax ignores).
-    scale = max(np.abs(x).max() for x in jax.tree.leaves(xla_hvp))
-    for got, want in zip(jax.tree.leaves(hvp), jax.tree.leaves(xla_hvp)):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+    # Against each result's largest entry: the key bias's entries are zero but for rounding (a bias
+    # on every key moves a query's logits alike, which softmax ignores).
+    for got_tree, want_tree in zip(hvp, xla_hvp):
+        scale = max(np.abs(x).max() for x in jax.tree.leaves(want_tree))
+        for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
 @needs_kernels
