@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -881,12 +880,14 @@ def test_training_runs_attention_on_the_kernels_and_equals_xla(scan):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
-def _second_order(kernels):
+def _second_order(kernels, scan):
     """A Hessian-vector product (forward over reverse) of a packed-sequence loss, the gradient of
-    its gradient's squared norm (reverse over reverse), the Hessian of the loss in 16 entries of the
-    first attention's LayerNorm scale (jax.hessian: jacfwd over jacrev, so vmap too), and the
-    kernels the product's program calls."""
-    model = tj.TransformerLM(_lm(cpu_kernels=kernels, num_decoder_layers=1))
+    its gradient's squared norm (reverse over reverse), per-example gradients (vmap), the Hessian of
+    the loss in 16 entries of a token's embedding (jax.hessian: jacfwd over jacrev), and the kernels
+    the product's program calls."""
+    config = _lm(cpu_kernels=kernels, num_decoder_layers=1, scan_layers=scan,
+                 remat="dots_saveable" if scan else "none")
+    model = tj.TransformerLM(config)
     ids = jax.random.randint(jax.random.key(3), (2, 24), 3, 997)
     segments = jnp.array([[1] * 15 + [2] * 9, [1] * 20 + [0] * 4], jnp.int32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids[:, :8])["params"])
@@ -898,24 +899,30 @@ def _second_order(kernels):
     direction = jax.tree.map(lambda x: jax.random.normal(jax.random.key(4), x.shape), params)
     hvp = jax.jit(lambda p, t: jax.jvp(jax.grad(loss), (p,), (t,))[1]).lower(params, direction).compile()
     calls = re.findall(r'custom_call_target="(transformer_jax_attention_\w+)"', hvp.as_text())
-    norm = ("decoder", "layer_0", "self_attention_norm", "scale")
-    flat = flax.traverse_util.flatten_dict(params)
-    with_scale = lambda s: loss(flax.traverse_util.unflatten_dict({**flat, norm: flat[norm].at[:16].set(s)}))
-    hessian = jax.jit(jax.hessian(with_scale))(flat[norm][:16])
+    table, token = params["embed"]["embedding"], ids[0, 3]
+    with_row = lambda s: loss({**params, "embed": {"embedding": table.at[token, :16].set(s)}})
+    hessian = jax.jit(jax.hessian(with_row))(table[token, :16])
     penalty = lambda p: sum(jnp.sum(g ** 2) for g in jax.tree.leaves(jax.grad(loss)(p)))
-    return (hvp(params, direction), jax.jit(jax.grad(penalty))(params)), hessian, sorted(set(calls))
+    # Per-example gradients: the kernels under jax.vmap (one call per row), inside the custom VJP.
+    row_loss = lambda p, i: jnp.mean(jax.nn.log_softmax(model.apply({"params": p}, i[None]))[..., 7])
+    per_row = jax.jit(jax.vmap(jax.grad(row_loss), (None, 0)))(params, ids)
+    results = (hvp(params, direction), jax.jit(jax.grad(penalty))(params), per_row)
+    return results, hessian, sorted(set(calls))
 
 
 @needs_kernels
-def test_second_derivatives_through_the_kernels_equal_xla():
+@pytest.mark.parametrize("scan", [False, True])
+def test_second_derivatives_through_the_kernels_equal_xla(scan):
     """Second derivatives (Hessian-vector products, jax.hessian, a gradient penalty's gradient)
     differentiate the forward and backward kernels themselves: their tangents are XLA's ops', their
-    values still the kernels'. Before, the custom call's 'cannot be differentiated' error stopped it."""
-    hvp, hessian, calls = _second_order("auto")
+    values still the kernels'. Before, the custom call's 'cannot be differentiated' error stopped
+    it; under nn.scan too, where a custom JVP rule on the kernels was not enough (JAX's
+    linearization of the scan inlines a custom JVP inside a custom VJP's forward pass)."""
+    hvp, hessian, calls = _second_order("auto", scan)
     assert calls == ["transformer_jax_attention_bwd", "transformer_jax_attention_fwd"]
-    xla_hvp, xla_hessian, xla_calls = _second_order("xla")
+    xla_hvp, xla_hessian, xla_calls = _second_order("xla", scan)
     assert xla_calls == []
-    assert hessian.shape == (16, 16) and np.abs(xla_hessian).max() > 1e-3
+    assert hessian.shape == (16, 16) and np.abs(xla_hessian).max() > 1e-4
     np.testing.assert_allclose(hessian, xla_hessian, rtol=1e-4, atol=1e-5 * np.abs(xla_hessian).max())
     # Against each result's largest entry: the key bias's entries are zero but for rounding (a bias
     # on every key moves a query's logits alike, which softmax ignores).

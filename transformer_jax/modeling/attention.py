@@ -131,34 +131,38 @@ def _dense_attention_vjp(q, k, v, q_seg, kv_seg, g, causal):
 
 
 # The kernels' own derivatives, for forward mode through the custom VJP below: differentiating a
-# gradient (a Hessian-vector product `jax.jvp(jax.grad(f), ...)`, `jax.hessian`) takes the
-# derivatives of the forward and backward kernels, which custom calls do not have. Their tangents are
-# XLA's ops', as `rows_matmul`'s are; the primal values stay the kernels'.
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def _kernel_forward(q, k, v, q_seg, kv_seg, causal):
-    return native.sequence_attention_forward(q, k, v, q_seg, kv_seg, causal)
-
-
-@_kernel_forward.defjvp
-def _kernel_forward_jvp(causal, primals, tangents):
+# gradient (a Hessian-vector product `jax.jvp(jax.grad(f), ...)`, `jax.hessian`, a gradient
+# penalty's gradient) takes the derivatives of the forward and backward kernels, which custom calls
+# do not have. Their tangents are XLA's ops', as `rows_matmul`'s are; the values stay the kernels'.
+def _kernel_forward_tangent(primals, tangents, causal):
     q, k, v, q_seg, kv_seg = primals
     dense = lambda q, k, v: _dense_attention_lse(q, k, v, q_seg, kv_seg, causal)
-    return _kernel_forward(*primals, causal), jax.jvp(dense, (q, k, v), tangents[:3])[1]
+    (_, lse), (d_out, d_lse) = jax.jvp(dense, (q, k, v), tuple(tangents[:3]))
+    # A query that sees no key has lse -inf, and logsumexp's tangent there is 0/0.
+    return d_out, jnp.where(jnp.isfinite(lse), d_lse, 0.0)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
-def _kernel_backward(q, k, v, q_seg, kv_seg, out, lse, g, causal):
-    return native.sequence_attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal)
-
-
-@_kernel_backward.defjvp
-def _kernel_backward_jvp(causal, primals, tangents):
+def _kernel_backward_tangent(primals, tangents, causal):
     # out and lse are the forward's, functions of q, k and v: the XLA ops recompute them from those,
     # so their tangents (carried by q's, k's and v's) are not read here.
-    q, k, v, q_seg, kv_seg, out, lse, g = primals
-    dq, dk, dv, _, _, _, _, dg = tangents
+    q, k, v, out, lse, g, q_seg, kv_seg = primals
+    dq, dk, dv, _, _, dg, _, _ = tangents
     dense = lambda q, k, v, g: _dense_attention_vjp(q, k, v, q_seg, kv_seg, g, causal)
-    return _kernel_backward(*primals, causal), jax.jvp(dense, (q, k, v, g), (dq, dk, dv, dg))[1]
+    return jax.jvp(dense, (q, k, v, g), (dq, dk, dv, dg))[1]
+
+
+_kernel_forward_p = native.differentiable_call(
+    "transformer_jax_attention_forward", native.sequence_attention_forward, _kernel_forward_tangent)
+_kernel_backward_p = native.differentiable_call(
+    "transformer_jax_attention_backward", native.sequence_attention_backward, _kernel_backward_tangent)
+
+
+def _kernel_forward(q, k, v, q_seg, kv_seg, causal):
+    return tuple(_kernel_forward_p.bind(q, k, v, q_seg, kv_seg, causal=bool(causal)))
+
+
+def _kernel_backward(q, k, v, q_seg, kv_seg, out, lse, g, causal):
+    return tuple(_kernel_backward_p.bind(q, k, v, out, lse, g, q_seg, kv_seg, causal=bool(causal)))
 
 
 def _native_forward(q, k, v, q_seg, kv_seg, causal):

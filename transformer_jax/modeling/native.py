@@ -478,6 +478,47 @@ def sequence_attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal: boo
         q, k, v, out, g, lse, q_seg, kv_seg, causal=bool(causal), scale=_scale(q.shape[-1]))
 
 
+
+def differentiable_call(name: str, call, tangent):
+    """A JAX primitive for ``call(*arrays, **params) -> tuple of arrays`` (a custom call, as a rule):
+    it runs ``call`` (lowered inline, so the program holds the same custom call), and its JVP is
+    ``(bind(*primals), tangent(primals, tangents, **params))`` with ``tangents`` instantiated (zeros
+    where JAX has none). `jax.vmap` maps it one call per element, as ``vmap_method='sequential'``.
+
+    A `jax.custom_jvp` does the same in most programs, but not inside a custom VJP's forward pass
+    under `lax.scan`: JAX's linearization of the scan inlines it, and forward over reverse (a
+    Hessian-vector product) then meets the bare custom call. A primitive's JVP rule is always used."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(lambda *args, **params: tuple(call(*args, **params)))
+
+    def abstract(*avals, **params):
+        shapes = jax.eval_shape(functools.partial(call, **params),
+                                *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+        return tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in shapes)
+
+    prim.def_abstract_eval(abstract)
+    mlir.register_lowering(prim, mlir.lower_fun(lambda *args, **params: tuple(call(*args, **params)),
+                                                multiple_results=True))
+
+    def jvp(primals, tangents, **params):
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        return prim.bind(*primals, **params), tuple(tangent(primals, tangents, **params))
+
+    def batch(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        args = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+                for a, d in zip(args, dims)]
+        outs = jax.lax.map(lambda xs: tuple(prim.bind(*xs, **params)), args)
+        return outs, [0] * len(outs)
+
+    ad.primitive_jvps[prim] = jvp
+    batching.primitive_batchers[prim] = batch
+    return prim
+
 @jax.custom_jvp
 def materialize(a):
     """a itself, by a custom call that returns its input buffer in place: XLA fuses no producer into
