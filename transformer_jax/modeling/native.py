@@ -509,10 +509,17 @@ def differentiable_call(name: str, call, tangent):
         return prim.bind(*primals, **params), tuple(tangent(primals, tangents, **params))
 
     def batch(args, dims, **params):
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        args = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-                for a, d in zip(args, dims)]
-        outs = jax.lax.map(lambda xs: tuple(prim.bind(*xs, **params)), args)
+        # The mapped arguments are sliced per element; the others are captured whole (stacking
+        # copies of them would hold one copy per element).
+        mapped = [i for i, d in enumerate(dims) if d is not None]
+
+        def one(xs):
+            full = list(args)
+            for i, x in zip(mapped, xs):
+                full[i] = x
+            return tuple(prim.bind(*full, **params))
+
+        outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
         return outs, [0] * len(outs)
 
     ad.primitive_jvps[prim] = jvp
