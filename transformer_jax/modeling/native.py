@@ -478,7 +478,6 @@ def sequence_attention_backward(q, k, v, out, lse, g, q_seg, kv_seg, causal: boo
         q, k, v, out, g, lse, q_seg, kv_seg, causal=bool(causal), scale=_scale(q.shape[-1]))
 
 
-
 def differentiable_call(name: str, call, tangent):
     """A JAX primitive for ``call(*arrays, **params) -> tuple of arrays`` (a custom call, as a rule):
     it runs ``call`` (lowered inline, so the program holds the same custom call), and its JVP is
@@ -525,6 +524,7 @@ def differentiable_call(name: str, call, tangent):
     ad.primitive_jvps[prim] = jvp
     batching.primitive_batchers[prim] = batch
     return prim
+
 
 @jax.custom_jvp
 def materialize(a):
