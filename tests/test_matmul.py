@@ -144,7 +144,7 @@ def test_bf16_embedding_lookup_gathers_in_place_with_the_usual_gradient():
     plain = jax.grad(loss(lambda t, i: jnp.take(t, i, axis=0)))(table)
     assert ours.dtype == jnp.bfloat16
     _close(ours, plain, 1e-2)
-    tangent = (jax.random.normal(jax.random.key(4), table.shape)).astype(jnp.bfloat16)
+    tangent = jax.random.normal(jax.random.key(4), table.shape).astype(jnp.bfloat16)
     primal, out = jax.jvp(lambda t: _take_rows(t, ids), (table,), (tangent,))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(tangent[ids], np.float32))
     np.testing.assert_array_equal(np.asarray(primal, np.float32), np.asarray(table[ids], np.float32))

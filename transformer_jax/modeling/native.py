@@ -490,9 +490,12 @@ def differentiable_call(name: str, call, tangent):
     from jax.extend.core import Primitive
     from jax.interpreters import ad, batching, mlir
 
+    def run(*args, **params):
+        return tuple(call(*args, **params))
+
     prim = Primitive(name)
     prim.multiple_results = True
-    prim.def_impl(lambda *args, **params: tuple(call(*args, **params)))
+    prim.def_impl(run)
 
     def abstract(*avals, **params):
         shapes = jax.eval_shape(functools.partial(call, **params),
@@ -500,8 +503,7 @@ def differentiable_call(name: str, call, tangent):
         return tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in shapes)
 
     prim.def_abstract_eval(abstract)
-    mlir.register_lowering(prim, mlir.lower_fun(lambda *args, **params: tuple(call(*args, **params)),
-                                                multiple_results=True))
+    mlir.register_lowering(prim, mlir.lower_fun(run, multiple_results=True))
 
     def jvp(primals, tangents, **params):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
