@@ -168,6 +168,23 @@ def timed_generate(step_fn, params, make_cache, prompt, lengths, steps, repeats)
     return compile_s, best_time(run, repeats)
 
 
+# A generation's steps must take at least this share of its time for their time to be the
+# difference of two separately timed runs (the whole generation, its prefill): below it, outside
+# load on one of the two runs can make up most of the difference.
+MIN_STEPS_SHARE = 0.25
+
+
+def steps_time(total_s: float, fixed_s: float, fixed: str) -> float:
+    """The decoding steps' time in a generation that took `total_s` in all, of which its `fixed`
+    part (timed on its own) took `fixed_s`. Raises ValueError where the steps' share is under
+    MIN_STEPS_SHARE: the row is not measured, rather than a ratio made up of timing noise."""
+    if total_s - fixed_s < MIN_STEPS_SHARE * total_s:
+        raise ValueError(f"decoding steps not measured: the whole generation took {1e3 * total_s:.3f} ms "
+                         f"and its {fixed} alone {1e3 * fixed_s:.3f} ms, leaving the steps under "
+                         f"{MIN_STEPS_SHARE:.0%} of the time (more new tokens, or a quieter machine)")
+    return total_s - fixed_s
+
+
 def bench_lm(config, batches, new_tokens, no_cache_steps, bandwidth, repeats):
     model = tj.TransformerLM(config)
     params = random_params(model, jnp.ones((1, 8), jnp.int32), dtype=config.param_dtype)
@@ -191,7 +208,7 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
     prefill = jax.jit(LMStep(model))
     prefill_s = best_time(lambda: prefill(params, prompt, make_cache(), lengths), repeats + 1)
     compile_s, total_s = timed_generate(LMStep(model), params, make_cache, prompt, lengths, steps, repeats)
-    decode_s = max(total_s - prefill_s, 1e-9) / (steps - 1)
+    decode_s = steps_time(total_s, prefill_s, "prefill") / (steps - 1)
     # The timed steps follow the prefill: the first attends to the prompt and its own position.
     visible = visible_cache_fraction(PROMPT + 1, steps - 1, PROMPT + steps)
     layers = jax.eval_shape(make_cache).layers  # shapes only: no cache is allocated to count it
@@ -286,7 +303,7 @@ def seq2seq_row(config, model, params, src, steps, bandwidth, repeats):
     encode_s = best_time(encode, repeats + 1)
     ones = jnp.ones((batch,), jnp.int32)
     compile_s, total_s = timed_generate(Seq2SeqStep(model), params, encode, start, ones, steps, repeats)
-    decode_s = max(total_s - encode_s, 1e-9) / steps  # the timed run includes encoding the source
+    decode_s = steps_time(total_s, encode_s, "encoding") / steps  # the timed run includes encoding
     cache = encode()
     # The first step attends to its own position; the encoded source's keys and values to all.
     visible = visible_cache_fraction(1, steps, steps)

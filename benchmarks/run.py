@@ -113,7 +113,13 @@ def decode_rows(quick):
             lengths = jax.numpy.full((batch,), bench_decode.PROMPT, jax.numpy.int32)
             steps = 64 if quick else 128
             before = hardware.memory_bandwidth(repeats=3)
-            row = bench_decode.lm_row(config, model, params, prompt, lengths, steps, before, 2)
+            try:
+                row = bench_decode.lm_row(config, model, params, prompt, lengths, steps, before, 2)
+            except Exception as e:  # reported in the JSON and the table; the next row still runs
+                rows.append(dict(dtype=dtype, kernel_layout=layout, batch=batch, cpu_kernels=kernels,
+                                 error=f"{type(e).__name__}: {e}"))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             after = hardware.memory_bandwidth(repeats=3)
             # bench_decode's roofline fraction, against the higher of the two adjacent measurements;
             # `against_run_limits` sets it against the run's highest reading once the run is over.
@@ -253,8 +259,9 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
                 speedup, TARGETS["bf16_speedup"], "≥ speed-up")
     for r in results.get("decode", {}).get("rows", []):
         if "error" in r:
-            add(f"decode gpt2_small tensor={r['tensor']} b{r['batch']}", f"failed: {r['error']}", "",
-                None, None)
+            variant = (f"tensor={r['tensor']}" if "tensor" in r
+                       else f"{r['dtype']} {r['kernel_layout']} cpu_kernels={r['cpu_kernels']}")
+            add(f"decode gpt2_small {variant} b{r['batch']}", f"failed: {r['error']}", "", None, None)
             continue
         streaming = (f"; b{r['batch']} matmuls stream {r['weight_stream_gb_s']:.1f} GB/s, "
                      f"step at {r['stream_frac']:.2f} of that" if "stream_frac" in r else "")

@@ -298,6 +298,32 @@ def test_decode_rows_divide_their_bytes_by_the_bandwidth_and_one_step_per_new_to
     assert row["roofline_frac"] == round(row["bytes_per_step"] / 2e9 / 0.5, 3)  # bytes, not bits
 
 
+def test_a_decoding_row_whose_steps_vanish_in_the_timing_noise_is_not_measured(monkeypatch):
+    """A generation timed no longer than its prefill (a tiny model under outside load) has no step
+    time to give: the row says so, in run.py's table too, instead of a ratio of noise."""
+    import transformer_jax as tj
+    from benchmarks import bench_decode, run
+
+    config = tj.presets.tiny(num_encoder_layers=0)
+    model = tj.TransformerLM(config)
+    params = bench_decode.random_params(model, jax.numpy.ones((1, 8), jax.numpy.int32), dtype="float32")
+    prompt = jax.numpy.ones((2, bench_decode.PROMPT), jax.numpy.int32)
+    lengths = jax.numpy.full((2,), bench_decode.PROMPT)
+    monkeypatch.setattr(bench_decode, "best_time", lambda fn, repeats: 0.0015)  # the prefill
+    for total in (0.0012, 0.0015, 0.0019):  # shorter than, as long as, 21% longer than the prefill
+        monkeypatch.setattr(bench_decode, "timed_generate", lambda *args, total=total: (1.0, total))
+        with pytest.raises(ValueError, match="decoding steps not measured.*prefill alone 1.500 ms"):
+            bench_decode.lm_row(config, model, params, prompt, lengths, 5, 2e9, 1)
+    monkeypatch.setattr(bench_decode, "timed_generate", lambda *args: (1.0, 0.0021))  # 29% steps
+    assert bench_decode.lm_row(config, model, params, prompt, lengths, 5, 2e9, 1)["decode_step_s"] == (
+        pytest.approx(0.0006 / 4))
+    failed = dict(dtype="bfloat16", kernel_layout="out_in", batch=8, cpu_kernels="auto",
+                  error="ValueError: decoding steps not measured")
+    [line] = run.summarise({"decode": {"rows": [failed]}}, {"float32": 1.0, "bfloat16": 1.0}, 1.0)
+    assert line["workload"] == "decode gpt2_small bfloat16 out_in cpu_kernels=auto b8"
+    assert line["measured"].startswith("failed: ValueError") and line["ratio"] is None
+
+
 def test_hardware_limits_are_the_fastest_reading_in_bytes_and_flops(monkeypatch):
     """Each timing is replaced by a given one: the bandwidth is the faster of the sum and the
     matrix-vector product; the matmul peak the fastest of its shapes at 2 FLOPs per multiply-add;
