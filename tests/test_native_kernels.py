@@ -951,20 +951,51 @@ def test_the_kernels_under_vmap_capture_their_unmapped_arguments():
     assert compiled.memory_analysis().temp_size_in_bytes < 16 * 2**20  # one copy of q: 1 MiB
 
 
-@needs_kernels
-def test_forward_mode_through_a_sequence_is_refused_and_xla_takes_it():
-    # Forward mode alone (not over a gradient) meets the custom VJP itself: JAX's TypeError;
-    # cpu_kernels='xla' takes it (a call of at most 16 tokens stays on XLA's ops, so it does too).
-    def jvp(kernels, length):
-        model = tj.TransformerLM(_lm(cpu_kernels=kernels))
-        ids = jnp.ones((1, length), jnp.int32)
-        params = jax.jit(model.init)(jax.random.key(0), ids)["params"]
-        f = lambda p: jnp.sum(model.apply({"params": p}, ids))
-        return jax.jit(lambda p, t: jax.jvp(f, (p,), (t,))[1])(params, jax.tree.map(jnp.ones_like, params))
+def _forward_mode(kernels, scan):
+    """Forward mode through a packed-sequence model: the logits' JVP, jax.linearize, the Jacobian
+    of a few logits in 8 entries of a token's embedding (jax.jacfwd: vmap over tangents),
+    per-example JVPs (vmap over primals and tangents) and reverse over forward (the gradient of a
+    JVP: a Hessian-vector product the other way round); and the kernels the JVP's program calls."""
+    config = _lm(cpu_kernels=kernels, num_decoder_layers=1, scan_layers=scan,
+                 remat="dots_saveable" if scan else "none")
+    model = tj.TransformerLM(config)
+    ids = jax.random.randint(jax.random.key(3), (2, 24), 3, 997)
+    segments = jnp.array([[1] * 15 + [2] * 9, [1] * 20 + [0] * 4], jnp.int32)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids[:, :8])["params"])
+    logits = lambda p, i=ids, s=segments: model.apply({"params": p}, i, segment_ids=s,
+                                                       positions=segment_positions(s))
+    direction = jax.tree.map(lambda x: jax.random.normal(jax.random.key(4), x.shape), params)
+    jvp = jax.jit(lambda p, t: jax.jvp(logits, (p,), (t,))).lower(params, direction).compile()
+    calls = re.findall(r'custom_call_target="(transformer_jax_attention_\w+)"', jvp.as_text())
+    linearized = jax.linearize(logits, params)[1](direction)
+    table, token = params["embed"]["embedding"], ids[0, 3]
+    with_row = lambda r: logits({**params, "embed": {"embedding": table.at[token, :8].set(r)}})[0, 3:6, :5]
+    jacobian = jax.jit(jax.jacfwd(with_row))(table[token, :8])
+    one_row = lambda p, t, i, s: jax.jvp(lambda p: logits(p, i[None], s[None]), (p,), (t,))[1]
+    per_row = jax.jit(jax.vmap(one_row, (None, 0, 0, 0)))(
+        params, jax.tree.map(lambda x: jnp.stack([x, -2 * x]), direction), ids, segments)
+    tangent_sum = lambda p: jnp.sum(jnp.sin(jax.jvp(logits, (p,), (direction,))[1]))
+    reverse_over_forward = jax.jit(jax.grad(tangent_sum))(params)
+    return (*jvp(params, direction), linearized, jacobian, per_row, reverse_over_forward), sorted(set(calls))
 
-    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
-        jvp("auto", 17)
-    assert np.isfinite(jvp("xla", 17)) and np.isfinite(jvp("auto", 16))
+
+@needs_kernels
+@pytest.mark.parametrize("scan", [False, True])
+def test_forward_mode_through_the_kernels_equals_xla(scan):
+    """jax.jvp, jax.linearize and jax.jacfwd of a model whose attention runs on the training
+    kernels (more than 16 tokens): the value is the forward kernel's, the tangent XLA's, and
+    reverse mode over it transposes that tangent into the backward kernel. Before, the kernels'
+    custom VJP made JAX refuse forward mode ("can't apply forward-mode autodiff")."""
+    got, calls = _forward_mode("auto", scan)
+    assert calls == ["transformer_jax_attention_fwd"]
+    want, xla_calls = _forward_mode("xla", scan)
+    assert xla_calls == []
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)  # the logits
+    assert got[3].shape == (3, 5, 8) and np.abs(want[3]).max() > 1e-3
+    for got_tree, want_tree in zip(got[1:], want[1:]):
+        scale = max(np.abs(x).max() for x in jax.tree.leaves(want_tree))
+        for g, w in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
 
 
 @needs_kernels

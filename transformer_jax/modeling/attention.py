@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from transformer_jax.config import ATTENTION_IMPLS
-from transformer_jax.modeling import masks, native
+from transformer_jax.modeling import derivatives, masks, native
 from transformer_jax.modeling.activations import activation_fn
 from transformer_jax.modeling.chunked_attention import chunked_attention
 from transformer_jax.modeling.matmul import contract, contract_transposed
@@ -130,7 +130,7 @@ def _dense_attention_vjp(q, k, v, q_seg, kv_seg, g, causal):
     return jax.vjp(forward, q, k, v)[1](g)
 
 
-# The kernels' own derivatives, for forward mode through the custom VJP below: differentiating a
+# The kernels' own derivatives, for forward mode over reverse mode: differentiating a
 # gradient (a Hessian-vector product `jax.jvp(jax.grad(f), ...)`, `jax.hessian`, a gradient
 # penalty's gradient) takes the derivatives of the forward and backward kernels, which custom calls
 # do not have. Their tangents are XLA's ops', as `rows_matmul`'s are; the values stay the kernels'.
@@ -171,36 +171,50 @@ def _native_forward(q, k, v, q_seg, kv_seg, causal):
         default=functools.partial(_dense_attention_lse, causal=causal))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _native_attention(q, k, v, q_seg, kv_seg, causal):
-    """float32 attention by the package's CPU kernels, forward and backward; XLA's ops elsewhere."""
-    return _native_forward(q, k, v, q_seg, kv_seg, causal)[0]
+def _attention_tangent(q, k, v, out, lse, q_seg, kv_seg, dq, dk, dv, *, causal):
+    # The tangent of the output in XLA's ops (dense attention, which recomputes the probabilities
+    # from q and k; out and lse are there for the transpose rule below).
+    dense = lambda q, k, v: _dense_attention_lse(q, k, v, q_seg, kv_seg, causal)[0]
+    return jax.jvp(dense, (q, k, v), (dq, dk, dv))[1]
 
 
-def _native_attention_fwd(q, k, v, q_seg, kv_seg, causal):
-    out, lse = _native_forward(q, k, v, q_seg, kv_seg, causal)
-    # Named so that remat='dots_saveable' keeps them: the backward kernel needs only these and its
-    # inputs, where recomputing them would run the forward kernel again.
-    out = checkpoint_name(out, "attention_out")
-    lse = checkpoint_name(lse, "attention_lse")
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
-
-
-def _native_attention_bwd(causal, residuals, g):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
-
+def _attention_tangent_transpose(g, q, k, v, out, lse, q_seg, kv_seg, *, causal):
+    # The cotangents of (dq, dk, dv): the backward kernel on the CPU, XLA's VJP elsewhere.
     def on_cpu(q, k, v, q_seg, kv_seg, out, lse, g):
         return _kernel_backward(q, k, v, q_seg, kv_seg, out, lse, g, causal)
 
     def elsewhere(q, k, v, q_seg, kv_seg, out, lse, g):
         return _dense_attention_vjp(q, k, v, q_seg, kv_seg, g, causal)
 
-    dq, dk, dv = jax.lax.platform_dependent(q, k, v, q_seg, kv_seg, out, lse, g, cpu=on_cpu,
-                                            default=elsewhere)
-    return dq, dk, dv, None, None
+    return jax.lax.platform_dependent(q, k, v, q_seg, kv_seg, out, lse, g, cpu=on_cpu, default=elsewhere)
 
 
-_native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
+# The output tangent of `_native_attention`, linear in (dq, dk, dv): its value is XLA's dense JVP,
+# and JAX transposes it (reverse mode) into the backward kernel's call.
+_attention_tangent_p = derivatives.linear_tangent(
+    "transformer_jax_attention_tangent", _attention_tangent, _attention_tangent_transpose, 3)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _native_attention(q, k, v, q_seg, kv_seg, causal):
+    """float32 attention by the package's CPU kernels, forward and backward; XLA's ops elsewhere.
+    Forward mode takes the tangent from XLA's ops; reverse mode transposes it into the backward
+    kernel (`_attention_tangent_p`)."""
+    return _native_forward(q, k, v, q_seg, kv_seg, causal)[0]
+
+
+@functools.partial(_native_attention.defjvp, symbolic_zeros=True)
+def _native_attention_jvp(causal, primals, tangents):
+    q, k, v, q_seg, kv_seg = primals
+    out, lse = _native_forward(q, k, v, q_seg, kv_seg, causal)
+    # Named so that remat='dots_saveable' keeps them: the backward kernel needs only these and its
+    # inputs, where recomputing them would run the forward kernel again.
+    out = checkpoint_name(out, "attention_out")
+    lse = checkpoint_name(lse, "attention_lse")
+    dq, dk, dv = (jnp.zeros(x.shape, x.dtype) if derivatives.is_zero(t) else t
+                  for x, t in zip((q, k, v), tangents[:3]))
+    d_out = _attention_tangent_p.bind(q, k, v, out, lse, q_seg, kv_seg, dq, dk, dv, causal=bool(causal))
+    return out, d_out
 
 
 def native_attention(q, k, v, mask):
@@ -440,10 +454,9 @@ def dot_product_attention(
         return chunked_attention(q, k, v, mask), None
     if impl == "flash":
         return _flash_attention(q, k, v, mask), None
-    # Whole sequences (training, evaluation, a long prompt's prefill) on the CPU: the native kernels,
-    # differentiable in reverse mode only (forward mode through them is JAX's TypeError; XLA's ops,
-    # cpu_kernels='xla', take every transformation). A few queries stay on XLA's ops, where the
-    # kernel saves little.
+    # Whole sequences (training, evaluation, a long prompt's prefill) on the CPU: the native kernels
+    # (forward and reverse mode; the tangents are XLA's dense ops'). A few queries stay on XLA's
+    # ops, where the kernel saves little.
     if (impl == "xla" and q.shape[1] > native.MAX_ROWS and native.sequence_attention_fits(q, k, v, mask)
             and native.use_native(cpu_kernels)):
         return native_attention(q, k, v, mask), None

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from transformer_jax.modeling import native
+from transformer_jax.modeling import derivatives, native
 
 # A transposed copy of a [V, D] weight costs about as much as a product with this many rows runs
 # slower in float32 (see contract_transposed); fewer tokens per call read the weight as it is.
@@ -104,50 +104,97 @@ def _widened_t(x2, w2):
     return _plain_t(x2.astype(jnp.float32), w2.astype(jnp.float32))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _contract_lhs_transpose(g, w, x_aval, *, n_in, cpu_kernels):
+    # dx = g W^T, over a transposed copy of W ([out, in]) that the bf16 kernel takes as laid out
+    g = g.astype(x_aval.dtype)
+    n_out = w.ndim - n_in
+    w_t = transposed_copy(w, tuple(range(n_in, w.ndim)) + tuple(range(n_in)))
+    return _dot(g, w_t, n_out).astype(x_aval.dtype)
+
+
+def _contract_rhs_transpose(g, x, w_aval, *, n_in, cpu_kernels):
+    # dW = x^T g, over a transposed copy of x ([in, lead])
+    g = g.astype(x.dtype)
+    n_lead = x.ndim - n_in
+    x_t = transposed_copy(x, tuple(range(n_lead, x.ndim)) + tuple(range(n_lead)), cpu_kernels)
+    return _dot(x_t, g, n_lead).astype(w_aval.dtype)
+
+
+def _contract_batched(x, x_dim, w, w_dim, *, n_in, cpu_kernels):
+    if w_dim is None:  # the mapped axis is one more leading axis of x
+        return _contract_p.bind(jnp.moveaxis(x, x_dim, 0), w, n_in=n_in, cpu_kernels=cpu_kernels), 0
+    if x_dim is None:  # one more output axis of w, the last
+        out = _contract_p.bind(x, jnp.moveaxis(w, w_dim, -1), n_in=n_in, cpu_kernels=cpu_kernels)
+        return out, out.ndim - 1
+    # Both mapped: one batched product (JAX's own derivatives from here on).
+    x, w = jnp.moveaxis(x, x_dim, 0), jnp.moveaxis(w, w_dim, 0)
+    dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(1, n_in + 1))), ((0,), (0,)))
+    return lax.dot_general(x, w, dims, preferred_element_type=jnp.float32), 0
+
+
+_contract_p = derivatives.bilinear("transformer_jax_low_precision_contract",
+                        lambda x, w, *, n_in, cpu_kernels: _dot(x, w, n_in),
+                        _contract_lhs_transpose, _contract_rhs_transpose, _contract_batched)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _low_precision_contract(x, w, n_in, cpu_kernels="xla"):
     return _dot(x, w, n_in)
 
 
-def _forward(x, w, n_in, cpu_kernels):
-    return _dot(x, w, n_in), (x, w)
+@partial(_low_precision_contract.defjvp, symbolic_zeros=True)
+def _low_precision_contract_jvp(n_in, cpu_kernels, primals, tangents):
+    # The value is the plain product (what remat policies such as dots_saveable look for); the
+    # tangent, two products of the primitive, which reverse mode transposes into the backward
+    # products of the module doc.
+    return _dot(*primals, n_in), derivatives.bilinear_tangent(_contract_p, primals, tangents, n_in=n_in,
+                                          cpu_kernels=cpu_kernels)
 
 
-def _backward(n_in, cpu_kernels, residuals, g):
-    x, w = residuals
-    g = g.astype(x.dtype)
-    n_lead, n_out = x.ndim - n_in, w.ndim - n_in
-    w_t = transposed_copy(w, tuple(range(n_in, w.ndim)) + tuple(range(n_in)))  # [out, in]
-    dx = _dot(g, w_t, n_out)                                                                # [lead, in]
-    x_t = transposed_copy(x, tuple(range(n_lead, x.ndim)) + tuple(range(n_lead)), cpu_kernels)  # [in, lead]
-    dw = _dot(x_t, g, n_lead)                                                               # [in, out]
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_low_precision_contract.defvjp(_forward, _backward)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _low_precision_contract_t(x, w_t, cpu_kernels="xla"):
+def _contract_t_product(x, w_t, *, cpu_kernels):
     return _dot(x, transposed_copy(w_t, (1, 0)), 1)
 
 
-def _forward_t(x, w_t, cpu_kernels):
-    return _dot(x, transposed_copy(w_t, (1, 0)), 1), (x, w_t)
+def _contract_t_lhs_transpose(g, w_t, x_aval, *, cpu_kernels):
+    return _dot(g.astype(x_aval.dtype), w_t, 1).astype(x_aval.dtype)  # [.., out] x [out, in]: as laid out
 
 
-def _backward_t(cpu_kernels, residuals, g):
-    x, w_t = residuals
+def _contract_t_rhs_transpose(g, x, w_aval, *, cpu_kernels):
     g = g.astype(x.dtype)
-    dx = _dot(g, w_t, 1)                                       # [..., out] x [out, in]: as laid out
     x_t = transposed_copy(x, (x.ndim - 1,) + tuple(range(x.ndim - 1)), cpu_kernels)
     # [in, out]; the barrier keeps XLA from folding the transpose below into the product, which
     # would swap its operands into a layout the bf16 kernel does not take.
     dw = lax.optimization_barrier(_dot(x_t, g, x.ndim - 1))
-    return dx.astype(x.dtype), dw.T.astype(w_t.dtype)
+    return dw.T.astype(w_aval.dtype)
 
 
-_low_precision_contract_t.defvjp(_forward_t, _backward_t)
+def _contract_t_batched(x, x_dim, w_t, w_dim, *, cpu_kernels):
+    # The operands are matrices: x [R, in], w_t [out, in].
+    if w_dim is None:  # [B, R, in] as [B * R, in]
+        x = jnp.moveaxis(x, x_dim, 0)
+        out = _contract_t_p.bind(x.reshape(-1, x.shape[-1]), w_t, cpu_kernels=cpu_kernels)
+        return out.reshape(x.shape[:2] + (w_t.shape[0],)), 0
+    w_t = jnp.moveaxis(w_t, w_dim, 0)
+    if x_dim is None:  # [B, out, in] as [B * out, in]
+        out = _contract_t_p.bind(x, w_t.reshape(-1, w_t.shape[-1]), cpu_kernels=cpu_kernels)
+        return out.reshape(x.shape[0], w_t.shape[0], w_t.shape[1]), 1
+    x = jnp.moveaxis(x, x_dim, 0)
+    return lax.dot_general(x, w_t, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32), 0
+
+
+_contract_t_p = derivatives.bilinear("transformer_jax_low_precision_contract_t", _contract_t_product,
+                          _contract_t_lhs_transpose, _contract_t_rhs_transpose, _contract_t_batched)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _low_precision_contract_t(x, w_t, cpu_kernels="xla"):
+    return _contract_t_product(x, w_t, cpu_kernels=cpu_kernels)
+
+
+@partial(_low_precision_contract_t.defjvp, symbolic_zeros=True)
+def _low_precision_contract_t_jvp(cpu_kernels, primals, tangents):
+    return (_contract_t_product(*primals, cpu_kernels=cpu_kernels),
+            derivatives.bilinear_tangent(_contract_t_p, primals, tangents, cpu_kernels=cpu_kernels))
 
 
 def _plain_t(x2, w2):

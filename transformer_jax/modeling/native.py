@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import CPU_KERNELS
+from transformer_jax.modeling import derivatives
 from transformer_jax.modeling.activations import activation_fn
 
 SOURCE = Path(__file__).with_name("native_kernels.cc")
@@ -509,22 +510,10 @@ def differentiable_call(name: str, call, tangent):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
         return prim.bind(*primals, **params), tuple(tangent(primals, tangents, **params))
 
-    def batch(args, dims, **params):
-        # The mapped arguments are sliced per element; the others are captured whole (stacking
-        # copies of them would hold one copy per element).
-        mapped = [i for i, d in enumerate(dims) if d is not None]
-
-        def one(xs):
-            full = list(args)
-            for i, x in zip(mapped, xs):
-                full[i] = x
-            return tuple(prim.bind(*full, **params))
-
-        outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
-        return outs, [0] * len(outs)
-
     ad.primitive_jvps[prim] = jvp
-    batching.primitive_batchers[prim] = batch
+    # The mapped arguments are sliced per element; the others are captured whole (stacking
+    # copies of them would hold one copy per element).
+    batching.primitive_batchers[prim] = derivatives.map_over_mapped(prim)
     return prim
 
 

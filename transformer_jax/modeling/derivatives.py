@@ -1,0 +1,115 @@
+"""Derivatives for the operations that carry a backward pass of their own.
+
+The bf16 weight products (`matmul`), the CPU kernels' attention (`attention`) and the chunked
+attention (`chunked_attention`) each compute their gradients their own way: transposed copies, a
+backward kernel, a recomputing loop. A `jax.custom_vjp` would say so, but JAX's forward mode
+(`jax.jvp`, `jax.jacfwd`, `jax.linearize`) refuses to pass one. Instead the operation is a
+`jax.custom_jvp` whose tangent is a primitive made here, linear in the tangents, with a
+transpose rule that is the hand-written backward pass: forward mode evaluates the tangent, and
+reverse mode, which JAX derives by transposing the tangent, runs the backward pass as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _abstract(fn):
+    def abstract(*avals, **params):
+        out = jax.eval_shape(functools.partial(fn, **params),
+                             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+        return jax.core.ShapedArray(out.shape, out.dtype)
+    return abstract
+
+
+def map_over_mapped(prim):
+    """A `jax.vmap` rule that binds `prim` once per element of the mapped axis (`lax.map`): the
+    mapped arguments are sliced, the others captured whole rather than stacked once per element."""
+    def batch(args, dims, **params):
+        mapped = [i for i, d in enumerate(dims) if d is not None]
+
+        def one(xs):
+            full = list(args)
+            for i, x in zip(mapped, xs):
+                full[i] = x
+            out = prim.bind(*full, **params)
+            return tuple(out) if prim.multiple_results else out
+
+        out = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
+        return (out, [0] * len(out)) if prim.multiple_results else (out, 0)
+
+    return batch
+
+
+def bilinear(name: str, product, lhs_transpose, rhs_transpose, batched):
+    """A primitive for ``product(a, b, **params)``, linear in each operand, whose transposes (the
+    backward products) are ``lhs_transpose(g, b, a_aval, **params)`` (the cotangent of a) and
+    ``rhs_transpose(g, a, b_aval, **params)`` (that of b), and which `jax.vmap` maps by
+    ``batched(a, a_dim, b, b_dim, **params) -> (out, out_dim)``. The tangents of a product of
+    two such operands are two more such products."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive(name)
+    prim.def_impl(product)
+    prim.def_abstract_eval(_abstract(product))
+    mlir.register_lowering(prim, mlir.lower_fun(product, multiple_results=False))
+    ad.defbilinear(prim, lambda g, a, b, **params: lhs_transpose(g, b, a.aval, **params),
+                   lambda g, a, b, **params: rhs_transpose(g, a, b.aval, **params))
+    batching.primitive_batchers[prim] = lambda args, dims, **params: batched(
+        args[0], dims[0], args[1], dims[1], **params)
+    return prim
+
+
+def is_zero(tangent) -> bool:
+    """Whether a custom JVP rule's tangent (with ``symbolic_zeros=True``) is JAX's symbolic zero."""
+    return isinstance(tangent, jax.custom_derivatives.SymbolicZero)
+
+
+def bilinear_tangent(prim, primals, tangents, **params):
+    """The tangent of ``prim(x, w)`` (a `bilinear` primitive) at `primals`: ``prim(dx, w) +
+    prim(x, dw)``, skipping JAX's symbolic zeros (a custom JVP with ``symbolic_zeros=True``)."""
+    (x, w), (dx, dw) = primals, tangents
+    terms = (([] if is_zero(dx) else [prim.bind(dx, w, **params)])
+             + ([] if is_zero(dw) else [prim.bind(x, dw, **params)]))
+    if not terms:
+        out = jax.eval_shape(functools.partial(prim.bind, **params), x, w)
+        return jnp.zeros(out.shape, out.dtype)
+    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+def linear_tangent(name: str, tangent, transpose, num_tangents: int):
+    """A primitive for ``tangent(*primals, *tangents, **params)``, an operation's output tangent,
+    linear in its last `num_tangents` arguments, whose transpose is ``transpose(g, *primals,
+    **params) -> cotangents of the tangents`` (the operation's backward pass). Its own JVP (for
+    higher derivatives of the tangent) is `tangent`'s, taken by JAX; `jax.vmap` maps it one call
+    per element."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive(name)
+    prim.def_impl(tangent)
+    prim.def_abstract_eval(_abstract(tangent))
+    mlir.register_lowering(prim, mlir.lower_fun(tangent, multiple_results=False))
+
+    def transpose_rule(g, *args, **params):
+        primals, tangents = args[:-num_tangents], args[-num_tangents:]
+        assert not any(ad.is_undefined_primal(p) for p in primals), "transposed in a primal"
+        if type(g) is ad.Zero:
+            cts = [jnp.zeros(t.aval.shape, t.aval.dtype) for t in tangents]
+        else:
+            cts = transpose(g, *primals, **params)
+        return [None] * len(primals) + [ct if ad.is_undefined_primal(t) else None
+                                         for ct, t in zip(cts, tangents)]
+
+    def jvp(primals, tangents, **params):
+        tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+        return jax.jvp(functools.partial(tangent, **params), tuple(primals), tangents)
+
+    ad.primitive_transposes[prim] = transpose_rule
+    ad.primitive_jvps[prim] = jvp
+    batching.primitive_batchers[prim] = map_over_mapped(prim)
+    return prim
