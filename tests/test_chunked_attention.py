@@ -61,6 +61,19 @@ def test_chunked_equals_reference_forward_and_gradients(name):
     np.testing.assert_allclose(got, want, atol=2e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5)
+    # Forward mode (JAX's JVP of the loops), and forward over reverse (a Hessian-vector product
+    # through the backward loops)
+    tangents = tuple(jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate((q, k, v), 5))
+
+    def forward_modes(fn):
+        jvp = lambda q, k, v: jax.jvp(fn, (q, k, v), tangents)[1]
+        hvp = lambda q, k, v: jax.jvp(jax.grad(loss(fn), (0, 1, 2)), (q, k, v), tangents)[1]
+        return jax.jit(lambda q, k, v: (jvp(q, k, v), hvp(q, k, v)))(q, k, v)
+
+    (got_jvp, got_hvp), (want_jvp, want_hvp) = forward_modes(chunked), forward_modes(reference)
+    np.testing.assert_allclose(got_jvp, want_jvp, atol=2e-5)
+    for g, w in zip(got_hvp, want_hvp, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4)
 
 
 def test_lengths_just_past_a_chunk_are_split_evenly():

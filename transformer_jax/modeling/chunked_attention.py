@@ -8,8 +8,10 @@ all in float32; the [L, S] logits are never held, only one [cq, ck] tile per hea
 validity), so nothing of size L x S exists at all. Tiles that a causal or key-length mask hides
 completely are skipped (the loops' bounds depend on the chunk), which halves causal work.
 
-The gradient is a custom VJP that recomputes each tile's probabilities from the saved row
-log-sum-exp instead of storing them: O(L) memory for training too.
+The gradient recomputes each tile's probabilities from the saved row log-sum-exp instead of
+storing them: O(L) memory for training too. It is the transpose of the output's tangent (a
+primitive of `derivatives.linear_tangent`), so forward mode (`jax.jvp`, `jax.jacfwd`), which runs
+JAX's own JVP of the loops, works as well.
 
 Runs everywhere XLA does; on GPU/TPU the fused kernels ('cudnn', 'flash') are faster.
 """
@@ -21,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.modeling import derivatives
 from transformer_jax.modeling.masks import AttentionMask, as_attention_mask
 
 _NEG = -1e30  # finite: a fully masked tile cannot produce inf - inf
@@ -191,20 +194,34 @@ def _backward(q, k, v, spec, cq, ck, out, lse, dout):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tangent(*args, spec_tree, cq, ck):
+    """The output's tangent: JAX's forward mode through `_forward` (its loops too), so O(L) memory;
+    args are q, k, v, out, lse, the mask's arrays and the tangents dq, dk, dv."""
+    q, k, v = args[:3]
+    spec = jax.tree.unflatten(spec_tree, args[5:-3])
+    forward = lambda q, k, v: _forward(q, k, v, spec, cq, ck)[0]
+    return jax.jvp(forward, (q, k, v), tuple(args[-3:]))[1]
+
+
+def _tangent_transpose(g, q, k, v, out, lse, *spec_leaves, spec_tree, cq, ck):
+    return _backward(q, k, v, jax.tree.unflatten(spec_tree, spec_leaves), cq, ck, out, lse, g)
+
+
+# Linear in (dq, dk, dv); reverse mode transposes it into `_backward`.
+_tangent_p = derivatives.linear_tangent("transformer_jax_chunked_attention_tangent", _tangent,
+                                        _tangent_transpose, 3)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
 def _attention(q, k, v, spec, cq, ck):
     return _forward(q, k, v, spec, cq, ck)[0]
 
 
-def _attention_fwd(q, k, v, spec, cq, ck):
+@functools.partial(_attention.defjvp, symbolic_zeros=True)
+def _attention_jvp(cq, ck, primals, tangents):
+    q, k, v, spec = primals
     out, lse = _forward(q, k, v, spec, cq, ck)
-    return out, (q, k, v, spec, out, lse)
-
-
-def _attention_bwd(cq, ck, residuals, dout):
-    q, k, v, spec, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, spec, cq, ck, out, lse, dout)
-    return dq, dk, dv, jax.tree.map(lambda _: None, spec)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+    dq, dk, dv = (jnp.zeros(x.shape, x.dtype) if derivatives.is_zero(t) else t
+                  for x, t in zip((q, k, v), tangents[:3]))
+    leaves, tree = jax.tree.flatten(spec)
+    return out, _tangent_p.bind(q, k, v, out, lse, *leaves, dq, dk, dv, spec_tree=tree, cq=cq, ck=ck)
