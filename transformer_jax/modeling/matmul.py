@@ -3,7 +3,9 @@
 `contract(x, w, n_in)` contracts the trailing `n_in` axes of x with the leading `n_in` axes of w
 and returns float32. In float32 it is one `lax.dot_general`, differentiated by JAX as usual.
 
-With bfloat16 inputs it carries its own backward pass. XLA:CPU runs a bf16 x bf16 -> f32 matmul
+With bfloat16 inputs it carries its own backward pass, as the transpose rules of the primitive
+that is its tangent (`derivatives.bilinear`): reverse mode runs the products below, and forward
+mode (`jax.jvp`, `jax.jacfwd`) works too. XLA:CPU runs a bf16 x bf16 -> f32 matmul
 in its fast bf16 kernel only when both operands are already laid out for it: the contracted axes
 minor (last) on the left operand and major (first) on the right. Otherwise it converts both to
 float32 first and runs at the float32 rate, 3-4x slower on a CPU with bf16 matrix units. Both
