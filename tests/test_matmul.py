@@ -105,6 +105,44 @@ def test_bf16_products_take_forward_mode_and_transpose_it_into_their_backward_pa
         _close(t, r, 2e-2)  # within one bf16 rounding
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16_products_inside_shard_map_follow_the_varying_axes(transposed):
+    """Inside jax.shard_map (check_vma, its default) the bf16 products' gradients and tangents are a
+    plain dot_general's: a weight replicated over the mesh gets its cotangent summed over the
+    axis, as JAX does for its own primitives. The custom VJP before failed there ("the manual axis
+    types do not match")."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x, w = _arrays(jnp.bfloat16, 1)
+    x = jnp.concatenate([x, -x, 2 * x, x[::-1]])  # 12 rows of 29 tokens: 3 per device
+    if transposed:
+        w = w[:, :, 0].T
+        mine, spec = matmul.contract_transposed, "ABI,OI->ABO"
+    else:
+        mine, spec = matmul.contract, "ABI,IOP->ABOP"
+    plain = lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+
+    def run(product):
+        def step(x, w):
+            grads = jax.grad(_loss(product), (0, 1))(x, w)
+            tangent = jax.jvp(product, (x, w), (x, w))[1]
+            return grads, tangent
+
+        f = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P()),
+                          out_specs=((P("data"), P()), P("data")))
+        return jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P("data"))), w)
+
+    (got_dx, got_dw), got_t = run(mine)
+    (want_dx, want_dw), want_t = run(plain)
+    _close(got_t, want_t, 1e-6)
+    _close(got_dx, want_dx, 2e-2)  # within one bf16 rounding
+    _close(got_dw, want_dw, 2e-2)
+    one_device = jax.grad(_loss(plain), 1)(x, w)  # the four shards' weight gradients, summed
+    _close(want_dw, one_device, 2e-2)
+
+
 def test_bf16_models_take_forward_mode_as_float32_does():
     """jax.jvp of a bf16 model's logits follows the float32 model's (same weights), with every
     product on the bf16 paths (tied output projection, an untied LM head, out_in kernels)."""

@@ -213,7 +213,8 @@ def _native_attention_jvp(causal, primals, tangents):
     lse = checkpoint_name(lse, "attention_lse")
     dq, dk, dv = (jnp.zeros(x.shape, x.dtype) if derivatives.is_zero(t) else t
                   for x, t in zip((q, k, v), tangents[:3]))
-    d_out = _attention_tangent_p.bind(q, k, v, out, lse, q_seg, kv_seg, dq, dk, dv, causal=bool(causal))
+    d_out = derivatives.bind(_attention_tangent_p, q, k, v, out, lse, q_seg, kv_seg, dq, dk, dv,
+                             causal=bool(causal))
     return out, d_out
 
 

@@ -134,6 +134,7 @@ def _forward(q, k, v, spec, cq, ck):
 
         init = (jnp.zeros((B, N, G, cq, K), jnp.float32), jnp.full((B, N, G, cq), _NEG, jnp.float32),
                 jnp.zeros((B, N, G, cq), jnp.float32))
+        init = derivatives.vary_like(init, qc, k, v, *jax.tree.leaves(spec))
         lo, hi = _kv_range(spec, q0, cq, ck, num_kv)
         acc, m, total = jax.lax.fori_loop(lo, hi, kv_step, init)
         seen = total > 0.0
@@ -183,12 +184,14 @@ def _backward(q, k, v, spec, cq, ck, out, lse, dout):
                 dq, jax.lax.dynamic_slice_in_dim(dq, q0, cq, 1) + dq_c, q0, 1)
             return dq, dk, dv
 
-        zeros = jnp.zeros((B, ck, N, K), jnp.float32)
+        zeros = derivatives.vary_like(jnp.zeros((B, ck, N, K), jnp.float32), q, k, v, dout, dq,
+                                      *jax.tree.leaves(spec))
         lo, hi = _q_range(spec, k0, cq, ck, num_q)
         dq, dk, dv = jax.lax.fori_loop(lo, hi, q_step, (dq, zeros, zeros))
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(kv_chunk, jnp.zeros(q.shape, jnp.float32), jnp.arange(num_kv))
+    dq = derivatives.vary_like(jnp.zeros(q.shape, jnp.float32), q, k, v, dout, *jax.tree.leaves(spec))
+    dq, (dk, dv) = jax.lax.scan(kv_chunk, dq, jnp.arange(num_kv))
     dk = jnp.moveaxis(dk, 0, 1).reshape(B, S, N, K)
     dv = jnp.moveaxis(dv, 0, 1).reshape(B, S, N, K)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -224,4 +227,5 @@ def _attention_jvp(cq, ck, primals, tangents):
     dq, dk, dv = (jnp.zeros(x.shape, x.dtype) if derivatives.is_zero(t) else t
                   for x, t in zip((q, k, v), tangents[:3]))
     leaves, tree = jax.tree.flatten(spec)
-    return out, _tangent_p.bind(q, k, v, out, lse, *leaves, dq, dk, dv, spec_tree=tree, cq=cq, ck=ck)
+    return out, derivatives.bind(_tangent_p, q, k, v, out, lse, *leaves, dq, dk, dv, spec_tree=tree,
+                                 cq=cq, ck=ck)

@@ -21,8 +21,38 @@ def _abstract(fn):
     def abstract(*avals, **params):
         out = jax.eval_shape(functools.partial(fn, **params),
                              *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
-        return jax.core.ShapedArray(out.shape, out.dtype)
+        # The first operand's type but for shape and dtype: inside `jax.shard_map` the manual
+        # mesh axes it varies over, which `bind` made every operand's; no sharding of its own.
+        first = avals[0]
+        return first.update(shape=out.shape, dtype=out.dtype, weak_type=False,
+                            sharding=first.sharding.update(spec=jax.sharding.PartitionSpec()))
     return abstract
+
+
+def _varying(x) -> frozenset:
+    """The manual mesh axes `x` varies over (inside `jax.shard_map` with check_vma), else none."""
+    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(axis_type, "varying", None) or ())
+
+
+def vary_like(x, *refs):
+    """`x` (a pytree) cast to vary over the manual mesh axes that any of `refs` varies over: inside
+    `jax.shard_map` (check_vma), a loop's initial carry of fresh zeros is invariant while the body
+    makes it vary with the inputs, and JAX refuses the mismatch. Elsewhere `x` itself."""
+    axes = frozenset().union(*map(_varying, refs))
+
+    def cast(a):
+        missing = axes - _varying(a)
+        return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+
+    return jax.tree.map(cast, x) if axes else x
+
+
+def bind(prim, *args, **params):
+    """``prim.bind(*args, **params)`` with every operand cast to vary over the manual mesh axes
+    that any of them varies over, as JAX's own primitives do inside `jax.shard_map`: the
+    transpose of that cast sums an invariant operand's cotangent over those axes."""
+    return prim.bind(*vary_like(list(args), *args), **params)
 
 
 def map_over_mapped(prim):
@@ -35,7 +65,7 @@ def map_over_mapped(prim):
             full = list(args)
             for i, x in zip(mapped, xs):
                 full[i] = x
-            out = prim.bind(*full, **params)
+            out = bind(prim, *full, **params)
             return tuple(out) if prim.multiple_results else out
 
         out = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
@@ -73,10 +103,10 @@ def bilinear_tangent(prim, primals, tangents, **params):
     """The tangent of ``prim(x, w)`` (a `bilinear` primitive) at `primals`: ``prim(dx, w) +
     prim(x, dw)``, skipping JAX's symbolic zeros (a custom JVP with ``symbolic_zeros=True``)."""
     (x, w), (dx, dw) = primals, tangents
-    terms = (([] if is_zero(dx) else [prim.bind(dx, w, **params)])
-             + ([] if is_zero(dw) else [prim.bind(x, dw, **params)]))
+    terms = (([] if is_zero(dx) else [bind(prim, dx, w, **params)])
+             + ([] if is_zero(dw) else [bind(prim, x, dw, **params)]))
     if not terms:
-        out = jax.eval_shape(functools.partial(prim.bind, **params), x, w)
+        out = jax.eval_shape(functools.partial(bind, prim, **params), x, w)
         return jnp.zeros(out.shape, out.dtype)
     return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 

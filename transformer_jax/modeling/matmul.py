@@ -124,9 +124,10 @@ def _contract_rhs_transpose(g, x, w_aval, *, n_in, cpu_kernels):
 
 def _contract_batched(x, x_dim, w, w_dim, *, n_in, cpu_kernels):
     if w_dim is None:  # the mapped axis is one more leading axis of x
-        return _contract_p.bind(jnp.moveaxis(x, x_dim, 0), w, n_in=n_in, cpu_kernels=cpu_kernels), 0
+        out = derivatives.bind(_contract_p, jnp.moveaxis(x, x_dim, 0), w, n_in=n_in, cpu_kernels=cpu_kernels)
+        return out, 0
     if x_dim is None:  # one more output axis of w, the last
-        out = _contract_p.bind(x, jnp.moveaxis(w, w_dim, -1), n_in=n_in, cpu_kernels=cpu_kernels)
+        out = derivatives.bind(_contract_p, x, jnp.moveaxis(w, w_dim, -1), n_in=n_in, cpu_kernels=cpu_kernels)
         return out, out.ndim - 1
     # Both mapped: one batched product (JAX's own derivatives from here on).
     x, w = jnp.moveaxis(x, x_dim, 0), jnp.moveaxis(w, w_dim, 0)
@@ -174,11 +175,11 @@ def _contract_t_batched(x, x_dim, w_t, w_dim, *, cpu_kernels):
     # The operands are matrices: x [R, in], w_t [out, in].
     if w_dim is None:  # [B, R, in] as [B * R, in]
         x = jnp.moveaxis(x, x_dim, 0)
-        out = _contract_t_p.bind(x.reshape(-1, x.shape[-1]), w_t, cpu_kernels=cpu_kernels)
+        out = derivatives.bind(_contract_t_p, x.reshape(-1, x.shape[-1]), w_t, cpu_kernels=cpu_kernels)
         return out.reshape(x.shape[:2] + (w_t.shape[0],)), 0
     w_t = jnp.moveaxis(w_t, w_dim, 0)
     if x_dim is None:  # [B, out, in] as [B * out, in]
-        out = _contract_t_p.bind(x, w_t.reshape(-1, w_t.shape[-1]), cpu_kernels=cpu_kernels)
+        out = derivatives.bind(_contract_t_p, x, w_t.reshape(-1, w_t.shape[-1]), cpu_kernels=cpu_kernels)
         return out.reshape(x.shape[0], w_t.shape[0], w_t.shape[1]), 1
     x = jnp.moveaxis(x, x_dim, 0)
     return lax.dot_general(x, w_t, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32), 0
