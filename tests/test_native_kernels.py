@@ -880,17 +880,24 @@ def test_training_runs_attention_on_the_kernels_and_equals_xla(scan):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
-def _second_order(kernels, scan):
-    """A Hessian-vector product (forward over reverse) of a packed-sequence loss, the gradient of
-    its gradient's squared norm (reverse over reverse), per-example gradients (vmap), the Hessian of
-    the loss in 16 entries of a token's embedding (jax.hessian: jacfwd over jacrev), and the kernels
-    the product's program calls."""
+def _packed_model(kernels, scan):
+    """A one-layer LM (scanned with remat='dots_saveable', or not) and two rows of 24 packed tokens:
+    (model, ids, segment ids, parameters)."""
     config = _lm(cpu_kernels=kernels, num_decoder_layers=1, scan_layers=scan,
                  remat="dots_saveable" if scan else "none")
     model = tj.TransformerLM(config)
     ids = jax.random.randint(jax.random.key(3), (2, 24), 3, 997)
     segments = jnp.array([[1] * 15 + [2] * 9, [1] * 20 + [0] * 4], jnp.int32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids[:, :8])["params"])
+    return model, ids, segments, params
+
+
+def _second_order(kernels, scan):
+    """A Hessian-vector product (forward over reverse) of a packed-sequence loss, the gradient of
+    its gradient's squared norm (reverse over reverse), per-example gradients (vmap), the Hessian of
+    the loss in 16 entries of a token's embedding (jax.hessian: jacfwd over jacrev), and the kernels
+    the product's program calls."""
+    model, ids, segments, params = _packed_model(kernels, scan)
 
     def loss(p):
         logits = model.apply({"params": p}, ids, segment_ids=segments, positions=segment_positions(segments))
@@ -956,12 +963,7 @@ def _forward_mode(kernels, scan):
     of a few logits in 8 entries of a token's embedding (jax.jacfwd: vmap over tangents),
     per-example JVPs (vmap over primals and tangents) and reverse over forward (the gradient of a
     JVP: a Hessian-vector product the other way round); and the kernels the JVP's program calls."""
-    config = _lm(cpu_kernels=kernels, num_decoder_layers=1, scan_layers=scan,
-                 remat="dots_saveable" if scan else "none")
-    model = tj.TransformerLM(config)
-    ids = jax.random.randint(jax.random.key(3), (2, 24), 3, 997)
-    segments = jnp.array([[1] * 15 + [2] * 9, [1] * 20 + [0] * 4], jnp.int32)
-    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids[:, :8])["params"])
+    model, ids, segments, params = _packed_model(kernels, scan)
     logits = lambda p, i=ids, s=segments: model.apply({"params": p}, i, segment_ids=s,
                                                        positions=segment_positions(s))
     direction = jax.tree.map(lambda x: jax.random.normal(jax.random.key(4), x.shape), params)
