@@ -129,10 +129,9 @@ def _contract_batched(x, x_dim, w, w_dim, *, n_in, cpu_kernels):
     if x_dim is None:  # one more output axis of w, the last
         out = derivatives.bind(_contract_p, x, jnp.moveaxis(w, w_dim, -1), n_in=n_in, cpu_kernels=cpu_kernels)
         return out, out.ndim - 1
-    # Both mapped: one batched product (JAX's own derivatives from here on).
-    x, w = jnp.moveaxis(x, x_dim, 0), jnp.moveaxis(w, w_dim, 0)
-    dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(1, n_in + 1))), ((0,), (0,)))
-    return lax.dot_general(x, w, dims, preferred_element_type=jnp.float32), 0
+    # Both mapped: one product per element, each transposed into the products of the module doc.
+    return derivatives.map_over_mapped(_contract_p)([x, w], [x_dim, w_dim], n_in=n_in,
+                                                    cpu_kernels=cpu_kernels)
 
 
 _contract_p = derivatives.bilinear("transformer_jax_low_precision_contract",
@@ -181,8 +180,7 @@ def _contract_t_batched(x, x_dim, w_t, w_dim, *, cpu_kernels):
     if x_dim is None:  # [B, out, in] as [B * out, in]
         out = derivatives.bind(_contract_t_p, x, w_t.reshape(-1, w_t.shape[-1]), cpu_kernels=cpu_kernels)
         return out.reshape(x.shape[0], w_t.shape[0], w_t.shape[1]), 1
-    x = jnp.moveaxis(x, x_dim, 0)
-    return lax.dot_general(x, w_t, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32), 0
+    return derivatives.map_over_mapped(_contract_t_p)([x, w_t], [x_dim, 0], cpu_kernels=cpu_kernels)
 
 
 _contract_t_p = derivatives.bilinear("transformer_jax_low_precision_contract_t", _contract_t_product,
