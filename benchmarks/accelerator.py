@@ -21,7 +21,9 @@ downloaded. One run measures the device's own limits and each workload against t
              one, d_model 4096, d_ff 16384, 32 layers) with bf16 weights, cached greedy
              decoding of 256 new tokens after a 32-token prompt at batch 1 and 8: ms/step and the
              fraction of the bandwidth roofline (parameters + the KV cache up to each step's own
-             position, read once per step; target at batch 1: >= 0.6)
+             position, read once per step; target at batch 1: >= 0.6), with the weights stored
+             [in, out] and [out, in] (`kernel_layout`), and at batch 1 with the one-row products
+             also run as two rows (`matmul.SINGLE_ROW`; see DECODE_VARIANTS)
   attention  causal attention, batch 1, 16 heads of 64, bf16, at 4k / 16k / 32k tokens for the
              platform's fused kernel, XLA's and the chunked one: forward ms and peak memory
 
@@ -122,19 +124,51 @@ def decoding_model(sizes: dict, platform: str, model_name: str):
     return config, model, bench_decode.random_params(model, jnp.ones((1, 8), jnp.int32), dtype=jnp.bfloat16)
 
 
+# The decode section's rows: (kernel_layout, matmul.SINGLE_ROW, batch). A batch-1 step's products
+# have one row, which XLA:GPU turns into a multiply and a reduction below ~10M weight elements (the
+# 1.3B model's attention projections), summing down the columns of an [in, out] weight and along
+# the rows of an [out, in] one; 'two_rows' keeps them matrix products. Baseline first.
+DECODE_VARIANTS = (("in_out", "vector", 1), ("in_out", "two_rows", 1), ("in_out", "vector", 8),
+                   ("out_in", "vector", 1), ("out_in", "two_rows", 1), ("out_in", "vector", 8))
+
+
+def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE_VARIANTS, model=None):
+    """Yields (config, model, params, kernel_layout, single_row, batch) for each variant, with
+    matmul.SINGLE_ROW set (and the compilation caches cleared, since the setting is read when a
+    step is traced) until the next one. The same random weights in every layout: the `out_in`
+    parameters are the `in_out` ones converted (`tj.params.convert_params`). `model`: (config,
+    model, params) to use instead of the decode section's model."""
+    from transformer_jax.modeling import matmul
+
+    config, model, params = model or decoding_model(sizes, platform, model_name)
+    before = matmul.SINGLE_ROW
+    try:
+        for layout, single_row, batch in variants:
+            if layout != config.kernel_layout:
+                target = config.replace(kernel_layout=layout)
+                params = tj.params.convert_params(params, config, target)
+                config, model = target, tj.TransformerLM(target)
+            matmul.SINGLE_ROW = single_row
+            jax.clear_caches()
+            yield config, model, params, layout, single_row, batch
+    finally:
+        matmul.SINGLE_ROW = before
+        jax.clear_caches()
+
+
 def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "1.3b"):
-    """Yields one row per batch size (an error row if that batch size fails)."""
-    config, model, params = decoding_model(sizes, platform, model_name)
-    for batch in (1, 8):
+    """Yields one row per variant (DECODE_VARIANTS; an error row where one fails)."""
+    for config, model, params, layout, single_row, batch in decode_variants(sizes, platform, model_name):
         try:
             prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3,
                                         config.vocab_size)
             lengths = jnp.full((batch,), bench_decode.PROMPT, jnp.int32)
             row = bench_decode.lm_row(config, model, params, prompt, lengths, sizes["new_tokens"],
                                       limits["bandwidth_bytes_s"], 3)
-        except Exception as e:  # batch 8 may still run where batch 1 failed, and the other way
+        except Exception as e:  # the next variant may still run where this one failed
             row = dict(batch=batch, error=f"{type(e).__name__}: {e}")
-        yield dict(row, model=f"accelerator_decoder_{model_name}", weights="bfloat16")
+        yield dict(row, model=f"accelerator_decoder_{model_name}", weights="bfloat16",
+                   kernel_layout=layout, single_row=single_row)
 
 
 def trace_summary(trace_dir: str, steps: int, top: int = 15) -> list[dict]:
@@ -172,28 +206,35 @@ def trace_summary(trace_dir: str, steps: int, top: int = 15) -> list[dict]:
 
 
 def profile_section(sizes: dict, platform: str, model_name: str = "1.3b"):
-    """Where a batch-1 decoding step's time goes: `steps` cached greedy steps of the decode section's
-    model under the profiler, summarised per thread (`trace_summary`). Not in the default run
-    (`--only profile`)."""
+    """Where a batch-1 decoding step's time goes, for each batch-1 variant of the decode section:
+    `steps` cached greedy steps under the profiler, summarised per thread (`trace_summary`). Not in
+    the default run (`--only profile`)."""
     import tempfile
 
     from transformer_jax.decoding import generate
 
-    config, model, params = decoding_model(sizes, platform, model_name)
     steps = 8 if sizes is SMOKE else 32
-    prompt = jax.random.randint(jax.random.key(1), (1, bench_decode.PROMPT), 3, config.vocab_size)
-    lengths = jnp.full((1,), bench_decode.PROMPT, jnp.int32)
-    run = lambda: generate(tj.LMStep(model), params, tj.init_cache(config, 1, bench_decode.PROMPT + steps),
-                           prompt, lengths, max_new_tokens=steps, eos_id=None)
-    jax.block_until_ready(run())  # compiled outside the trace
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-        try:
-            jax.block_until_ready(run())
-        finally:
-            jax.profiler.stop_trace()
-        for row in trace_summary(trace_dir, steps)[:6]:
-            yield dict(row, model=f"accelerator_decoder_{model_name}", batch=1, steps=steps)
+    variants = [v for v in DECODE_VARIANTS if v[2] == 1]
+    for config, model, params, layout, single_row, _ in decode_variants(sizes, platform, model_name,
+                                                                        variants):
+        prompt = jax.random.randint(jax.random.key(1), (1, bench_decode.PROMPT), 3, config.vocab_size)
+        lengths = jnp.full((1,), bench_decode.PROMPT, jnp.int32)
+
+        def run(model=model, params=params, config=config, prompt=prompt, lengths=lengths):
+            cache = tj.init_cache(config, 1, bench_decode.PROMPT + steps)
+            return generate(tj.LMStep(model), params, cache, prompt, lengths, max_new_tokens=steps,
+                            eos_id=None)
+
+        jax.block_until_ready(run())  # compiled outside the trace
+        with tempfile.TemporaryDirectory() as trace_dir:
+            jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+            try:
+                jax.block_until_ready(run())
+            finally:
+                jax.profiler.stop_trace()
+            for row in trace_summary(trace_dir, steps)[:4]:
+                yield dict(row, model=f"accelerator_decoder_{model_name}", batch=1, steps=steps,
+                           kernel_layout=layout, single_row=single_row)
 
 
 def attention_section(sizes: dict, platform: str):
@@ -259,18 +300,13 @@ def attention_check(impl: str, mask_name: str, *, dtype="bfloat16", length=512, 
                 tolerance=tolerance, passed=all(e <= tolerance for e in errors.values()))
 
 
-def decode_check():
-    """Cached greedy decoding against recomputing the whole sequence every step (no cache), on a
-    small float32 decoder at the highest matmul precision: the same tokens, and log-probabilities
-    within 1e-4. A ragged batch of prompts (right-padded)."""
-    from transformer_jax.decoding import generate, pad_prompts
-    from transformer_jax.decoding.model_steps import LMStep, RecomputeLMStep, recompute_cache
-
+def _check_decoder():
+    """(config, model, params) of a small float32 decoder with weights of unit gain (1/sqrt(fan-in))
+    and norm scales around 1, so that the greedy choice varies from step to step (small initial
+    weights repeat one token)."""
     config = tj.presets.tiny(num_encoder_layers=0, vocab_size=256, d_model=128, num_heads=4, d_ff=256,
                              num_decoder_layers=3, max_len=64)
     model = tj.TransformerLM(config)
-    # Weights of unit gain (1/sqrt(fan-in)) and norm scales around 1, so that the greedy choice
-    # varies from step to step (small initial weights repeat one token).
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
     paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(jax.random.key(3), len(paths))
@@ -282,6 +318,17 @@ def decode_check():
         return d / (jnp.sqrt(leaf.shape[0]) if leaf.ndim > 1 else 10.0)
 
     params = jax.tree.unflatten(treedef, [draw(key, path, leaf) for key, (path, leaf) in zip(keys, paths)])
+    return config, model, params
+
+
+def decode_check():
+    """Cached greedy decoding against recomputing the whole sequence every step (no cache), on a
+    small float32 decoder at the highest matmul precision: the same tokens, and log-probabilities
+    within 1e-4. A ragged batch of prompts (right-padded)."""
+    from transformer_jax.decoding import generate, pad_prompts
+    from transformer_jax.decoding.model_steps import LMStep, RecomputeLMStep, recompute_cache
+
+    config, model, params = _check_decoder()
     tokens, lengths = pad_prompts([[5, 17, 3, 40, 9, 22], [7], [12, 0, 33, 80]])
     steps = 12
     width = tokens.shape[1] + steps
@@ -298,11 +345,37 @@ def decode_check():
                 passed=same and error <= 1e-4)
 
 
+def single_row_check():
+    """Batch-1 cached greedy decoding of `_check_decoder` with its one-row products run as two rows
+    (matmul.SINGLE_ROW='two_rows', as the decode section's variants do) against one row, with
+    weights stored `in_out` and `out_in`, at the highest matmul precision: the same tokens, and
+    log-probabilities within 1e-4."""
+    from transformer_jax.decoding import generate, pad_prompts
+    from transformer_jax.decoding.model_steps import LMStep
+
+    tokens, lengths = pad_prompts([[5, 17, 3, 40, 9, 22]])
+    steps = 12
+    variants = [(layout, mode, 1) for layout in ("in_out", "out_in") for mode in ("vector", "two_rows")]
+    out = {}
+    with jax.default_matmul_precision("highest"):
+        for config, model, params, layout, mode, _ in decode_variants(None, None, None, variants,
+                                                                      _check_decoder()):
+            cache = tj.init_cache(config, 1, tokens.shape[1] + steps)
+            out[layout, mode] = generate(LMStep(model), params, cache, tokens, lengths,
+                                         max_new_tokens=steps, eos_id=None)
+    base = out["in_out", "vector"]
+    same = all(bool(jnp.all(o.tokens == base.tokens)) for o in out.values())
+    error = max(float(jnp.max(jnp.abs(o.logprobs - base.logprobs))) for o in out.values())
+    return dict(check="batch-1 decoding: two-row products and out_in weights vs one row, in_out",
+                dtype="float32", tokens_equal=same, logprob_max_abs_diff=round(error, 8), tolerance=1e-4,
+                passed=same and error <= 1e-4)
+
+
 def checks_section(sizes: dict, platform: str):
     """Correctness on the device before its speed: the platform's fused attention (with what 'auto'
     picks for the same inputs) and the chunked one against the reference path, for causal, packed
-    and key-padding masks, and cached decoding against recomputation. One row each; an error is
-    that row's alone."""
+    and key-padding masks, cached decoding against recomputation, and batch-1 decoding in the decode
+    section's variants against its baseline. One row each; an error is that row's alone."""
     fused = fused_attention_impl(platform)
     cases = [(impl, mask) for impl in (fused, "chunked")
              for mask in ("causal", "causal_packed", "key_padding")]
@@ -313,11 +386,12 @@ def checks_section(sizes: dict, platform: str):
         except Exception as e:
             yield dict(check=f"attention {impl} vs reference", mask=mask, error=f"{type(e).__name__}: {e}",
                        passed=False)
-    try:
-        yield decode_check()
-    except Exception as e:
-        yield dict(check="cached greedy decoding vs full recomputation", error=f"{type(e).__name__}: {e}",
-                   passed=False)
+    for check, name in ((decode_check, "cached greedy decoding vs full recomputation"),
+                        (single_row_check, "batch-1 decoding: two-row products and out_in weights")):
+        try:
+            yield check()
+        except Exception as e:
+            yield dict(check=name, error=f"{type(e).__name__}: {e}", passed=False)
 
 
 def _measured(row: dict, *keys: str) -> bool:
@@ -344,7 +418,9 @@ def summary(results: dict, limits: dict) -> list[dict]:
             continue
         target = TARGETS["decode_b1_roofline"] if row["batch"] == 1 else None
         frac = row.get("roofline_frac_exact", row["roofline_frac"])
-        lines.append(dict(workload=f"decode batch {row['batch']}", tokens_per_s=row["decode_tok_s"],
+        variant = ", ".join(f"{key} {row[key]}" for key in ("kernel_layout", "single_row") if key in row)
+        lines.append(dict(workload=f"decode batch {row['batch']}" + (f" ({variant})" if variant else ""),
+                          tokens_per_s=row["decode_tok_s"],
                           ratio=row["roofline_frac"], target=target,
                           met=None if target is None else frac >= target))
     return lines

@@ -2,6 +2,7 @@
 bf16 backward pass keeps every product in bf16 on CPU, and whole models train the same way in bf16
 as in float32, on one device and on a mesh."""
 
+import math
 import re
 
 import flax.linen as nn
@@ -392,3 +393,70 @@ def test_bf16_products_of_many_rows_run_in_float32_on_a_cpu_without_bf16_matrix_
     monkeypatch.setattr(matmul, "WIDEN_BF16", "sometimes")
     with pytest.raises(ValueError, match=r"matmul.WIDEN_BF16='sometimes'; choose 'auto'"):
         matmul.contract(x, w)
+
+
+def _dot_input_rows(fn, x, w, in_size: int = 35) -> set[int]:
+    """The rows (elements / `in_size`) of every dot operand in `fn`'s lowered program that is
+    not the weight `w`, which may be either operand (XLA:CPU's decoding products put it first)."""
+    text = jax.jit(fn).lower(x, w).as_text()
+    operands = re.findall(r"stablehlo\.dot_general.*: \(tensor<([\dx]+)x\w+>, tensor<([\dx]+)x\w+>\)", text)
+    sizes = {math.prod(int(d) for d in shape.split("x")) for pair in operands for shape in pair}
+    return {size // in_size for size in sizes if size != w.size}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_single_row_products_run_as_two_rows_when_asked(monkeypatch, dtype):
+    """matmul.SINGLE_ROW='two_rows': a one-row product (a batch-1 decoding step) multiplies a
+    zero second row with it, so that XLA:GPU keeps it a matrix product; the values, and their
+    gradients, are those of the one-row product. More rows are unchanged."""
+    x, w = _arrays(jnp.dtype(dtype), 2)  # x [3, 29, 5, 7], w [5, 7, 11, 13]
+    table = w.reshape(35, 143).T  # [143, 35]: a weight stored [out, in]
+    cases = {"contract": (lambda a, b: matmul.contract(a, b, 2), x[:1, :1], w),
+             "contract_transposed": (matmul.contract_transposed, x[:1, 0].reshape(1, 35), table),
+             "contract, 29 rows": (lambda a, b: matmul.contract(a, b, 2), x[:1], w)}
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for name, (product, a, b) in cases.items():
+        rows = a.size // 35
+        # XLA:CPU's bf16 matrix-vector path is slow: there contract_transposed pads one row anyway.
+        padded_anyway = (name == "contract_transposed" and dtype == "bfloat16"
+                         and jax.default_backend() == "cpu")
+        monkeypatch.setattr(matmul, "SINGLE_ROW", "vector")
+        jax.clear_caches()  # the setting is read when a computation is traced
+        assert _dot_input_rows(product, a, b) == {2 if padded_anyway else rows}, name
+        value = jax.jit(product)(a, b)
+        grads = jax.jit(jax.grad(_loss(product), argnums=(0, 1)))(a, b)
+        monkeypatch.setattr(matmul, "SINGLE_ROW", "two_rows")
+        jax.clear_caches()
+        assert _dot_input_rows(product, a, b) == {2 if rows == 1 else rows}, name
+        _close(jax.jit(product)(a, b), value, 1e-6)
+        for g, r in zip(jax.jit(jax.grad(_loss(product), argnums=(0, 1)))(a, b), grads):
+            _close(g, r, tol)
+    jax.clear_caches()
+    monkeypatch.setattr(matmul, "SINGLE_ROW", "three_rows")
+    with pytest.raises(ValueError, match=r"matmul.SINGLE_ROW='three_rows'; choose 'vector' or 'two_rows'"):
+        matmul.contract(x[:1, :1], w, 2)
+
+
+def test_batch_1_decoding_with_two_row_products_gives_the_same_tokens(monkeypatch):
+    """A bf16 LM on XLA's kernels, greedy cached decoding at batch 1 under both SINGLE_ROW settings:
+    the same tokens, log-probabilities within bf16 rounding."""
+    config = tj.presets.tiny(num_encoder_layers=0, vocab_size=61, norm="pre", dtype="bfloat16",
+                             param_dtype="bfloat16", cpu_kernels="xla")
+    model = tj.TransformerLM(config)
+    params = model.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    tokens, lengths = tj.decoding.pad_prompts([[5, 6, 7, 8]])
+    outputs, padded = {}, []
+    as_two_rows = matmul._as_two_rows
+    monkeypatch.setattr(matmul, "_as_two_rows", lambda *args: padded.append(1) or as_two_rows(*args))
+    for setting in ("vector", "two_rows"):
+        monkeypatch.setattr(matmul, "SINGLE_ROW", setting)
+        jax.clear_caches()  # the setting is read when the step is traced
+        outputs[setting] = tj.decoding.generate(tj.LMStep(model), params, tj.init_cache(config, 1, 24),
+                                                tokens, lengths, max_new_tokens=16, eos_id=None)
+        # the six products of each layer of a step and its output projection; of the prompt's
+        # (4 rows), only the output projection, which reads the last position
+        assert len(padded) == (0 if setting == "vector" else 6 * config.num_decoder_layers + 2), setting
+    jax.clear_caches()
+    vector, two_rows = outputs["vector"], outputs["two_rows"]
+    np.testing.assert_array_equal(two_rows.tokens, vector.tokens)
+    _close(two_rows.logprobs, vector.logprobs, 2e-2)

@@ -52,6 +52,15 @@ WEIGHTS_FIRST_MAX_TOKENS = 32
 MIN_TOKENS_TO_WIDEN = 256
 # 'auto' as above; 'always' or 'never' fix the choice (tests and measurements).
 WIDEN_BF16 = "auto"
+# How a product of a single row (a batch-1 decoding step) runs where it is not on the native CPU
+# kernels: 'vector', as one matrix-vector `dot_general`; 'two_rows', as a product of two rows, the
+# second zero, its result cut back to one. XLA:GPU rewrites a matrix-vector product whose weight has
+# fewer than ~10M elements (a 2048 x 2048 projection, say) into a multiply and a reduction, which
+# for weights stored [in, out] sums down the columns; two rows keep it a matrix product on XLA's
+# GEMM kernels. Read when a computation is traced (a program compiled before a change keeps the
+# setting it was traced with: `jax.clear_caches()`); a knob for measurements, see
+# benchmarks/accelerator.py.
+SINGLE_ROW = "vector"
 
 
 def _dims(n_lhs: int, n_contract: int) -> tuple:
@@ -96,6 +105,20 @@ def widen_bf16(rows: int) -> bool:
     if WIDEN_BF16 == "never" or jax.default_backend() != "cpu":
         return False
     return WIDEN_BF16 == "always" or (rows >= MIN_TOKENS_TO_WIDEN and not native.cpu_multiplies_bf16())
+
+
+def single_row_as_two_rows(rows: int) -> bool:
+    """Whether a product of `rows` rows, off the native CPU kernels, runs as two rows (SINGLE_ROW)."""
+    if SINGLE_ROW not in ("vector", "two_rows"):
+        raise ValueError(f"matmul.SINGLE_ROW={SINGLE_ROW!r}; choose 'vector' or 'two_rows'")
+    return rows == 1 and SINGLE_ROW == "two_rows"
+
+
+def _as_two_rows(product, x2, w2):
+    """product(x2, w2) for one row x2 [1, in], run on [x2; 0] and cut back to the first row. The
+    barriers keep XLA from slicing the zero row off again before the product."""
+    y = product(lax.optimization_barrier(jnp.pad(x2, ((0, 1), (0, 0)))), w2)
+    return lax.optimization_barrier(y)[:1]
 
 
 def _widened(x, w, n_in):
@@ -244,6 +267,8 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     if (1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
             and native.use_native(cpu_kernels)):
         y = lax.platform_dependent(x2, w2, cpu=native.rows_matmul, default=_plain_t)
+    elif single_row_as_two_rows(rows):  # the rules below, for two rows
+        y = _as_two_rows(partial(contract_transposed, cpu_kernels=cpu_kernels), x2, w2)
     elif x.dtype == jnp.bfloat16 and widen_bf16(rows):
         # elsewhere than on CPU, what the rules below give
         default = (partial(_low_precision_contract_t, cpu_kernels=cpu_kernels)
@@ -279,6 +304,11 @@ def contract(x, w, n_in: int = 1, *, cpu_kernels: str = "xla"):
         size = math.prod(w.shape[:n_in])
         x2, w2 = x.reshape(rows, size), w.reshape(size, math.prod(out_shape))
         y = lax.platform_dependent(x2, w2, cpu=native.cols_matmul, default=_contract_2d)
+        return y.reshape(lead + out_shape)
+    if single_row_as_two_rows(rows):  # the rules below, for two rows
+        size = math.prod(w.shape[:n_in])
+        y = _as_two_rows(partial(contract, cpu_kernels=cpu_kernels), x.reshape(1, size),
+                         w.reshape(size, math.prod(out_shape)))
         return y.reshape(lead + out_shape)
     if x.dtype == jnp.bfloat16:
         if widen_bf16(math.prod(x.shape[:x.ndim - n_in])):
