@@ -18,13 +18,26 @@ import jax.numpy as jnp
 
 
 def _abstract(fn):
+    @functools.lru_cache(maxsize=512)
+    def shape_of(signature, params):
+        out = jax.eval_shape(functools.partial(fn, **dict(params)),
+                             *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in signature))
+        return out.shape, out.dtype
+
     def abstract(*avals, **params):
-        out = jax.eval_shape(functools.partial(fn, **params),
-                             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+        # The output's shape and dtype follow from the operands' and the parameters: traced once
+        # per combination (a model binds the same products in every layer), not at every bind.
+        key = (tuple((a.shape, a.dtype) for a in avals), tuple(sorted(params.items())))
+        try:
+            hash(key)
+        except TypeError:
+            shape, dtype = shape_of.__wrapped__(*key)
+        else:
+            shape, dtype = shape_of(*key)
         # The first operand's type but for shape and dtype: inside `jax.shard_map` the manual
         # mesh axes it varies over, which `bind` made every operand's; no sharding of its own.
         first = avals[0]
-        return first.update(shape=out.shape, dtype=out.dtype, weak_type=False,
+        return first.update(shape=shape, dtype=dtype, weak_type=False,
                             sharding=first.sharding.update(spec=jax.sharding.PartitionSpec()))
     return abstract
 
@@ -128,10 +141,9 @@ def linear_tangent(name: str, tangent, transpose, num_tangents: int):
     def transpose_rule(g, *args, **params):
         primals, tangents = args[:-num_tangents], args[-num_tangents:]
         assert not any(ad.is_undefined_primal(p) for p in primals), "transposed in a primal"
-        if type(g) is ad.Zero:
-            cts = [jnp.zeros(t.aval.shape, t.aval.dtype) for t in tangents]
-        else:
-            cts = transpose(g, *primals, **params)
+        if type(g) is ad.Zero:  # no cotangent flows back: None, JAX's zero for each
+            return [None] * len(args)
+        cts = transpose(g, *primals, **params)
         return [None] * len(primals) + [ct if ad.is_undefined_primal(t) else None
                                          for ct, t in zip(cts, tangents)]
 
