@@ -245,6 +245,7 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     - 1 <= r <= native.MAX_ROWS on CPU, bfloat16 or float32, where `native.use_native(cpu_kernels)`:
       the package's own kernel (`native.rows_matmul`), which streams the weight at about the
       memory bandwidth;
+    - r = 1 with SINGLE_ROW = 'two_rows': these rules for the row and a zero row, cut back to one;
     - bfloat16 with r >= MIN_TOKENS_TO_WIDEN on a CPU without bf16 matrix instructions: in float32
       (`widen_bf16`);
     - r <= WEIGHTS_FIRST_MAX_TOKENS (decoding steps), on CPU: w_t x^T, weights as the left operand,
@@ -294,7 +295,8 @@ def contract(x, w, n_in: int = 1, *, cpu_kernels: str = "xla"):
     x and w must share a dtype; bfloat16 inputs take the backward pass described above (or, on a
     CPU without bf16 matrix instructions and from MIN_TOKENS_TO_WIDEN rows, run in float32). With a
     few rows (decoding steps) on CPU, where `native.use_native(cpu_kernels)` and `native.cols_fit`,
-    the product runs on the package's kernel for input-major weights (`native.cols_matmul`)."""
+    the product runs on the package's kernel for input-major weights (`native.cols_matmul`). One
+    row with SINGLE_ROW = 'two_rows' runs as two, the second zero."""
     if x.dtype != w.dtype:
         raise TypeError(f"contract: x is {x.dtype} but w is {w.dtype}; cast both to the compute dtype")
     lead, out_shape = x.shape[:x.ndim - n_in], w.shape[n_in:]
