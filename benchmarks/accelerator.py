@@ -304,8 +304,9 @@ def _check_decoder():
     """(config, model, params) of a small float32 decoder with weights of unit gain (1/sqrt(fan-in))
     and norm scales around 1, so that the greedy choice varies from step to step (small initial
     weights repeat one token)."""
+    # XLA's products on a CPU too (the native kernels take one-row products before SINGLE_ROW is read).
     config = tj.presets.tiny(num_encoder_layers=0, vocab_size=256, d_model=128, num_heads=4, d_ff=256,
-                             num_decoder_layers=3, max_len=64)
+                             num_decoder_layers=3, max_len=64, cpu_kernels="xla")
     model = tj.TransformerLM(config)
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
     paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)

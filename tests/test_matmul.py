@@ -431,6 +431,8 @@ def test_single_row_products_run_as_two_rows_when_asked(monkeypatch, dtype):
         _close(jax.jit(product)(a, b), value, 1e-6)
         for g, r in zip(jax.jit(jax.grad(_loss(product), argnums=(0, 1)))(a, b), grads):
             _close(g, r, tol)
+    with pytest.raises(ValueError, match=r"contract: x \(1, 3, 2\) does not end in w's input axes"):
+        matmul.contract(jnp.ones((1, 3, 2), dtype), jnp.ones((2, 3, 4), dtype), 2)
     jax.clear_caches()
     monkeypatch.setattr(matmul, "SINGLE_ROW", "three_rows")
     with pytest.raises(ValueError, match=r"matmul.SINGLE_ROW='three_rows'; choose 'vector' or 'two_rows'"):

@@ -308,6 +308,9 @@ def contract(x, w, n_in: int = 1, *, cpu_kernels: str = "xla"):
         y = lax.platform_dependent(x2, w2, cpu=native.cols_matmul, default=_contract_2d)
         return y.reshape(lead + out_shape)
     if single_row_as_two_rows(rows):  # the rules below, for two rows
+        if x.shape[x.ndim - n_in:] != w.shape[:n_in]:
+            raise ValueError(f"contract: x {x.shape} does not end in w's input axes {w.shape[:n_in]} "
+                             f"(w {w.shape}, n_in={n_in})")
         size = math.prod(w.shape[:n_in])
         y = _as_two_rows(partial(contract, cpu_kernels=cpu_kernels), x.reshape(1, size),
                          w.reshape(size, math.prod(out_shape)))
