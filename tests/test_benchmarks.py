@@ -203,7 +203,8 @@ def test_tensor_parallel_decoding_row_counts_the_padded_model_and_is_labelled(mo
     config = tj.presets.tiny(vocab_size=61, num_encoder_layers=0, pad_vocab_multiple=8, dropout_rate=0.0)
     # this tiny model's three steps take about as long as its prefill, so under load the timing guard
     # (tested on its own below) would refuse the row; here the byte count and the labels are tested
-    monkeypatch.setattr(bench_decode, "steps_time", lambda total_s, fixed_s, fixed: max(total_s - fixed_s, 1e-9))
+    monkeypatch.setattr(bench_decode, "steps_time",
+                        lambda total_s, fixed_s, fixed: max(total_s - fixed_s, 1e-9))
     row = bench_decode.tensor_parallel_row(config, batch=4, steps=4, tensor=4, repeats=1)
     assert row["tensor_parallel"] == 4 and row["padded_vocab"] == 64 and row["decode_step_s"] > 0
     assert "roofline_frac" not in row  # the parent process sets it against its own bandwidth reading

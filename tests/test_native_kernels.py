@@ -1056,20 +1056,26 @@ def test_build_failure_falls_back_to_xla(tmp_path):
 @needs_kernels
 def test_build_goes_to_the_cache_directory_once(tmp_path):
     # $CXX names the compiler; this one builds without optimisation (the last -O wins), in ~6 s
-    # instead of ~16 s: what is tested is where the library goes and that it loads.
+    # instead of ~16 s, and counts its runs: what is tested is where the library goes, that it
+    # loads, and that it is built once, by one of two processes started together (the other waits
+    # for it) and not again by a third started later.
     cxx = tmp_path / "cxx"
-    cxx.write_text('#!/bin/sh\nexec c++ "$@" -O0\n')
+    builds = tmp_path / "builds"
+    cxx.write_text(f'#!/bin/sh\necho x >> {builds}\nexec c++ "$@" -O0\n')
     cxx.chmod(0o755)
     cache = tmp_path / "cache"
     script = ("import os; from transformer_jax.modeling import native; "
               "print(native.available(), native._build(os.environ['CXX'], native.isa()))")
     env = dict(os.environ, TRANSFORMER_JAX_CACHE=str(cache), CXX=str(cxx))
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 0 and out.stdout.startswith("True"), out.stderr
-    built = list(cache.iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so" and str(built[0]) in out.stdout
+    start = lambda: subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+    for procs in ([start(), start()], [start()]):
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0 and out.startswith("True"), err[-3000:]
+    assert builds.read_text().count("x") == 1
+    built = [p for p in cache.iterdir() if p.suffix != ".lock"]
+    assert len(built) == 1 and built[0].suffix == ".so" and str(built[0]) in out
     # Readable by every user, as the umask allows (it was 0600 plus execute bits: another user
     # of a shared cache could not load it, nor would it be rebuilt).
     umask = os.umask(0)

@@ -42,6 +42,7 @@ whether it can run here, and `unavailable_reason()` why not; a model asks for it
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -158,8 +159,23 @@ def _build(compiler: str, isa_name: str) -> Path:
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    # Written under a temporary name and renamed: another process building at the same time, or
-    # one interrupted half-way, never leaves a truncated library under the final name.
+    # One build per library: processes starting together (the local processes of a multi-process
+    # run, a test suite's workers) wait for the first one's build (~25 s of a core) and load it,
+    # instead of each compiling the same code. The lock goes with its holder, killed or not; it is
+    # taken on a read-only descriptor, which other users of a shared cache can open too.
+    lock = os.open(lib.with_suffix(".lock"), os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not lib.exists():
+            _compile(compiler, flags, include, lib)
+    finally:
+        os.close(lock)
+    return lib
+
+
+def _compile(compiler: str, flags: tuple[str, ...], include: str, lib: Path) -> None:
+    # Written under a temporary name and renamed: a build interrupted half-way never leaves a
+    # truncated library under the final name.
     fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=lib.stem + ".", suffix=".tmp.so")
     os.close(fd)
     try:
@@ -176,7 +192,6 @@ def _build(compiler: str, isa_name: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return lib
 
 
 _LIBRARY: list = []  # the loaded library, once _load has succeeded
