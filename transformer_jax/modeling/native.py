@@ -42,7 +42,6 @@ whether it can run here, and `unavailable_reason()` why not; a model asks for it
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import logging
@@ -163,6 +162,8 @@ def _build(compiler: str, isa_name: str) -> Path:
     # run, a test suite's workers) wait for the first one's build (~25 s of a core) and load it,
     # instead of each compiling the same code. The lock goes with its holder, killed or not; it is
     # taken on a read-only descriptor, which other users of a shared cache can open too.
+    import fcntl  # POSIX only: this module is imported everywhere, and builds only on Linux
+
     lock = os.open(lib.with_suffix(".lock"), os.O_RDONLY | os.O_CREAT, 0o666)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
