@@ -133,11 +133,13 @@ DECODE_VARIANTS = (("in_out", "vector", 1), ("in_out", "two_rows", 1), ("in_out"
 
 
 def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE_VARIANTS, model=None):
-    """Yields (config, model, params, kernel_layout, single_row, batch) for each variant, with
+    """Yields (config, model, params, kernel_layout, single_row, batch, error) for each variant, with
     matmul.SINGLE_ROW set (and the compilation caches cleared, since the setting is read when a
     step is traced) until the next one. The same random weights in every layout: the `out_in`
-    parameters are the `in_out` ones converted (`tj.params.convert_params`). `model`: (config,
-    model, params) to use instead of the decode section's model."""
+    parameters are the `in_out` ones converted (`tj.params.convert_params`). `error` is None, or
+    why the weights could not be converted to the variant's layout (out of memory, say), in which
+    case the variant is not to be run but the ones after it still come. `model`: (config, model,
+    params) to use instead of the decode section's model."""
     from transformer_jax.modeling import matmul
 
     config, model, params = model or decoding_model(sizes, platform, model_name)
@@ -146,11 +148,15 @@ def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE
         for layout, single_row, batch in variants:
             if layout != config.kernel_layout:
                 target = config.replace(kernel_layout=layout)
-                params = tj.params.convert_params(params, config, target)
-                config, model = target, tj.TransformerLM(target)
+                try:
+                    converted = tj.params.convert_params(params, config, target)
+                except Exception as e:
+                    yield config, model, params, layout, single_row, batch, f"{type(e).__name__}: {e}"
+                    continue
+                config, model, params = target, tj.TransformerLM(target), converted
             matmul.SINGLE_ROW = single_row
             jax.clear_caches()
-            yield config, model, params, layout, single_row, batch
+            yield config, model, params, layout, single_row, batch, None
     finally:
         matmul.SINGLE_ROW = before
         jax.clear_caches()
@@ -158,8 +164,11 @@ def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE
 
 def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "1.3b"):
     """Yields one row per variant (DECODE_VARIANTS; an error row where one fails)."""
-    for config, model, params, layout, single_row, batch in decode_variants(sizes, platform, model_name):
+    for config, model, params, layout, single_row, batch, error in decode_variants(sizes, platform,
+                                                                                   model_name):
         try:
+            if error:
+                raise RuntimeError(f"converting the weights to {layout}: {error}")
             prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3,
                                         config.vocab_size)
             lengths = jnp.full((batch,), bench_decode.PROMPT, jnp.int32)
@@ -215,8 +224,12 @@ def profile_section(sizes: dict, platform: str, model_name: str = "1.3b"):
 
     steps = 8 if sizes is SMOKE else 32
     variants = [v for v in DECODE_VARIANTS if v[2] == 1]
-    for config, model, params, layout, single_row, _ in decode_variants(sizes, platform, model_name,
-                                                                        variants):
+    for config, model, params, layout, single_row, _, error in decode_variants(sizes, platform, model_name,
+                                                                               variants):
+        if error:
+            yield dict(model=f"accelerator_decoder_{model_name}", batch=1, kernel_layout=layout,
+                       single_row=single_row, error=f"converting the weights to {layout}: {error}")
+            continue
         prompt = jax.random.randint(jax.random.key(1), (1, bench_decode.PROMPT), 3, config.vocab_size)
         lengths = jnp.full((1,), bench_decode.PROMPT, jnp.int32)
 
@@ -359,8 +372,10 @@ def single_row_check():
     variants = [(layout, mode, 1) for layout in ("in_out", "out_in") for mode in ("vector", "two_rows")]
     out = {}
     with jax.default_matmul_precision("highest"):
-        for config, model, params, layout, mode, _ in decode_variants(None, None, None, variants,
-                                                                      _check_decoder()):
+        for config, model, params, layout, mode, _, error in decode_variants(None, None, None, variants,
+                                                                             _check_decoder()):
+            if error:
+                raise RuntimeError(f"converting the weights to {layout}: {error}")
             cache = tj.init_cache(config, 1, tokens.shape[1] + steps)
             out[layout, mode] = generate(LMStep(model), params, cache, tokens, lengths,
                                          max_new_tokens=steps, eos_id=None)

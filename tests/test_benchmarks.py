@@ -4,6 +4,7 @@ the CPU suite's rows are set against the run's limits."""
 import json
 import math
 import os
+import types
 
 import jax
 import pytest
@@ -436,7 +437,6 @@ def test_training_row_figures_from_the_step_time(monkeypatch):
     """bench_train with a step that costs nothing and a clock that advances 0.5 s per reading: the
     tokens of both sides, and an MFU against the peak of the compute dtype (bf16 here, although the
     weights are float32)."""
-    import types
 
     import transformer_jax as tj
     from benchmarks import bench_model
@@ -627,7 +627,6 @@ def test_bench_train_script_counts_both_sides_and_every_device(monkeypatch, tmp_
     its step doing nothing: tokens of the source and target sides, and an MFU against the given
     peak of each device."""
     import sys
-    import types
 
     from benchmarks import bench_train
     from transformer_jax.training import metrics
@@ -769,7 +768,6 @@ def test_accelerator_keeps_every_row_measured_before_a_failure_or_a_kill(monkeyp
 def test_accelerator_starts_no_row_after_its_time_budget(monkeypatch):
     """Past --budget-s no new row starts (a 10-minute limit would kill it and the end reading), but
     the end reading and the summary are still made."""
-    import types
 
     now = [0.0]
     monkeypatch.setattr(accelerator, "time", types.SimpleNamespace(
@@ -850,3 +848,31 @@ def test_profile_section_traces_decoding_steps():
     assert traced == {(layout, mode) for layout, mode, batch in accelerator.DECODE_VARIANTS if batch == 1}
     names = {t["name"] for row in rows for t in row["top"]}
     assert any(name.startswith("while") for name in names), names  # the generate loop
+
+
+def test_a_layout_the_weights_cannot_be_converted_to_fails_its_rows_only(monkeypatch):
+    """Converting the decode model's weights to `out_in` fails (out of memory on a device, say): the
+    `out_in` rows are error rows that say so, every `in_out` row is still measured, in order."""
+    from benchmarks import bench_decode
+
+    def convert(params, config, target):
+        raise RuntimeError("RESOURCE_EXHAUSTED: 13.1 GiB")
+
+    monkeypatch.setattr(accelerator, "decoding_model", lambda sizes, platform, name: (
+        accelerator.tj.presets.tiny(num_encoder_layers=0, vocab_size=256), "model", "params"))
+    monkeypatch.setattr(accelerator.tj.params, "convert_params", convert)
+    monkeypatch.setattr(bench_decode, "lm_row", lambda config, model, params, prompt, lengths, *rest: dict(
+        batch=prompt.shape[0], decode_tok_s=1.0, layout_seen=config.kernel_layout))
+    rows = list(accelerator.decode_section(accelerator.SMOKE, "cpu", dict(bandwidth_bytes_s=1e9), "7b"))
+    variants = [(r["kernel_layout"], r["single_row"], r["batch"]) for r in rows]
+    assert variants == list(accelerator.DECODE_VARIANTS)
+    for row in rows:
+        if row["kernel_layout"] == "in_out":
+            assert row["layout_seen"] == "in_out" and "error" not in row, row
+        else:
+            assert row["error"] == ("RuntimeError: converting the weights to out_in: "
+                                    "RuntimeError: RESOURCE_EXHAUSTED: 13.1 GiB"), row
+    # profile_section takes the same variants: an error row for out_in, not an exception
+    monkeypatch.setattr(accelerator, "DECODE_VARIANTS", (("out_in", "vector", 1),))
+    [row] = accelerator.profile_section(accelerator.SMOKE, "cpu", "7b")
+    assert row["error"].startswith("converting the weights to out_in: RuntimeError: RESOURCE_EXHAUSTED")
