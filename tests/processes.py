@@ -18,10 +18,10 @@ GLOO_DEADLINE = "Gloo context initialization failed"
 
 
 def child_xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a child process with `devices` host devices, compiling at the suite's
-    optimisation level (set in conftest.py; the results are the same, the compiles faster)."""
+    """XLA_FLAGS for a child process with `devices` host devices, compiling as the suite does
+    (conftest.py's FAST_COMPILE_FLAGS: the same results, compiled faster)."""
     import os
 
     level = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if f.startswith("--xla_backend_optimization_level")]
+             if f.startswith(("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters"))]
     return " ".join([f"--xla_force_host_platform_device_count={devices}", *level])
