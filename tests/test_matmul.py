@@ -3,6 +3,7 @@ bf16 backward pass keeps every product in bf16 on CPU, and whole models train th
 as in float32, on one device and on a mesh."""
 
 import math
+import os
 import re
 
 import flax.linen as nn
@@ -260,7 +261,10 @@ def test_bf16_embedding_lookup_gathers_in_place_with_the_usual_gradient():
     plain_hlo = jax.jit(lambda t, i: jax.lax.fori_loop(
         0, 5, lambda j, acc: acc + jnp.take(t, i + j, axis=0).astype(jnp.float32),
         jnp.zeros(i.shape + (12,)))).lower(table, ids).compile().as_text()
-    assert re.search(whole_table, plain_hlo)  # what the bit-pattern gather avoids
+    # What the bit-pattern gather avoids, with XLA's default (fusion) emitters; the suite's loop
+    # emitters (conftest.py) do not hoist the conversion, so there the check needs TJ_TEST_XLA_OPT=default.
+    if "--xla_cpu_use_fusion_emitters=false" not in os.environ.get("XLA_FLAGS", ""):
+        assert re.search(whole_table, plain_hlo)
 
 
 def _lm_grads(config, tokens, mesh=None):

@@ -1182,7 +1182,8 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
         pytest.skip("no C++ compiler")
     here = os.path.dirname(os.path.abspath(__file__))
     binary = tmp_path / f"sanitized_{isa}"
-    command = [compiler, "-std=c++17", f"-fsanitize={sanitizers}", "-fno-omit-frame-pointer", "-O1",
+    # -Og: with the sanitizers, 25 s to build and 39 s to run here, against 44 and 36 s at -O1
+    command = [compiler, "-std=c++17", f"-fsanitize={sanitizers}", "-fno-omit-frame-pointer", "-Og",
                *native.ISAS[isa][1], f"-I{jax.ffi.include_dir()}", f"-I{native.SOURCE.parent}",
                os.path.join(here, "native_sanitizer.cc"), "-o", str(binary), "-lpthread"]
     probe = tmp_path / "probe.cc"
