@@ -5,15 +5,10 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-# The suite is bound by compilation (hundreds of small programs, each run a few times), so it
-# compiles without LLVM's optimisation passes: test_transformer.py 217 -> 105 s on 2 cores. The
-# results are the same; the generated code is slower, which only the notebooks would notice (their
-# kernels drop the flag, see test_notebooks.py). TJ_TEST_XLA_OPT=default tests at XLA's own level.
-# XLA:CPU's fusion emitters (through MLIR) take twice as long to compile a fusion as its loop
-# emitters: backend compilation 24.8 -> 13.6 s on eight tests of test_transformer.py, where it is
-# 75% of their time. The tests compare against references within tolerances, and the bit-exact
-# ones (the native kernels' activations against XLA's) pass either way.
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# The suite compiles faster with processes.FAST_COMPILE_FLAGS (the reasons are there);
+# TJ_TEST_XLA_OPT=default tests with XLA's own settings.
+from processes import FAST_COMPILE_FLAGS  # noqa: E402  (tests/ is on sys.path; it imports no jax)
+
 if os.environ.get("TJ_TEST_XLA_OPT") != "default":
     for flag in FAST_COMPILE_FLAGS:
         if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:

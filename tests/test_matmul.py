@@ -262,8 +262,9 @@ def test_bf16_embedding_lookup_gathers_in_place_with_the_usual_gradient():
         0, 5, lambda j, acc: acc + jnp.take(t, i + j, axis=0).astype(jnp.float32),
         jnp.zeros(i.shape + (12,)))).lower(table, ids).compile().as_text()
     # What the bit-pattern gather avoids, with XLA's default (fusion) emitters; the suite's loop
-    # emitters (conftest.py) do not hoist the conversion, so there the check needs TJ_TEST_XLA_OPT=default.
-    if "--xla_cpu_use_fusion_emitters=false" not in os.environ.get("XLA_FLAGS", ""):
+    # emitters (processes.FAST_COMPILE_FLAGS) do not hoist the conversion, so there the check needs
+    # TJ_TEST_XLA_OPT=default.
+    if "--xla_cpu_use_fusion_emitters=false" not in os.environ.get("XLA_FLAGS", "").split():
         assert re.search(whole_table, plain_hlo)
 
 

@@ -4,11 +4,11 @@ Each notebook runs in a fresh Jupyter kernel (nbclient, kernel 'python3': ipyker
 on this interpreter when no kernelspec is installed) with
 ``TJ_NOTEBOOK_SMALL=1``, the repository on ``PYTHONPATH`` and a temporary working directory shared
 by the notebooks of one session (so 02 reuses the model 01 trained, as a user's would). The kernels
-get one CPU device and XLA's default optimisation: conftest.py's 8 simulated devices and lowered
-level are removed from ``XLA_FLAGS`` (04_scaling_out sets its own devices before importing jax). The
-notebooks that compile more than they run keep the lowered level: 02_anatomy_of_attention (it
-computes gradients of two 6-layer models once each and reuses 01's model, 50 -> 34 s) and
-04_scaling_out (a program per mesh, each run a few steps, 38 -> 24 s).
+get one CPU device and XLA's default compilation: conftest.py's 8 simulated devices and
+``processes.FAST_COMPILE_FLAGS`` are removed from ``XLA_FLAGS`` (04_scaling_out sets its own devices
+before importing jax). The notebooks that compile more than they run keep those flags:
+02_anatomy_of_attention (it computes gradients of two 6-layer models once each and reuses 01's
+model, 50 -> 34 s) and 04_scaling_out (a program per mesh, each run a few steps, 38 -> 24 s).
 Outputs are never written back.
 """
 
@@ -22,22 +22,23 @@ import time
 import nbclient  # requirements-test.txt: nbclient, nbformat, ipykernel, matplotlib
 import nbformat
 import pytest
+from processes import is_fast_compile_flag
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 600
 
 
-# keep conftest.py's lowered optimisation level (see above)
+# keep the suite's FAST_COMPILE_FLAGS (see above)
 COMPILE_BOUND = {"02_anatomy_of_attention", "04_scaling_out"}
 
 
 def _kernel_env(tmp: pathlib.Path, compile_bound: bool = False) -> dict[str, str]:
     env = dict(os.environ)
-    # as a user's kernel: one device, XLA's default optimisation (conftest.py lowers it for the
-    # compile-bound tests; the notebooks train and decode, which it would slow down)
+    # as a user's kernel: one device, XLA's default compilation (the suite's FAST_COMPILE_FLAGS
+    # make slower code, and these notebooks train and decode more than they compile)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if "device_count" not in f and (compile_bound or "backend_optimization_level" not in f)]
+             if "device_count" not in f and (compile_bound or not is_fast_compile_flag(f))]
     env["XLA_FLAGS"] = " ".join(flags)
     env["TJ_NOTEBOOK_SMALL"] = "1"
     env["JAX_PLATFORMS"] = "cpu"
