@@ -183,7 +183,8 @@ def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int, param_bytes
     """The layout ``--kernel_layout=auto`` decodes with: 'out_in' where the decoding steps' weight
     products will run on the native CPU kernels (a CPU they run on, ``config.cpu_kernels`` allowing
     them, at most `native.MAX_ROWS` rows a step: the batch, times the beams for beam search), since
-    they take kernels stored output axes first; None (the checkpoint's layout) elsewhere, and where
+    they stream kernels stored output axes first faster than ones stored input axes first (README,
+    "From the command line"); None (the checkpoint's layout) elsewhere, and where
     the converted copy of the `param_bytes` of parameters would not fit in the memory available
     (the conversion holds both copies for a moment). The outputs are the same function of the same
     weights; only the float32 order of summation differs from XLA's products."""
