@@ -12,7 +12,10 @@
 //
 // Usage: ./drv                       the whole sweep; exit status 1 on any mismatch
 //        ./drv KERNEL [key=val ...]  only the cases of KERNEL matching every key (all keys: one case)
-//        ./drv selftest [0|1|2]      a deliberate overread: 0 must be reported by ASan, 2 must fault
+//        ./drv selftest [0|1|2|3]    a deliberate overread: 0 must be reported by ASan, 2 must fault;
+//                                    3, a data race, by ThreadSanitizer
+// With SANITIZER_SWEEP=threads in the environment, only the cases that can run on several threads
+// (MayRunOnSeveralThreads; for ThreadSanitizer). The summary line counts the cases whose kernel did.
 // Allocation modes (key alloc): 0 = malloc of the exact size (ASan's redzones), 1 = the buffer's
 // end flush against a PROT_NONE page, 2 = its start right after one (these catch masked loads,
 // stores and gathers, which GCC's ASan does not instrument).
@@ -40,6 +43,8 @@ using Params = std::map<std::string, int64_t>;
 static char g_case[512] = "(none)";
 static const char* g_prog = "./drv";
 static int64_t g_cases = 0, g_fail = 0;
+static int64_t g_parallel = 0;  // cases whose kernel handed work to another thread
+static std::atomic<int64_t> g_scheduled{0};  // tasks handed to the pool's threads so far
 
 static void PrintCase(const char* why) {
   fprintf(stderr, "\n*** %s while running: %s\n", why, g_case);
@@ -147,6 +152,7 @@ struct Pool {
 static Pool* g_pool;
 
 static XLA_FFI_Error* FakeSchedule(XLA_FFI_ThreadPool_Schedule_Args* a) {
+  g_scheduled.fetch_add(1, std::memory_order_relaxed);
   g_pool->Push(a->task, a->data);
   return nullptr;
 }
@@ -213,22 +219,48 @@ static void Fail(const std::string& kernel, const Params& p, const char* fmt, ..
 // The weight products: tj_rows_matmul ("matmul": x [R, I] times w [O, I] -> y [O, R]) and
 // tj_cols_matmul ("cols": w [I, O] -> y [R, O]). dtype 0 f32 / 1 bf16; path 1 dot / 2 widen (bf16);
 // data 0 small integers (exact), 1 random reals (tolerance).
+// n operands from the generator state: small integers (|v| <= 8, or 4 for bf16, whose products and
+// sums are exact) or uniform in [-1, 1), rounded to bf16 where asked. Uninstrumented, like
+// ReferenceDot, and for the same reason: the thread sanitizer ~7x slowed the drawing of numbers.
+__attribute__((no_sanitize("thread"))) static void ProductOperands(float* out, int64_t n, bool small, bool bf16,
+                                                                   uint64_t* state) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);  // splitmix64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const int span = bf16 ? 4 : 8;
+    const float v = small ? (float)((int)(z % (uint64_t)(2 * span + 1)) - span)
+                          : (float)((z >> 40) * (1.0 / (double)(1ull << 24))) * 2.0f - 1.0f;
+    out[i] = bf16 ? RoundBf16(v) : v;
+  }
+}
+
+// sum_i w[i * stride] x[i] in double, and the sum of the terms' magnitudes. The references read
+// only the test's own copies of the operands, on the calling thread, after the kernel has returned:
+// ThreadSanitizer need not watch them (it made the product sweep ~3x slower).
+__attribute__((no_sanitize("thread"))) static void ReferenceDot(const float* w, int64_t stride, const float* x,
+                                                                int64_t n, double* sum, double* mag) {
+  double s = 0, m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double term = (double)w[i * stride] * x[i];
+    s += term;
+    m += std::fabs(term);
+  }
+  *sum = s;
+  *mag = m;
+}
+
 static void TestProduct(const std::string& kernel, const Params& p) {
   const int64_t dtype = p.at("dtype"), path = p.at("path"), R = p.at("R"), I = p.at("I"), O = p.at("O");
   const int64_t thr = p.at("thr"), data = p.at("data"), alloc = p.at("alloc");
   const bool cols = kernel == "cols";
-  std::mt19937_64 rng(Seed(kernel, p));
   const size_t es = dtype ? 2 : 4;
   Alloc xa(es * R * I, alloc), wa(es * O * I, alloc), ya(4 * O * R, alloc);
   std::vector<float> xf(R * I), wf(O * I);  // wf in the kernel's layout
-  std::uniform_int_distribution<int> small(dtype ? -4 : -8, dtype ? 4 : 8);
-  std::uniform_real_distribution<float> real(-1.0f, 1.0f);
-  auto gen = [&]() -> float {
-    float v = data == 0 ? (float)small(rng) : real(rng);
-    return dtype ? RoundBf16(v) : v;
-  };
-  for (auto& v : xf) v = gen();
-  for (auto& v : wf) v = gen();
+  uint64_t state = Seed(kernel, p);
+  ProductOperands(xf.data(), R * I, data == 0, dtype != 0, &state);
+  ProductOperands(wf.data(), O * I, data == 0, dtype != 0, &state);
   if (dtype) {
     for (int64_t i = 0; i < R * I; ++i) ((uint16_t*)xa.p)[i] = ToBf16(xf[i]);
     for (int64_t i = 0; i < O * I; ++i) ((uint16_t*)wa.p)[i] = ToBf16(wf[i]);
@@ -249,12 +281,8 @@ static void TestProduct(const std::string& kernel, const Params& p) {
   int64_t wo = -1, wr = -1;
   for (int64_t o = 0; o < O; ++o) {
     for (int64_t r = 0; r < R; ++r) {
-      double ref = 0, mag = 0;
-      for (int64_t i = 0; i < I; ++i) {
-        const double term = (double)wf[cols ? i * O + o : o * I + i] * xf[r * I + i];
-        ref += term;
-        mag += std::fabs(term);
-      }
+      double ref, mag;
+      ReferenceDot(wf.data() + (cols ? o : o * I), cols ? O : 1, xf.data() + r * I, I, &ref, &mag);
       const double got = y[cols ? r * O + o : o * R + r];
       double err = std::fabs(got - ref);
       if (std::isnan(got)) err = INFINITY;
@@ -867,6 +895,7 @@ static void Sweep(std::vector<Case>& cs) {
 static void RunCase(const Case& c) {
   snprintf(g_case, sizeof g_case, "%s", CaseString(c.kernel, c.p).c_str());
   ++g_cases;
+  const int64_t scheduled = g_scheduled.load();
   if (c.kernel == "matmul" || c.kernel == "cols") TestProduct(c.kernel, c.p);
   else if (c.kernel == "attention") TestAttention(c.p);
   else if (c.kernel == "trainattn") TestTrainAttention(c.p);
@@ -875,6 +904,18 @@ static void RunCase(const Case& c) {
   else if (c.kernel == "cachereorder") TestCacheReorder(c.p);
   else if (c.kernel == "greedy") TestGreedy(c.p);
   else if (c.kernel == "biasact") TestBiasAct(c.p);
+  if (g_scheduled.load() != scheduled) ++g_parallel;
+}
+
+// The cases in which a kernel can split its work over several threads, for ThreadSanitizer (which
+// slows the scalar references ~5x and finds nothing where one thread does all the work): a pool of
+// one thread runs ParallelFor inline, and the values in a product's operands do not change how its
+// work is split (its sweep repeats each shape with two kinds of data).
+static bool MayRunOnSeveralThreads(const Case& c) {
+  const auto thr = c.p.find("thr");
+  if (thr != c.p.end() && thr->second < 2) return false;
+  const auto data = c.p.find("data");
+  return !((c.kernel == "matmul" || c.kernel == "cols") && data != c.p.end() && data->second != 0);
 }
 
 int main(int argc, char** argv) {
@@ -893,7 +934,16 @@ int main(int argc, char** argv) {
     // selftest [0|1|2]: 0 = unmasked vector overread of a malloc'd buffer (ASan must report);
     // 1 = masked load with one lane past the end, malloc (GCC's ASan does not see it);
     // 2 = the same on a guard-page allocation (must SIGSEGV).
+    // 3 = two threads write one int unsynchronised (ThreadSanitizer must report).
     const int mode = argc > 2 ? atoi(argv[2]) : 0;
+    if (mode == 3) {
+      static int shared = 0;
+      std::thread other([] { shared = 1; });
+      shared = 2;
+      other.join();
+      printf("selftest: no report (%d)\n", shared);
+      return 0;
+    }
     Alloc a(4 * 17, mode == 2 ? 1 : 0);
     float* p = (float*)a.p;
 #if defined(__AVX512F__)
@@ -916,8 +966,11 @@ int main(int argc, char** argv) {
     want[a.substr(0, eq)] = std::stoll(a.substr(eq + 1));
   }
   bool exact = false;
+  const char* sweep = getenv("SANITIZER_SWEEP");
+  const bool threads_only = sweep != nullptr && std::string(sweep) == "threads";
   for (const Case& c : cs) {
     if (!kernel.empty() && c.kernel != kernel) continue;
+    if (threads_only && !MayRunOnSeveralThreads(c)) continue;
     bool ok = true;
     for (auto& [k, v] : want) {
       auto it = c.p.find(k);
@@ -930,7 +983,7 @@ int main(int argc, char** argv) {
   // A fully specified case not in the sweep: run it as given.
   if (!kernel.empty() && !exact && !want.empty() && g_cases == 0) RunCase({kernel, want});
   delete g_pool;
-  printf("%s: %ld cases, %ld mismatches, bf16 path now %d\n", argv[0], (long)g_cases, (long)g_fail,
-         g_bf16_path.load());
+  printf("%s: %ld cases, %ld mismatches, %ld on several threads, bf16 path now %d\n", argv[0], (long)g_cases,
+         (long)g_fail, (long)g_parallel, g_bf16_path.load());
   return g_fail ? 1 : 0;
 }
