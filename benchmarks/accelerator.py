@@ -22,8 +22,9 @@ downloaded. One run measures the device's own limits and each workload against t
              decoding of 256 new tokens after a 32-token prompt at batch 1 and 8: ms/step and the
              fraction of the bandwidth roofline (parameters + the KV cache up to each step's own
              position, read once per step; target at batch 1: >= 0.6), with the weights stored
-             [in, out] and [out, in] (`kernel_layout`), and at batch 1 with the one-row products
-             also run as two rows (`matmul.SINGLE_ROW`; see DECODE_VARIANTS)
+             [in, out] and [out, in] (`kernel_layout`), at batch 1 with the one-row products
+             also run as two rows (`matmul.SINGLE_ROW`), and with each layer's query, key and value
+             kernels stored as one (`fused_qkv`; see DECODE_VARIANTS)
   attention  causal attention, batch 1, 16 heads of 64, bf16, at 4k / 16k / 32k tokens for the
              platform's fused kernel, XLA's and the chunked one: forward ms and peak memory
 
@@ -124,19 +125,30 @@ def decoding_model(sizes: dict, platform: str, model_name: str):
     return config, model, bench_decode.random_params(model, jnp.ones((1, 8), jnp.int32), dtype=jnp.bfloat16)
 
 
-# The decode section's rows: (kernel_layout, matmul.SINGLE_ROW, batch). A batch-1 step's products
-# have one row, which XLA:GPU turns into a multiply and a reduction below ~10M weight elements (the
-# 1.3B model's attention projections), summing down the columns of an [in, out] weight and along
-# the rows of an [out, in] one; 'two_rows' keeps them matrix products. Baseline first.
+# The decode section's rows: (kernel_layout, matmul.SINGLE_ROW, batch[, fused_qkv]). A batch-1
+# step's products have one row, which XLA:GPU turns into a multiply and a reduction below ~10M
+# weight elements (the 1.3B model's attention projections), summing down the columns of an
+# [in, out] weight and along the rows of an [out, in] one; 'two_rows' keeps them matrix products.
+# `ModelConfig.fused_qkv` (the last three) stores each layer's Q/K/V kernels as one: a step then
+# launches one product for them where it launched three. Baseline first.
 DECODE_VARIANTS = (("in_out", "vector", 1), ("in_out", "two_rows", 1), ("in_out", "vector", 8),
-                   ("out_in", "vector", 1), ("out_in", "two_rows", 1), ("out_in", "vector", 8))
+                   ("out_in", "vector", 1), ("out_in", "two_rows", 1), ("out_in", "vector", 8),
+                   ("out_in", "vector", 1, True), ("in_out", "vector", 1, True),
+                   ("in_out", "vector", 8, True))
+
+
+def variant_key(variant) -> tuple:
+    """(kernel_layout, single_row, batch, fused_qkv) of a DECODE_VARIANTS entry."""
+    layout, single_row, batch, *fused = variant
+    return layout, single_row, batch, bool(fused and fused[0])
 
 
 def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE_VARIANTS, model=None):
     """Yields (config, model, params, kernel_layout, single_row, batch, error) for each variant, with
     matmul.SINGLE_ROW set (and the compilation caches cleared, since the setting is read when a
-    step is traced) until the next one. The same random weights in every layout: the `out_in`
-    parameters are the `in_out` ones converted (`tj.params.convert_params`). `error` is None, or
+    step is traced) until the next one. The same random weights in every layout: the `out_in` and
+    `fused_qkv` parameters are the `in_out` ones converted (`tj.params.convert_params`; the config
+    says which). `error` is None, or
     why the weights could not be converted to the variant's layout (out of memory, say), in which
     case the variant is not to be run but the ones after it still come. `model`: (config, model,
     params) to use instead of the decode section's model."""
@@ -145,9 +157,10 @@ def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE
     config, model, params = model or decoding_model(sizes, platform, model_name)
     before = matmul.SINGLE_ROW
     try:
-        for layout, single_row, batch in variants:
-            if layout != config.kernel_layout:
-                target = config.replace(kernel_layout=layout)
+        for variant in variants:
+            layout, single_row, batch, fused = variant_key(variant)
+            if (layout, fused) != (config.kernel_layout, config.fused_qkv):
+                target = config.replace(kernel_layout=layout, fused_qkv=fused)
                 try:
                     converted = tj.params.convert_params(params, config, target)
                 except Exception as e:
@@ -177,7 +190,7 @@ def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "
         except Exception as e:  # the next variant may still run where this one failed
             row = dict(batch=batch, error=f"{type(e).__name__}: {e}")
         yield dict(row, model=f"accelerator_decoder_{model_name}", weights="bfloat16",
-                   kernel_layout=layout, single_row=single_row)
+                   kernel_layout=layout, single_row=single_row, fused_qkv=config.fused_qkv)
 
 
 def trace_summary(trace_dir: str, steps: int, top: int = 15) -> list[dict]:
@@ -228,7 +241,8 @@ def profile_section(sizes: dict, platform: str, model_name: str = "1.3b"):
                                                                                variants):
         if error:
             yield dict(model=f"accelerator_decoder_{model_name}", batch=1, kernel_layout=layout,
-                       single_row=single_row, error=f"converting the weights to {layout}: {error}")
+                       single_row=single_row, fused_qkv=config.fused_qkv,
+                       error=f"converting the weights to {layout}: {error}")
             continue
         prompt = jax.random.randint(jax.random.key(1), (1, bench_decode.PROMPT), 3, config.vocab_size)
         lengths = jnp.full((1,), bench_decode.PROMPT, jnp.int32)
@@ -247,7 +261,7 @@ def profile_section(sizes: dict, platform: str, model_name: str = "1.3b"):
                 jax.profiler.stop_trace()
             for row in trace_summary(trace_dir, steps)[:4]:
                 yield dict(row, model=f"accelerator_decoder_{model_name}", batch=1, steps=steps,
-                           kernel_layout=layout, single_row=single_row)
+                           kernel_layout=layout, single_row=single_row, fused_qkv=config.fused_qkv)
 
 
 def attention_section(sizes: dict, platform: str):
@@ -362,14 +376,15 @@ def decode_check():
 def single_row_check():
     """Batch-1 cached greedy decoding of `_check_decoder` with its one-row products run as two rows
     (matmul.SINGLE_ROW='two_rows', as the decode section's variants do) against one row, with
-    weights stored `in_out` and `out_in`, at the highest matmul precision: the same tokens, and
-    log-probabilities within 1e-4."""
+    weights stored `in_out` and `out_in`, and with Q/K/V stored as one kernel (`fused_qkv`) in both, at
+    the highest matmul precision: the same tokens, and log-probabilities within 1e-4."""
     from transformer_jax.decoding import generate, pad_prompts
     from transformer_jax.decoding.model_steps import LMStep
 
     tokens, lengths = pad_prompts([[5, 17, 3, 40, 9, 22]])
     steps = 12
     variants = [(layout, mode, 1) for layout in ("in_out", "out_in") for mode in ("vector", "two_rows")]
+    variants += [(layout, "vector", 1, True) for layout in ("out_in", "in_out")]
     out = {}
     with jax.default_matmul_precision("highest"):
         for config, model, params, layout, mode, _, error in decode_variants(None, None, None, variants,
@@ -377,12 +392,12 @@ def single_row_check():
             if error:
                 raise RuntimeError(f"converting the weights to {layout}: {error}")
             cache = tj.init_cache(config, 1, tokens.shape[1] + steps)
-            out[layout, mode] = generate(LMStep(model), params, cache, tokens, lengths,
-                                         max_new_tokens=steps, eos_id=None)
-    base = out["in_out", "vector"]
+            out[layout, mode, config.fused_qkv] = generate(LMStep(model), params, cache, tokens, lengths,
+                                                           max_new_tokens=steps, eos_id=None)
+    base = out["in_out", "vector", False]
     same = all(bool(jnp.all(o.tokens == base.tokens)) for o in out.values())
     error = max(float(jnp.max(jnp.abs(o.logprobs - base.logprobs))) for o in out.values())
-    return dict(check="batch-1 decoding: two-row products and out_in weights vs one row, in_out",
+    return dict(check="batch-1 decoding: two-row products, out_in and fused_qkv weights vs one row, in_out",
                 dtype="float32", tokens_equal=same, logprob_max_abs_diff=round(error, 8), tolerance=1e-4,
                 passed=same and error <= 1e-4)
 
@@ -402,8 +417,9 @@ def checks_section(sizes: dict, platform: str):
         except Exception as e:
             yield dict(check=f"attention {impl} vs reference", mask=mask, error=f"{type(e).__name__}: {e}",
                        passed=False)
-    for check, name in ((decode_check, "cached greedy decoding vs full recomputation"),
-                        (single_row_check, "batch-1 decoding: two-row products and out_in weights")):
+    checks = ((decode_check, "cached greedy decoding vs full recomputation"),
+              (single_row_check, "batch-1 decoding: two-row products, out_in and fused_qkv weights"))
+    for check, name in checks:
         try:
             yield check()
         except Exception as e:
@@ -435,6 +451,7 @@ def summary(results: dict, limits: dict) -> list[dict]:
         target = TARGETS["decode_b1_roofline"] if row["batch"] == 1 else None
         frac = row.get("roofline_frac_exact", row["roofline_frac"])
         variant = ", ".join(f"{key} {row[key]}" for key in ("kernel_layout", "single_row") if key in row)
+        variant += ", fused_qkv" if row.get("fused_qkv") else ""
         lines.append(dict(workload=f"decode batch {row['batch']}" + (f" ({variant})" if variant else ""),
                           tokens_per_s=row["decode_tok_s"],
                           ratio=row["roofline_frac"], target=target,

@@ -51,19 +51,21 @@ def test_accelerator_script_smoke_run_reports_every_section(tmp_path):
     [train] = results["train"]["rows"]
     assert train["attention_impl"] == accelerator.fused_attention_impl(report["meta"]["platform"])
     assert 0 < train["mfu"] < 1 and train["tokens_per_s"] > 0 and math.isfinite(train["loss"])
-    decode = {(row["kernel_layout"], row["single_row"], row["batch"]): row
+    decode = {(row["kernel_layout"], row["single_row"], row["batch"], row["fused_qkv"]): row
               for row in results["decode"]["rows"]}
-    assert list(decode) == list(accelerator.DECODE_VARIANTS)
+    assert list(decode) == [accelerator.variant_key(v) for v in accelerator.DECODE_VARIANTS]
     for row in decode.values():
         # bf16 weights: the roofline counts the bytes actually held, params + whole KV cache
         assert row["weights"] == "bfloat16" and row["decode_tok_s"] > 0
         # the tiny model's bytes stay in the processor's cache, and a bandwidth reading under the
         # other test worker's load can be low: above 1 is possible; a unit slip (bits, ms) is not
         assert 0 < row["roofline_frac"] < 10
-    for layout in ("in_out", "out_in"):  # a bigger cache; the same weights in both layouts
-        assert decode[layout, "vector", 8]["bytes_per_step"] > decode[layout, "vector", 1]["bytes_per_step"]
-        one_row = decode["in_out", "vector", 1]["bytes_per_step"]
-        assert decode[layout, "two_rows", 1]["bytes_per_step"] == one_row
+    for layout in ("in_out", "out_in"):  # a bigger cache; the same weights in every layout
+        assert (decode[layout, "vector", 8, False]["bytes_per_step"]
+                > decode[layout, "vector", 1, False]["bytes_per_step"])
+        one_row = decode["in_out", "vector", 1, False]["bytes_per_step"]
+        assert decode[layout, "two_rows", 1, False]["bytes_per_step"] == one_row
+        assert decode[layout, "vector", 1, True]["bytes_per_step"] == one_row
     impls = {row["impl"] for row in results["attention"]["rows"]}
     assert {"xla", "chunked"} <= impls
     # the checks: every backend against the reference for three masks, cached decoding, and the
@@ -72,7 +74,7 @@ def test_accelerator_script_smoke_run_reports_every_section(tmp_path):
     assert len(checks) == 8 and all(row["passed"] for row in checks), checks
     assert {row["mask"] for row in checks if "mask" in row} == {"causal", "causal_packed", "key_padding"}
     assert [line.get("target") for line in report["summary"]] == [None, 0.45] + [
-        0.6 if batch == 1 else None for _, _, batch in accelerator.DECODE_VARIANTS]
+        0.6 if variant[2] == 1 else None for variant in accelerator.DECODE_VARIANTS]
     assert report["summary"][0] == dict(workload="correctness checks", passed=8, total=8, failed=[], met=True)
     assert report["summary"][3]["workload"] == "decode batch 1 (kernel_layout in_out, single_row two_rows)"
     assert report["meta"]["peak_bf16_tflops"] > 0 and report["meta"]["bandwidth_gb_s"] > 0

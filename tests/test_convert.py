@@ -163,9 +163,14 @@ def test_gpt2_logits_match_transformers(name):
         config.d_model, config.num_heads, config.qk_dim)
     ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
-    # Scanned layers (stacked after conversion): the same logits.
+    # Scanned layers (stacked after conversion): the same logits; and with GPT-2's own fused c_attn
+    # kept as one kernel (fused_qkv).
     config, params = load_hf_checkpoint(directory, scan_layers=True)
     assert "layers" in params["decoder"] and "layer_0" not in params["decoder"]
+    ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    config, params = load_hf_checkpoint(directory, scan_layers=True, fused_qkv=True)
+    assert set(params["decoder"]["layers"]["self_attention"]) == {"qkv", "out"}
     ours = np.asarray(jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(tokens, jnp.int32)))
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
     # With the table padded for an even tensor split: zero rows added, the same logits, as wide.

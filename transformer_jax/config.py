@@ -79,6 +79,11 @@ class ModelConfig:
     # Projection kernels stored inputs first ([D, F], Flax's order) or outputs first ([F, D],
     # PyTorch's); 'out_in' decodes faster on CPU. tj.params.convert_params converts.
     kernel_layout: str = "in_out"
+    # Self-attention's query, key and value kernels stored as one, `qkv` [d_model, kv_heads,
+    # heads / kv_heads + 2, head_dim] (out_in: [kv_heads, ..., d_model]): each call is one product
+    # instead of three, which a decoding step, launching one kernel per product, runs faster.
+    # Cross-attention keeps its own three. tj.params.convert_params converts.
+    fused_qkv: bool = False
     # Decoding steps on a CPU: this package's own AVX-512 / AVX2 kernels for the weight products of
     # 'out_in' kernels and the tied output projection, and for the attention over the KV cache
     # ('auto': where they build and run, outside a multi-device mesh; 'native': an error where they
@@ -117,7 +122,7 @@ class ModelConfig:
         # Types first, so that the checks below compare numbers (a string "1e-6" or a True where
         # an int belongs would otherwise pass or fail with a bare TypeError).
         for name in ("share_embeddings", "tie_output", "logits_bias", "scale_embeddings",
-                     "use_bias", "scan_layers"):
+                     "use_bias", "scan_layers", "fused_qkv"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False")
         if self.final_norm is not None and not isinstance(self.final_norm, bool):

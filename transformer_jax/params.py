@@ -63,7 +63,7 @@ def _logical_names(boxed) -> dict:
 
 # Fields `convert_params` converts, and fields that do not touch the parameters at all; every
 # other field fixes what the parameters mean.
-CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype", "pad_vocab_multiple")
+CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype", "pad_vocab_multiple", "fused_qkv")
 PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "embedding_dropout_rate",
                          "attention_impl", "remat", "cpu_kernels")
 
@@ -98,6 +98,38 @@ def _relayout(params, source_names: dict, target_names: dict):
     return jax.tree_util.tree_map_with_path(move, params)
 
 
+def _refuse_qkv(params, names: dict, to_fused: bool):
+    """Every self-attention's `query`, `key` and `value` parameters fused into `qkv`
+    (`attention.fuse_qkv`), or `qkv` split back into them. `names`: the source's logical axis names
+    by parameter path. Cross-attention keeps its three projections either way."""
+    from transformer_jax.modeling.attention import fuse_qkv, split_qkv
+
+    def key(path):
+        return jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in path))
+
+    def walk(tree, path):
+        if not isinstance(tree, dict):
+            return tree
+        tree = {k: walk(v, path + (k,)) for k, v in tree.items()}
+        if not path or path[-1] != "self_attention":
+            return tree
+        if to_fused and "query" in tree:
+            parts = {leaf: fuse_qkv(*(tree[p][leaf] for p in ("query", "key", "value")),
+                                    axis=names[key(path + ("query", leaf))].index("heads"))
+                     for leaf in tree["query"]}
+            rest = {k: v for k, v in tree.items() if k not in ("query", "key", "value")}
+            return {"qkv": parts, **rest}
+        if not to_fused and "qkv" in tree:
+            split = {leaf: split_qkv(x, axis=names[key(path + ("qkv", leaf))].index("kv_heads"))
+                     for leaf, x in tree["qkv"].items()}
+            parts = {p: {leaf: qkv[i] for leaf, qkv in split.items()}
+                     for i, p in enumerate(("query", "key", "value"))}
+            return {**parts, **{k: v for k, v in tree.items() if k != "qkv"}}
+        return tree
+
+    return walk(params, ())
+
+
 def _resize_vocab(params, names: dict, rows: int, rows_before: int):
     """Every array with a 'vocab' axis padded with zero rows, or cut, to `rows` along it. Only
     padding rows are cut: they are never looked up and their logits are dropped."""
@@ -120,8 +152,9 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
     """`params` of a model built from `config`, as the parameters of `target`, which may differ
     from it in `CONVERTIBLE_FIELDS` (and `PARAMETER_FREE_FIELDS`) only: the same function with
     kernels stored in another `kernel_layout` (each kernel's axes permuted so that its logical
-    axis names follow), cast to another `param_dtype`, or with the vocabulary padded to another
-    `pad_vocab_multiple` (zero rows added or padding rows removed). For decoding on CPU, e.g.::
+    axis names follow), cast to another `param_dtype`, with the vocabulary padded to another
+    `pad_vocab_multiple` (zero rows added or padding rows removed), or with self-attention's
+    query, key and value kernels stored as one (`fused_qkv`) or three. For decoding on CPU, e.g.::
 
         serving = config.replace(kernel_layout="out_in", dtype="bfloat16", param_dtype="bfloat16")
         serving_params = tj.params.convert_params(params, config, serving)
@@ -139,6 +172,10 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
         return params
     boxed = _boxed_param_shapes(config)
     _check_matches(params, nn.unbox(boxed), config)
+    if target.fused_qkv != config.fused_qkv:
+        params = _refuse_qkv(params, _logical_names(boxed), target.fused_qkv)
+        config = config.replace(fused_qkv=target.fused_qkv)
+        boxed = _boxed_param_shapes(config)
     if target.kernel_layout != config.kernel_layout:
         target_boxed = _boxed_param_shapes(config.replace(kernel_layout=target.kernel_layout))
         params = _relayout(params, _logical_names(boxed), _logical_names(target_boxed))

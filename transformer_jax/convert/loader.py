@@ -76,8 +76,8 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
       path: a directory with config.json and model.safetensors (or a sharded safetensors index,
         or pytorch_model.bin, read only with ``torch.load(weights_only=True)``).
       **overrides: `ModelConfig` fields to change, among `OVERRIDABLE_FIELDS` (dtype, param_dtype,
-        dropout rates, attention_impl, remat, kernel_layout, pad_vocab_multiple, scan_layers,
-        token ids; ``max_len`` for computed positions); any other is a ConversionError, since
+        dropout rates, attention_impl, remat, kernel_layout, pad_vocab_multiple, fused_qkv,
+        scan_layers, token ids; ``max_len`` for computed positions); any other is a ConversionError, since
         the weights would still fit but compute another function.
 
     Returns:
@@ -95,10 +95,10 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
     tensors = read_weights(directory)
     if hasattr(converter, "config_for_tensors"):  # what config.json alone does not tell
         config = converter.config_for_tensors(config, tensors)
-    # The converters write Flax's unscanned [in, out] kernels and the checkpoint's own
-    # vocabulary; scanned layers are stacked after, another kernel_layout is a permutation, and a
-    # padded vocabulary gets zero rows.
-    base = config.replace(kernel_layout="in_out", pad_vocab_multiple=1, scan_layers=False)
+    # The converters write Flax's unscanned [in, out] kernels, three for each attention, and the
+    # checkpoint's own vocabulary; scanned layers are stacked after, another kernel_layout is a
+    # permutation, fused_qkv a concatenation, and a padded vocabulary gets zero rows.
+    base = config.replace(kernel_layout="in_out", pad_vocab_multiple=1, scan_layers=False, fused_qkv=False)
     params = converter.params_from_hf(tensors, base)
     if config.scan_layers:
         params = scan_params(params, base)

@@ -579,6 +579,48 @@ def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name,
 FUSED_QKV_MIN_TOKENS = 512
 
 
+def fuse_qkv(q, k, v, axis: int):
+    """Query, key and value parameters (kernels or biases of one layout) as the one parameter of
+    ``ModelConfig.fused_qkv``: `axis` is q's query-head axis (H heads) and k's and v's key/value-head
+    axis (N heads, N dividing H); the result has N there, followed by a new axis of G + 2 slots
+    (G = H / N): the G query heads that read key/value head n, then its key, then its value."""
+    heads, kv_heads = q.shape[axis], k.shape[axis]
+    q = q.reshape(q.shape[:axis] + (kv_heads, heads // kv_heads) + q.shape[axis + 1:])
+    k, v = jnp.expand_dims(k, axis + 1), jnp.expand_dims(v, axis + 1)
+    return jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=axis + 1)
+
+
+def split_qkv(qkv, axis: int):
+    """`fuse_qkv` undone: (q, k, v) from the fused parameter, `axis` its key/value-head axis."""
+    take = lambda start, stop: jax.lax.slice_in_dim(qkv, start, stop, axis=axis + 1)
+    groups = qkv.shape[axis + 1] - 2
+    q = take(0, groups)
+    q = q.reshape(q.shape[:axis] + (q.shape[axis] * groups,) + q.shape[axis + 2:])
+    k, v = (jnp.squeeze(take(i, i + 1), axis + 1) for i in (groups, groups + 1))
+    return q, k, v
+
+
+def _fused_qkv_init(num_heads: int, num_kv_heads: int, head_dim: int, out_first: bool):
+    """The fused kernel initialised as the three separate ones would be (Glorot uniform over each
+    projection's own input and output axes), then fused."""
+
+    def init(key, shape, dtype=jnp.float32):
+        d_model = shape[-1] if out_first else shape[0]
+        keys = jax.random.split(key, 3)
+        kernels = []
+        for k, heads in zip(keys, (num_heads, num_kv_heads, num_kv_heads), strict=True):
+            if out_first:
+                part = nn.initializers.xavier_uniform(in_axis=(2,), out_axis=(0, 1))(
+                    k, (heads, head_dim, d_model), dtype)
+            else:
+                part = nn.initializers.xavier_uniform(in_axis=(0,), out_axis=(1, 2))(
+                    k, (d_model, heads, head_dim), dtype)
+            kernels.append(part)
+        return fuse_qkv(*kernels, axis=0 if out_first else 1)
+
+    return init
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
@@ -598,6 +640,9 @@ class MultiHeadAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     kernel_layout: str = "in_out"
     cpu_kernels: str = "xla"  # see ModelConfig.cpu_kernels
+    # Self-attention only: Q, K and V from one stored kernel, `qkv` [D, N, G + 2, K] (see
+    # ModelConfig.fused_qkv and `fuse_qkv`), instead of `query`, `key` and `value`.
+    fused_qkv: bool = False
 
     def setup(self):
         def heads_proj(heads, names, name):
@@ -606,9 +651,21 @@ class MultiHeadAttention(nn.Module):
                               kernel_layout=self.kernel_layout, cpu_kernels=self.cpu_kernels,
                               name=name)
 
-        self.query = heads_proj(self.num_heads, ("embed", "heads", "kv"), "query")
-        self.key = heads_proj(self.num_kv_heads, ("embed", "kv_heads", "kv"), "key")
-        self.value = heads_proj(self.num_kv_heads, ("embed", "kv_heads", "kv"), "value")
+        if self.fused_qkv:
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                                 f"{self.num_kv_heads}")
+            groups = self.num_heads // self.num_kv_heads
+            self.qkv = projection(
+                (self.num_kv_heads, groups + 2, self.head_dim), ("embed", "kv_heads", "qkv", "kv"),
+                use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                kernel_layout=self.kernel_layout, cpu_kernels=self.cpu_kernels, name="qkv",
+                kernel_init=_fused_qkv_init(self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.kernel_layout == "out_in"))
+        else:
+            self.query = heads_proj(self.num_heads, ("embed", "heads", "kv"), "query")
+            self.key = heads_proj(self.num_kv_heads, ("embed", "kv_heads", "kv"), "key")
+            self.value = heads_proj(self.num_kv_heads, ("embed", "kv_heads", "kv"), "value")
         self.out = projection(self.d_model, ("heads", "kv", "embed"), axis=(-2, -1),
                               use_bias=self.use_bias, dtype=self.dtype,
                               param_dtype=self.param_dtype, kernel_layout=self.kernel_layout,
@@ -626,7 +683,16 @@ class MultiHeadAttention(nn.Module):
         matmul against the three kernels stacked on a new axis ([D, 3, H, K], heads stay where a
         tensor-parallel mesh shards them): one [B*L, D] x [D, 3*H*K] product runs closer to the
         matmul peak than three [D, H*K] ones, forward and backward. The parameters are unchanged.
-        Stacking copies the kernels, so few tokens (decoding steps) keep three products."""
+        Stacking copies the kernels, so few tokens (decoding steps) keep three products. With
+        `fused_qkv` the kernel is stored fused, and every call is one product."""
+        if self.fused_qkv:
+            y = self.qkv(x)  # [B, L, N, G + 2, K]
+            groups = self.num_heads // self.num_kv_heads
+            q = y[..., :groups, :].reshape(*y.shape[:-3], self.num_heads, self.head_dim)
+            k, v = y[..., groups, :], y[..., groups + 1, :]
+            if self.rope_theta is not None:
+                k = apply_rope(k, positions, self.rope_theta)
+            return q, k, v
         tokens = x.size // x.shape[-1]
         if (self.num_kv_heads != self.num_heads or tokens < FUSED_QKV_MIN_TOKENS
                 or self.is_initializing()):
@@ -664,6 +730,9 @@ class MultiHeadAttention(nn.Module):
         """
         if precomputed_kv is None and inputs_kv is None:
             q, k, v = self._self_projections(inputs_q, q_positions)
+        elif self.fused_qkv:
+            raise ValueError("fused_qkv is for self-attention: this layer has no separate query, key "
+                             "and value projections for cross-attention")
         else:
             q = self.query(inputs_q)
             k, v = precomputed_kv if precomputed_kv is not None else self.project_kv(inputs_kv, kv_positions)

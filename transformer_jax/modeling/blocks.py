@@ -39,22 +39,24 @@ class TransformerBlock(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     kernel_layout: str = "in_out"
     cpu_kernels: str = "xla"
+    fused_qkv: bool = False  # the self-attention's Q/K/V kernels stored as one (ModelConfig.fused_qkv)
 
     def setup(self):
-        def attention(name, rope_theta):
+        def attention(name, rope_theta, fused_qkv=False):
             return MultiHeadAttention(
                 d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,
                 num_kv_heads=self.num_kv_heads,
                 use_bias=self.use_bias, rope_theta=rope_theta,
                 attention_dropout_rate=self.attention_dropout_rate,
                 attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
-                kernel_layout=self.kernel_layout, cpu_kernels=self.cpu_kernels, name=name,
+                kernel_layout=self.kernel_layout, cpu_kernels=self.cpu_kernels, fused_qkv=fused_qkv,
+                name=name,
             )
 
         def norm(name):
             return make_norm(self.norm_type, self.norm_eps, self.dtype, self.param_dtype, name)
 
-        self.self_attention = attention("self_attention", self.rope_theta)
+        self.self_attention = attention("self_attention", self.rope_theta, self.fused_qkv)
         self.self_attention_norm = norm("self_attention_norm")
         if self.cross_attention:
             self.cross_attention_layer = attention("cross_attention", None)

@@ -61,7 +61,7 @@ def block_kwargs(config: ModelConfig, cross_attention: bool) -> dict:
         rope_theta=config.rope_theta if config.position == "rope" else None,
         use_bias=config.use_bias, attention_impl=config.attention_impl,
         dtype=config.compute_dtype, param_dtype=config.weights_dtype,
-        kernel_layout=config.kernel_layout, cpu_kernels=config.cpu_kernels,
+        kernel_layout=config.kernel_layout, cpu_kernels=config.cpu_kernels, fused_qkv=config.fused_qkv,
     )
 
 

@@ -41,6 +41,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("length", None),
     ("kv", None),
+    ("qkv", None),  # the query/key/value slots of a fused self-attention kernel (fused_qkv)
     ("layers", None),
 )
 
