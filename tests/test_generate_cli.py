@@ -551,6 +551,9 @@ def test_workdir_generation_equals_the_library(tmp_path):
     args = (f"--workdir={tmp_path}", "--prompt=the tired engineer", "--max_new_tokens=10")
     assert run_cli(*args, "--kernel_layout=out_in") == lines
     assert len(run_cli(*args, "--kernel_layout=out_in", "--dtype=bfloat16")) == 1
+    # ... and with Q, K and V stored as one kernel, in either layout: the same text.
+    assert run_cli(*args, "--fused_qkv") == lines
+    assert run_cli(*args, "--fused_qkv", "--kernel_layout=out_in") == lines
 
 
 def test_real_process_prints_outputs_and_nothing_on_stderr(tmp_path):

@@ -69,6 +69,14 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                                     "the steps' products, else keeps the checkpoint's; 'in_out' or "
                                     "'out_in' to choose.")
     flags.DEFINE_bool(
+        "fused_qkv",
+        False,
+        "Decode with each self-attention's query, key and value kernels stored as one "
+        "(ModelConfig.fused_qkv: one product a step where there were three; the same outputs), "
+        "converting the checkpoint's; a checkpoint stored that way stays so either way.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_bool(
         "huge_pages",
         True,
         "On a CPU, move the parameters onto transparent huge pages before decoding (Linux 6.1+; "
@@ -144,10 +152,10 @@ def load_workdir_generator(workdir: str, step: int | None = None) -> Generator:
     return Generator(cfg, bundle.params, bundle.tokenizer, prompt_prefix=prefix)
 
 
-def for_decoding(gen: Generator, *, dtype: str | None = None,
-                 kernel_layout: str | None = None) -> Generator:
-    """`gen` with its parameters converted to another compute/weight dtype and kernel layout
-    (`params.convert_params`); None keeps the checkpoint's."""
+def for_decoding(gen: Generator, *, dtype: str | None = None, kernel_layout: str | None = None,
+                 fused_qkv: bool | None = None) -> Generator:
+    """`gen` with its parameters converted to another compute/weight dtype, kernel layout and
+    `fused_qkv` storage (`params.convert_params`); None keeps the checkpoint's."""
     from transformer_jax.params import convert_params
 
     changes = {}
@@ -155,6 +163,8 @@ def for_decoding(gen: Generator, *, dtype: str | None = None,
         changes.update(dtype=dtype, param_dtype=dtype)
     if kernel_layout is not None:
         changes.update(kernel_layout=kernel_layout)
+    if fused_qkv is not None:
+        changes.update(fused_qkv=fused_qkv)
     if not changes:
         return gen
     target = gen.config.replace(**changes)  # ConfigError names a bad value
@@ -599,7 +609,7 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
             param_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
             layout = auto_kernel_layout(gen.config, opts, len(texts), param_bytes)
             logging.info("kernel layout: %s (--kernel_layout=auto)", layout or gen.config.kernel_layout)
-        gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=layout)
+        gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=layout, fused_qkv=fv.fused_qkv or None)
         if fv.huge_pages:
             from transformer_jax.decoding.huge_pages import place_on_huge_pages
 
