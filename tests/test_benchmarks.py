@@ -76,7 +76,9 @@ def test_accelerator_script_smoke_run_reports_every_section(tmp_path):
     assert [line.get("target") for line in report["summary"]] == [None, 0.45] + [
         0.6 if variant[2] == 1 else None for variant in accelerator.DECODE_VARIANTS]
     assert report["summary"][0] == dict(workload="correctness checks", passed=8, total=8, failed=[], met=True)
-    assert report["summary"][3]["workload"] == "decode batch 1 (kernel_layout in_out, single_row two_rows)"
+    assert [line["workload"] for line in report["summary"][3:5]] == [
+        "decode batch 1 (kernel_layout in_out, single_row vector, fused_qkv)",
+        "decode batch 1 (kernel_layout in_out, single_row two_rows)"]
     assert report["meta"]["peak_bf16_tflops"] > 0 and report["meta"]["bandwidth_gb_s"] > 0
 
 
