@@ -137,6 +137,11 @@ DECODE_VARIANTS = (("in_out", "vector", 1), ("in_out", "vector", 1, True), ("in_
                    ("in_out", "vector", 8), ("in_out", "vector", 8, True), ("out_in", "vector", 8))
 
 
+def _stored(layout: str, fused: bool) -> str:
+    """How a variant stores the weights, for error messages: 'out_in', 'in_out with fused_qkv'."""
+    return f"{layout} with fused_qkv" if fused else layout
+
+
 def variant_key(variant) -> tuple:
     """(kernel_layout, single_row, batch, fused_qkv) of a DECODE_VARIANTS entry."""
     layout, single_row, batch, *fused = variant
@@ -144,7 +149,8 @@ def variant_key(variant) -> tuple:
 
 
 def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE_VARIANTS, model=None):
-    """Yields (config, model, params, kernel_layout, single_row, batch, error) for each variant, with
+    """Yields (config, model, params, kernel_layout, single_row, batch, fused_qkv, error) for each
+    variant, with
     matmul.SINGLE_ROW set (and the compilation caches cleared, since the setting is read when a
     step is traced) until the next one. The same random weights in every layout: the `out_in` and
     `fused_qkv` parameters are the `in_out` ones converted (`tj.params.convert_params`; the config
@@ -164,12 +170,12 @@ def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE
                 try:
                     converted = tj.params.convert_params(params, config, target)
                 except Exception as e:
-                    yield config, model, params, layout, single_row, batch, f"{type(e).__name__}: {e}"
+                    yield config, model, params, layout, single_row, batch, fused, f"{type(e).__name__}: {e}"
                     continue
                 config, model, params = target, tj.TransformerLM(target), converted
             matmul.SINGLE_ROW = single_row
             jax.clear_caches()
-            yield config, model, params, layout, single_row, batch, None
+            yield config, model, params, layout, single_row, batch, fused, None
     finally:
         matmul.SINGLE_ROW = before
         jax.clear_caches()
@@ -177,11 +183,11 @@ def decode_variants(sizes: dict, platform: str, model_name: str, variants=DECODE
 
 def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "1.3b"):
     """Yields one row per variant (DECODE_VARIANTS; an error row where one fails)."""
-    for config, model, params, layout, single_row, batch, error in decode_variants(sizes, platform,
-                                                                                   model_name):
+    for config, model, params, layout, single_row, batch, fused, error in decode_variants(sizes, platform,
+                                                                                          model_name):
         try:
             if error:
-                raise RuntimeError(f"converting the weights to {layout}: {error}")
+                raise RuntimeError(f"converting the weights to {_stored(layout, fused)}: {error}")
             prompt = jax.random.randint(jax.random.key(1), (batch, bench_decode.PROMPT), 3,
                                         config.vocab_size)
             lengths = jnp.full((batch,), bench_decode.PROMPT, jnp.int32)
@@ -190,7 +196,7 @@ def decode_section(sizes: dict, platform: str, limits: dict, model_name: str = "
         except Exception as e:  # the next variant may still run where this one failed
             row = dict(batch=batch, error=f"{type(e).__name__}: {e}")
         yield dict(row, model=f"accelerator_decoder_{model_name}", weights="bfloat16",
-                   kernel_layout=layout, single_row=single_row, fused_qkv=config.fused_qkv)
+                   kernel_layout=layout, single_row=single_row, fused_qkv=fused)
 
 
 def trace_summary(trace_dir: str, steps: int, top: int = 15) -> list[dict]:
@@ -237,12 +243,12 @@ def profile_section(sizes: dict, platform: str, model_name: str = "1.3b"):
 
     steps = 8 if sizes is SMOKE else 32
     variants = [v for v in DECODE_VARIANTS if v[2] == 1]
-    for config, model, params, layout, single_row, _, error in decode_variants(sizes, platform, model_name,
-                                                                               variants):
+    for config, model, params, layout, single_row, _, fused, error in decode_variants(sizes, platform,
+                                                                                      model_name, variants):
         if error:
             yield dict(model=f"accelerator_decoder_{model_name}", batch=1, kernel_layout=layout,
-                       single_row=single_row, fused_qkv=config.fused_qkv,
-                       error=f"converting the weights to {layout}: {error}")
+                       single_row=single_row, fused_qkv=fused,
+                       error=f"converting the weights to {_stored(layout, fused)}: {error}")
             continue
         prompt = jax.random.randint(jax.random.key(1), (1, bench_decode.PROMPT), 3, config.vocab_size)
         lengths = jnp.full((1,), bench_decode.PROMPT, jnp.int32)
@@ -261,7 +267,7 @@ def profile_section(sizes: dict, platform: str, model_name: str = "1.3b"):
                 jax.profiler.stop_trace()
             for row in trace_summary(trace_dir, steps)[:4]:
                 yield dict(row, model=f"accelerator_decoder_{model_name}", batch=1, steps=steps,
-                           kernel_layout=layout, single_row=single_row, fused_qkv=config.fused_qkv)
+                           kernel_layout=layout, single_row=single_row, fused_qkv=fused)
 
 
 def attention_section(sizes: dict, platform: str):
@@ -387,10 +393,10 @@ def single_row_check():
     variants += [(layout, "vector", 1, True) for layout in ("out_in", "in_out")]
     out = {}
     with jax.default_matmul_precision("highest"):
-        for config, model, params, layout, mode, _, error in decode_variants(None, None, None, variants,
-                                                                             _check_decoder()):
+        runs = decode_variants(None, None, None, variants, _check_decoder())
+        for config, model, params, layout, mode, _, fused, error in runs:
             if error:
-                raise RuntimeError(f"converting the weights to {layout}: {error}")
+                raise RuntimeError(f"converting the weights to {_stored(layout, fused)}: {error}")
             cache = tj.init_cache(config, 1, tokens.shape[1] + steps)
             out[layout, mode, config.fused_qkv] = generate(LMStep(model), params, cache, tokens, lengths,
                                                            max_new_tokens=steps, eos_id=None)

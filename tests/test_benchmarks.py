@@ -848,15 +848,15 @@ def test_profile_section_traces_decoding_steps():
     """--only profile on the smoke model, on this CPU: XLA's threads ran the decoding loop."""
     rows = list(accelerator.profile_section(accelerator.SMOKE, "cpu"))
     assert rows and all(row["steps"] == 8 and row["batch"] == 1 for row in rows)
-    traced = {(row["kernel_layout"], row["single_row"]) for row in rows}  # every batch-1 variant
-    assert traced == {(layout, mode) for layout, mode, batch in accelerator.DECODE_VARIANTS if batch == 1}
+    traced = {(row["kernel_layout"], row["single_row"], 1, row["fused_qkv"]) for row in rows}
+    assert traced == {accelerator.variant_key(v) for v in accelerator.DECODE_VARIANTS if v[2] == 1}
     names = {t["name"] for row in rows for t in row["top"]}
     assert any(name.startswith("while") for name in names), names  # the generate loop
 
 
 def test_a_layout_the_weights_cannot_be_converted_to_fails_its_rows_only(monkeypatch):
-    """Converting the decode model's weights to `out_in` fails (out of memory on a device, say): the
-    `out_in` rows are error rows that say so, every `in_out` row is still measured, in order."""
+    """Converting the decode model's weights to `out_in` or `fused_qkv` fails (out of memory on a
+    device, say): those rows are error rows that say so, every other row is still measured, in order."""
     from benchmarks import bench_decode
 
     def convert(params, config, target):
@@ -868,13 +868,14 @@ def test_a_layout_the_weights_cannot_be_converted_to_fails_its_rows_only(monkeyp
     monkeypatch.setattr(bench_decode, "lm_row", lambda config, model, params, prompt, lengths, *rest: dict(
         batch=prompt.shape[0], decode_tok_s=1.0, layout_seen=config.kernel_layout))
     rows = list(accelerator.decode_section(accelerator.SMOKE, "cpu", dict(bandwidth_bytes_s=1e9), "7b"))
-    variants = [(r["kernel_layout"], r["single_row"], r["batch"]) for r in rows]
-    assert variants == list(accelerator.DECODE_VARIANTS)
+    variants = [(r["kernel_layout"], r["single_row"], r["batch"], r["fused_qkv"]) for r in rows]
+    assert variants == [accelerator.variant_key(v) for v in accelerator.DECODE_VARIANTS]
     for row in rows:
-        if row["kernel_layout"] == "in_out":
+        if row["kernel_layout"] == "in_out" and not row["fused_qkv"]:
             assert row["layout_seen"] == "in_out" and "error" not in row, row
         else:
-            assert row["error"] == ("RuntimeError: converting the weights to out_in: "
+            stored = row["kernel_layout"] + (" with fused_qkv" if row["fused_qkv"] else "")
+            assert row["error"] == (f"RuntimeError: converting the weights to {stored}: "
                                     "RuntimeError: RESOURCE_EXHAUSTED: 13.1 GiB"), row
     # profile_section takes the same variants: an error row for out_in, not an exception
     monkeypatch.setattr(accelerator, "DECODE_VARIANTS", (("out_in", "vector", 1),))
