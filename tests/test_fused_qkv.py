@@ -12,30 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# The kernel-layout tests' helpers (tests/ is on sys.path): the same checks for another storage.
+from test_kernel_layout import _cached_logits, _close, _lm, _model_and_params, assert_same_greedy_generation
+
 import transformer_jax as tj
 from transformer_jax import parallel
-from transformer_jax.decoding import generate
-from transformer_jax.decoding.model_steps import LMStep
 from transformer_jax.modeling.attention import fuse_qkv, split_qkv
 from transformer_jax.params import convert_params, param_shapes
-
-
-def _lm(**overrides):
-    return tj.presets.tiny(**{"num_encoder_layers": 0, "dropout_rate": 0.0, **overrides})
-
-
-def _close(a, b, tol):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert a.shape == b.shape
-    np.testing.assert_allclose(a, b, atol=tol * np.abs(b).max(), rtol=0)
-
-
-def _model_and_params(config, batch=2, length=9):
-    model = tj.params.build_model(config)
-    tokens = jax.random.randint(jax.random.key(1), (batch, length), 3, config.vocab_size)
-    inputs = (tokens, tokens) if config.num_encoder_layers else (tokens,)
-    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), *inputs))["params"]
-    return model, params, inputs
 
 
 def test_fuse_and_split_place_each_query_head_with_its_key_and_value_head():
@@ -122,20 +105,6 @@ def test_fused_qkv_initialises_each_projection_as_its_own_kernel_and_trains():
         assert float(jnp.abs(part).max()) > 0
 
 
-def _cached_logits(config, params, tokens):
-    """Prefill all but the last 3 tokens, then one token per call: logits of every position."""
-    model = tj.TransformerLM(config)
-    batch, length = tokens.shape
-    cache = tj.init_cache(config, batch, length)
-    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, cache=c))
-    logits, cache = step(params, tokens[:, :-3], cache)
-    out = [logits]
-    for i in range(length - 3, length):
-        logits, cache = step(params, tokens[:, i:i + 1], cache)
-        out.append(logits)
-    return jnp.concatenate(out, axis=1)
-
-
 @pytest.mark.parametrize("setting", [dict(dtype="float32"), dict(dtype="bfloat16", kernel_layout="out_in"),
                                      dict(dtype="float32", kernel_layout="out_in", num_kv_heads=2,
                                           position="rope")])
@@ -145,26 +114,14 @@ def test_fused_qkv_cached_decoding_follows_the_full_forward(setting):
     _, params, _ = _model_and_params(config)
     tokens = jax.random.randint(jax.random.key(3), (8, 12), 3, config.vocab_size)
     full = jax.jit(tj.TransformerLM(config).apply)({"params": params}, tokens)
-    _close(_cached_logits(config, params, tokens), full, 1e-5 if dtype == "float32" else 3e-2)
+    _close(_cached_logits(config, params, tokens)[0], full, 1e-5 if dtype == "float32" else 3e-2)
 
 
 @pytest.mark.parametrize("layout", ["in_out", "out_in"])
 def test_greedy_generation_is_the_same_with_fused_qkv(layout):
     config = _lm(kernel_layout=layout)
     _, params, _ = _model_and_params(config)
-    target = config.replace(fused_qkv=True)
-    prompts = jax.random.randint(jax.random.key(4), (8, 6), 3, config.vocab_size)
-    lengths = jnp.array([6, 3, 5, 6, 1, 2, 6, 4], jnp.int32)
-
-    def run(cfg, p):
-        cache = tj.init_cache(cfg, 8, 6 + 10)
-        return generate(LMStep(tj.TransformerLM(cfg)), p, cache, prompts, lengths,
-                        max_new_tokens=10, eos_id=None)
-
-    a = run(config, params)
-    b = run(target, convert_params(params, config, target))
-    np.testing.assert_array_equal(b.tokens, a.tokens)
-    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
+    assert_same_greedy_generation(config, params, config.replace(fused_qkv=True))
 
 
 def test_fused_qkv_shards_its_key_value_heads_over_the_tensor_axis():

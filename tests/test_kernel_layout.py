@@ -189,10 +189,8 @@ def test_out_in_cached_decoding_follows_the_full_forward(dtype):
     _close(cached, full, 1e-5 if dtype == "float32" else 3e-2)
 
 
-def test_greedy_generation_is_the_same_in_both_layouts():
-    config = _lm()
-    model, params, _ = _model_and_params(config)
-    target = config.replace(kernel_layout="out_in")
+def assert_same_greedy_generation(config, params, target):
+    """10 greedy tokens after 8 ragged prompts: the same with `params` converted to `target`."""
     prompts = jax.random.randint(jax.random.key(4), (8, 6), 3, config.vocab_size)
     lengths = jnp.array([6, 3, 5, 6, 1, 2, 6, 4], jnp.int32)
 
@@ -205,6 +203,12 @@ def test_greedy_generation_is_the_same_in_both_layouts():
     b = run(target, convert_params(params, config, target))
     np.testing.assert_array_equal(b.tokens, a.tokens)
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
+
+
+def test_greedy_generation_is_the_same_in_both_layouts():
+    config = _lm()
+    _, params, _ = _model_and_params(config)
+    assert_same_greedy_generation(config, params, config.replace(kernel_layout="out_in"))
 
 
 @pytest.mark.parametrize("impl", ["xla", "reference", "chunked"])
