@@ -6,17 +6,22 @@ decoding step with one weight product where there were three."""
 
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 # The kernel-layout tests' helpers (tests/ is on sys.path): the same checks for another storage.
-from test_kernel_layout import _cached_logits, _close, _lm, _model_and_params, assert_same_greedy_generation
+from test_kernel_layout import (
+    _cached_logits,
+    _close,
+    _lm,
+    _model_and_params,
+    assert_same_greedy_generation,
+    on_a_mesh,
+)
 
 import transformer_jax as tj
-from transformer_jax import parallel
 from transformer_jax.modeling.attention import fuse_qkv, split_qkv
 from transformer_jax.params import convert_params, param_shapes
 
@@ -125,16 +130,7 @@ def test_greedy_generation_is_the_same_with_fused_qkv(layout):
 
 
 def test_fused_qkv_shards_its_key_value_heads_over_the_tensor_axis():
-    config = _lm(num_kv_heads=2, fused_qkv=True)
-    model, params, (tokens,) = _model_and_params(config, batch=4, length=16)
-    expected = jax.jit(model.apply)({"params": params}, tokens)
-    mesh = parallel.create_mesh(2, 2, 2)
-    abstract = jax.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.DEFAULT_RULES):
-        shardings = parallel.logical_to_sharding(abstract, mesh)
-        spec = shardings["decoder"]["layer_0"]["self_attention"]["qkv"]["kernel"].spec
-        sharded = jax.device_put(params, shardings)
-        got = jax.jit(model.apply)({"params": sharded}, jax.device_put(tokens, parallel.batch_sharding(mesh)))
+    expected, got, spec = on_a_mesh(_lm(num_kv_heads=2, fused_qkv=True), "self_attention", "qkv", "kernel")
     # [embed, kv_heads, qkv, kv]: the key/value heads split over `tensor`, each with its queries.
     assert "tensor" in str(spec[1]) and spec[2] is None and spec[3] is None
     _close(got, expected, 1e-5)

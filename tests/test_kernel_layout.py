@@ -3,6 +3,7 @@ behind it, `matmul.contract_transposed`: the same numbers as the default layout,
 gradients, cached decoding and sharded models; conversion both ways; the weights-first product XLA:CPU
 streams faster in decoding steps; and the float32 KV cache that bf16 decoding gets on CPU."""
 
+import functools
 import re
 
 import flax.linen as nn
@@ -258,17 +259,23 @@ def test_bf16_cache_on_cpu_is_float32_unless_the_cpu_kernels_write_it_with_the_s
         _close(f32, bf16, 2e-2)
 
 
-def test_out_in_layout_on_a_mesh_equals_one_device():
-    config = _lm(kernel_layout="out_in")
+def on_a_mesh(config, *path):
+    """(logits on one device, the same on a 2x2x2 data/FSDP/tensor mesh, the mesh's partition spec of
+    the parameter at `path` under layer_0) for an LM of `config`."""
     model, params, (tokens,) = _model_and_params(config, batch=4, length=16)
     expected = jax.jit(model.apply)({"params": params}, tokens)
     mesh = parallel.create_mesh(2, 2, 2)
     abstract = jax.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
     with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.DEFAULT_RULES):
         shardings = parallel.logical_to_sharding(abstract, mesh)
-        out_spec = shardings["decoder"]["layer_0"]["feed_forward"]["wi"]["kernel"].spec
+        spec = functools.reduce(lambda tree, key: tree[key], path, shardings["decoder"]["layer_0"]).spec
         sharded = jax.device_put(params, shardings)
         got = jax.jit(model.apply)({"params": sharded}, jax.device_put(tokens, parallel.batch_sharding(mesh)))
+    return expected, got, spec
+
+
+def test_out_in_layout_on_a_mesh_equals_one_device():
+    expected, got, out_spec = on_a_mesh(_lm(kernel_layout="out_in"), "feed_forward", "wi", "kernel")
     # wi is [mlp, embed] in this layout: its first axis is the tensor-parallel one.
     assert out_spec[0] is not None and "tensor" in str(out_spec[0])
     _close(got, expected, 1e-5)

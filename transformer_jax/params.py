@@ -98,7 +98,7 @@ def _relayout(params, source_names: dict, target_names: dict):
     return jax.tree_util.tree_map_with_path(move, params)
 
 
-def _refuse_qkv(params, names: dict, to_fused: bool):
+def _convert_qkv(params, names: dict, to_fused: bool):
     """Every self-attention's `query`, `key` and `value` parameters fused into `qkv`
     (`attention.fuse_qkv`), or `qkv` split back into them. `names`: the source's logical axis names
     by parameter path. Cross-attention keeps its three projections either way."""
@@ -173,7 +173,7 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
     boxed = _boxed_param_shapes(config)
     _check_matches(params, nn.unbox(boxed), config)
     if target.fused_qkv != config.fused_qkv:
-        params = _refuse_qkv(params, _logical_names(boxed), target.fused_qkv)
+        params = _convert_qkv(params, _logical_names(boxed), target.fused_qkv)
         config = config.replace(fused_qkv=target.fused_qkv)
         boxed = _boxed_param_shapes(config)
     if target.kernel_layout != config.kernel_layout:
