@@ -141,7 +141,7 @@ def _contract_lhs_transpose(g, w, x_aval, *, n_in, cpu_kernels):
     # matrices: with several output axes contracted at once XLA:CPU makes a transposed copy of W.
     size_in = math.prod(w.shape[:n_in])
     g2 = g.astype(x_aval.dtype).reshape(-1, w.size // size_in)
-    dx = lax.dot_general(g2, w.reshape(size_in, -1), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dx = _plain_t(g2, w.reshape(size_in, -1))
     return dx.reshape(x_aval.shape).astype(x_aval.dtype)
 
 
