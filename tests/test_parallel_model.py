@@ -7,7 +7,6 @@ import pytest
 
 import transformer_jax as tj
 from transformer_jax import parallel
-from transformer_jax.modeling import attention
 
 
 def _model_and_inputs(kind):
@@ -18,11 +17,8 @@ def _model_and_inputs(kind):
     return tj.Transformer(config), (tokens, tokens[:, ::-1])
 
 
-@pytest.mark.parametrize("fused_qkv", [False, True])
 @pytest.mark.parametrize("kind", ["lm", "encoder_decoder"])
-def test_sharded_model_matches_unsharded(kind, fused_qkv, monkeypatch):
-    # 28 tokens: below the fused-QKV threshold unless it is lowered (the stacked-kernel path).
-    monkeypatch.setattr(attention, "FUSED_QKV_MIN_TOKENS", 1 if fused_qkv else 10**9)
+def test_sharded_model_matches_unsharded(kind):
     model, inputs = _model_and_inputs(kind)
     params = jax.jit(lambda k: nn.unbox(model.init(k, *inputs)))(jax.random.key(0))
     reference = jax.jit(model.apply)(params, *inputs)

@@ -208,60 +208,6 @@ def test_lm_cache_with_ragged_prompts_equals_full_recomputation(variant):
     np.testing.assert_array_equal(cache.lengths, lengths + 5)
 
 
-# Not the GQA variant: with fewer K/V heads than query heads the products are never stacked.
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if VARIANTS[v].get("num_kv_heads") is None])
-def test_fused_qkv_projection_equals_three_projections(variant, monkeypatch):
-    """Self-attention's one stacked Q/K/V product (from FUSED_QKV_MIN_TOKENS tokens per call)
-    gives the same outputs and parameter gradients as three separate products."""
-    from transformer_jax.modeling import attention
-
-    # One layer of each stack holds every self-attention kind (encoder, decoder); two compiled
-    # gradients of it are the test's whole cost.
-    cfg = config(**VARIANTS[variant], num_encoder_layers=1, num_decoder_layers=1)
-    src, tgt = tokens(1, (B, S)), tokens(2, (B, L))
-    model, params = init_ed(cfg, src, tgt)
-
-    def run(threshold):
-        monkeypatch.setattr(attention, "FUSED_QKV_MIN_TOKENS", threshold)
-        loss = lambda p: jnp.sum(model.apply({"params": p}, src, tgt) ** 2)
-        return jax.jit(jax.value_and_grad(loss))(params)  # a fresh trace per threshold
-
-    (loss3, grads3), (loss1, grads1) = run(10**9), run(1)
-    np.testing.assert_allclose(loss1, loss3, rtol=1e-5)
-    # (the key bias's gradient is zero in exact arithmetic: softmax ignores a per-row constant)
-    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads3))
-    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale)
-    jax.tree.map(close, grads1, grads3)
-
-
-def test_fused_qkv_projection_adds_float32_biases_in_bfloat16(monkeypatch):
-    """A bf16 model with float32 parameters: the stacked product rounded its biases to bf16 where
-    the three products add them in float32, so values (0.016 apart here), cached decoding against a
-    long pass, and the bias gradients (rounded to bf16) depended on the tokens per call."""
-    import flax.linen as nn
-
-    from transformer_jax.modeling import attention
-
-    m = attention.MultiHeadAttention(d_model=32, num_heads=4, head_dim=8, num_kv_heads=4,
-                                     dtype=jnp.bfloat16, use_bias=True)
-    x = jax.random.normal(jax.random.key(0), (2, 6, 32))
-    variables = nn.meta.unbox(m.init(jax.random.key(1), x))
-    variables = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(3), a.shape), variables)
-
-    def run(threshold):
-        monkeypatch.setattr(attention, "FUSED_QKV_MIN_TOKENS", threshold)
-        project = lambda v: m.apply(v, x, method=lambda mod, x: mod._self_projections(x, None))
-        loss = lambda v: sum(jnp.sum(t.astype(jnp.float32) ** 2) for t in project(v))
-        return jax.jit(project)(variables), jax.jit(jax.grad(loss))(variables)
-
-    (fused, fused_grads), (three, three_grads) = run(1), run(10**9)
-    for a, b in zip(fused, three):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    for name in ("query", "value"):
-        np.testing.assert_allclose(fused_grads["params"][name]["bias"], three_grads["params"][name]["bias"],
-                                   rtol=1e-6)
-
-
 @pytest.mark.parametrize("model_change, cache_change, message", [
     (dict(scan_layers=True), {}, "built for scan_layers=False, the model has scan_layers=True"),
     ({}, dict(scan_layers=True), "built for scan_layers=True, the model has scan_layers=False"),
@@ -429,16 +375,14 @@ def _rope(x, positions, theta):
     return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], -1)
 
 
-@pytest.mark.parametrize("num_kv_heads, fused", [(4, True), (4, False), (2, False), (1, False)],
-                         ids=["mha_fused_qkv", "mha", "gqa", "mqa"])
-def test_rotary_attention_layer_equals_the_formula(num_kv_heads, fused, monkeypatch):
+@pytest.mark.parametrize("num_kv_heads, fused", [(4, True), (4, False), (2, False), (2, True), (1, False)],
+                         ids=["mha_fused_qkv", "mha", "gqa", "gqa_fused_qkv", "mqa"])
+def test_rotary_attention_layer_equals_the_formula(num_kv_heads, fused):
     """MultiHeadAttention with rotary positions against numpy: Q, K, V projections with biases,
     RoPE on Q and K, softmax(QK^T / sqrt(d_k)) V with query head h reading K/V head h // (H / N),
-    then W^O. Both self-attention projection paths (one stacked Q/K/V product from
-    FUSED_QKV_MIN_TOKENS tokens on, three below it) must give it."""
+    then W^O. With `fused_qkv` the same parameters, stored as one Q/K/V kernel, must give it."""
     from transformer_jax.modeling import attention
 
-    monkeypatch.setattr(attention, "FUSED_QKV_MIN_TOKENS", 1 if fused else 10**9)
     H, K, D, theta = 4, 6, 10, 10000.0
     mha = attention.MultiHeadAttention(d_model=D, num_heads=H, head_dim=K, num_kv_heads=num_kv_heads,
                                        rope_theta=theta)
@@ -447,7 +391,14 @@ def test_rotary_attention_layer_equals_the_formula(num_kv_heads, fused, monkeypa
     shapes = jax.eval_shape(mha.init, jax.random.key(0), x, q_positions=positions)["params"]
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32) * 0.5, nn.unbox(shapes))
-    out, _ = jax.jit(mha.apply)({"params": params}, x, q_positions=positions)
+    if fused:
+        separate = [params.pop(name) for name in ("query", "key", "value")]
+        params["qkv"] = {part: attention.fuse_qkv(*(p[part] for p in separate), axis=axis)
+                         for part, axis in (("kernel", 1), ("bias", 0))}
+        out, _ = jax.jit(mha.clone(fused_qkv=True).apply)({"params": params}, x, q_positions=positions)
+        params.update(zip(("query", "key", "value"), separate))
+    else:
+        out, _ = jax.jit(mha.apply)({"params": params}, x, q_positions=positions)
 
     x64, pos = np.asarray(x, np.float64), np.asarray(positions, np.float64)
     proj = lambda name: np.einsum("bld,dhk->blhk", x64, params[name]["kernel"]) + params[name]["bias"]

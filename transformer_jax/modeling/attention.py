@@ -574,11 +574,6 @@ def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name,
                       cpu_kernels, name=name, **options)
 
 
-# Below this many tokens per call, self-attention keeps three Q/K/V products (see
-# MultiHeadAttention._self_projections): copying the stacked kernels would cost more than it saves.
-FUSED_QKV_MIN_TOKENS = 512
-
-
 def fuse_qkv(q, k, v, axis: int):
     """Query, key and value parameters (kernels or biases of one layout) as the one parameter of
     ``ModelConfig.fused_qkv``: `axis` is q's query-head axis (H heads) and k's and v's key/value-head
@@ -679,12 +674,10 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     def _self_projections(self, x, positions):
-        """Q, K and V of self-attention. With as many K/V heads as query heads they come from one
-        matmul against the three kernels stacked on a new axis ([D, 3, H, K], heads stay where a
-        tensor-parallel mesh shards them): one [B*L, D] x [D, 3*H*K] product runs closer to the
-        matmul peak than three [D, H*K] ones, forward and backward. The parameters are unchanged.
-        Stacking copies the kernels, so few tokens (decoding steps) keep three products. With
-        `fused_qkv` the kernel is stored fused, and every call is one product."""
+        """Q, K and V of self-attention: three products, or with `fused_qkv` one product against
+        the kernel stored fused. (Stacking the three kernels at each call for one product was
+        measured no faster in training on the CPU this was tuned on, and copied the kernels every
+        step: `benchmarks/NOTES.md`.)"""
         if self.fused_qkv:
             y = self.qkv(x)  # [B, L, N, G + 2, K]
             groups = self.num_heads // self.num_kv_heads
@@ -693,26 +686,8 @@ class MultiHeadAttention(nn.Module):
             if self.rope_theta is not None:
                 k = apply_rope(k, positions, self.rope_theta)
             return q, k, v
-        tokens = x.size // x.shape[-1]
-        if (self.num_kv_heads != self.num_heads or tokens < FUSED_QKV_MIN_TOKENS
-                or self.is_initializing()):
-            k, v = self.project_kv(x, positions)
-            return self.query(x), k, v
-        get = lambda proj, name: jnp.asarray(nn.meta.unbox(proj.variables["params"][name]), self.dtype)
-        projs = (self.query, self.key, self.value)
-        if self.kernel_layout == "out_in":
-            kernel = jnp.stack([get(p, "kernel") for p in projs])  # [3, H, K, D]
-            y = contract_transposed(x.astype(self.dtype), kernel)  # [B, L, 3, H, K]
-        else:
-            kernel = jnp.stack([get(p, "kernel") for p in projs], axis=1)  # [D, 3, H, K]
-            y = contract(x.astype(self.dtype), kernel)  # [B, L, 3, H, K]
-        if self.use_bias:  # in float32, as `Projection` adds it (not rounded to the compute dtype)
-            bias = lambda proj: jnp.asarray(nn.meta.unbox(proj.variables["params"]["bias"]), jnp.float32)
-            y = y + jnp.stack([bias(p) for p in projs])
-        q, k, v = (y[..., i, :, :].astype(self.dtype) for i in range(3))
-        if self.rope_theta is not None:
-            k = apply_rope(k, positions, self.rope_theta)
-        return q, k, v
+        k, v = self.project_kv(x, positions)
+        return self.query(x), k, v
 
     def __call__(
         self, inputs_q, inputs_kv=None, *, mask=None, q_positions=None, kv_positions=None,
