@@ -31,7 +31,7 @@ def _close(a, b, tol):
     np.testing.assert_allclose(a, b, atol=tol * np.abs(b).max(), rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 96])  # weights-first (<= 32); bf16: transposed copy
+@pytest.mark.parametrize("rows", [1, 8, 96])  # weights-first (<= 32); bf16: its own backward pass
 @pytest.mark.parametrize("n_in", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_contract_transposed_equals_einsum_with_gradients(dtype, n_in, rows):
