@@ -185,8 +185,8 @@ def _low_precision_contract_jvp(n_in, cpu_kernels, primals, tangents):
 
 
 def _contract_t_product(x, w_t, *, cpu_kernels):
-    # x [.., in] against w_t [out, in]: both contracted axes last, w_t read as it is stored
-    return lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # x [R, in] against w_t [out, in]: both contracted axes last, w_t read as it is stored
+    return _plain_t(x, w_t)
 
 
 def _contract_t_lhs_transpose(g, w_t, x_aval, *, cpu_kernels):
