@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import time
 
 import jax
@@ -231,6 +232,136 @@ def lm_row(config, model, params, prompt, lengths, steps, bandwidth, repeats):
     )
 
 
+# Instructions whose profiler events enclose other instructions' events (a loop, a scanned stack of
+# layers, a branch): not counted as time of their own.
+_CONTAINERS = ("while", "conditional", "call")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLED_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+
+
+def _instructions(hlo_text: str):
+    """From a compiled program's text: (kinds, loops). kinds maps an instruction's name to what a
+    profile row calls it: the target of a custom call (the package's kernels), else its name
+    without the number ('convert_add_fusion', 'copy'); None for containers. loops maps each `while`
+    of the entry computation to the names of every instruction its body and condition run,
+    directly or through the computations they call."""
+    kinds, members, calls, entry_whiles = {}, {}, {}, {}
+    computation, entry = None, False
+    for line in hlo_text.splitlines():
+        head = re.match(r"(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            computation, entry = head.group(2), bool(head.group(1))
+            members[computation], calls[computation] = [], set()
+            continue
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? ([\w\-]+)\(", line)
+        if computation is None or not match:
+            continue
+        name, opcode = match.groups()
+        called = set(_CALLED.findall(line))
+        for group in _CALLED_LISTS.findall(line):
+            called |= {c.strip().lstrip("%") for c in group.split(",") if c.strip()}
+        members[computation].append(name)
+        calls[computation] |= called
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        kinds[name] = None if opcode in _CONTAINERS else (target.group(1) if target
+                                                          else re.sub(r"[.\d]+$", "", name))
+        if entry and opcode == "while":
+            entry_whiles[name] = called
+    loops = {}
+    for loop, roots in entry_whiles.items():
+        seen, todo = set(), list(roots)
+        while todo:
+            c = todo.pop()
+            if c in seen or c not in members:
+                continue
+            seen.add(c)
+            todo.extend(calls[c])
+        loops[loop] = {name for c in seen for name in members[c]}
+    return kinds, loops
+
+
+def profile_steps(config, batch: int = 8, steps: int = 32, top: int = 25) -> dict:
+    """Where a cached greedy decoding step's time goes on XLA:CPU: one generation of `steps` new
+    tokens after a PROMPT-token prompt (random weights on huge pages, as `lm_row` times them) run
+    under `jax.profiler`; the events of the decoding loop's instructions (found in the compiled
+    program's text) grouped by kind: the package's kernels by FFI target, XLA's own ops by
+    instruction name without its number. Per step: each kind's calls and microseconds and its
+    share of the busy time (the sum over all kinds, on every thread);
+    `loop_ms_per_step` is the time from the loop's first op to its last per step (busy time plus
+    the gaps between ops).
+    The profiler slows a step down (by ~10-40% here); the shares carry over, the times less so."""
+    import collections
+    import glob
+    import gzip
+    import os
+    import tempfile
+
+    if jax.default_backend() != "cpu":
+        raise ValueError("profile_steps summarises XLA:CPU's ops; on a GPU or TPU use "
+                         "`python benchmarks/accelerator.py --only profile`")
+    model = tj.TransformerLM(config)
+    params = random_params(model, jnp.ones((1, 8), jnp.int32), dtype=config.param_dtype)
+    place_on_huge_pages(params)
+    prompt = jax.random.randint(jax.random.key(1), (batch, PROMPT), 3, config.vocab_size)
+    lengths = jnp.full((batch,), PROMPT, jnp.int32)
+    dynamic = lambda: (params, tj.init_cache(config, batch, PROMPT + steps), prompt, lengths,
+                       jax.random.key(0), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0), None)
+    static = dict(max_new_tokens=steps, greedy=True, top_k=0, use_top_p=False, eos_id=None, pad_id=0)
+    compiled = _generate_jit.lower(LMStep(model), *dynamic(), **static).compile()
+    kinds, loops = _instructions(compiled.as_text())
+    jax.block_until_ready(compiled(*dynamic()))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        args = dynamic()
+        jax.profiler.start_trace(trace_dir)
+        try:
+            jax.block_until_ready(compiled(*args))
+        finally:
+            jax.profiler.stop_trace()
+        [path] = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            events = json.load(f)
+    events = [e for e in (events["traceEvents"] if isinstance(events, dict) else events)
+              if e.get("ph") == "X" and kinds.get(e.get("name")) is not None]
+    # The decoding loop: of the entry computation's loops, the one whose instructions ran most often
+    # (a loop's own event may end before its last iteration does, when the executor carries the
+    # loop on elsewhere, so its events are picked by instruction, not by time).
+    ran = collections.Counter(e["name"] for e in events)
+    if not loops:
+        raise RuntimeError("no decoding loop in the compiled program")
+    body = max(loops.values(), key=lambda names: sum(ran[n] for n in names))
+    by_kind = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e["name"] in body:
+            by_kind[kinds[e["name"]]][0] += 1
+            by_kind[kinds[e["name"]]][1] += e.get("dur", 0)
+    inside = [e for e in events if e["name"] in body]
+    start, end = min(e["ts"] for e in inside), max(e["ts"] + e.get("dur", 0) for e in inside)
+    # The loop runs steps - 1 times: the prefill chooses the first new token.
+    per_step = steps - 1
+    busy_us = sum(t for _, t in by_kind.values())
+    ranked = sorted(by_kind.items(), key=lambda kv: -kv[1][1])
+    return dict(
+        model="gpt2_small" if config.vocab_size == 50257 and config.d_model == 768 else "custom",
+        batch=batch, steps=per_step, dtype=str(jnp.dtype(config.dtype)), kernel_layout=config.kernel_layout,
+        cpu_kernels=config.cpu_kernels, loop_ms_per_step=round((end - start) / per_step / 1e3, 3),
+        busy_ms_per_step=round(busy_us / per_step / 1e3, 3),
+        ops_per_step=round(sum(c for c, _ in by_kind.values()) / per_step, 1),
+        kinds=[dict(kind=k, calls_per_step=round(c / per_step, 2), us_per_step=round(t / per_step, 1),
+                    share=round(t / busy_us, 4)) for k, (c, t) in ranked[:top]],
+    )
+
+
+def profile_table(row: dict) -> str:
+    """`profile_steps`' result as a Markdown table."""
+    lines = [f"{row['model']} {row['dtype']} `{row['kernel_layout']}` batch {row['batch']}, "
+             f"cpu_kernels={row['cpu_kernels']}: {row['loop_ms_per_step']} ms per step in the loop, "
+             f"{row['busy_ms_per_step']} ms busy in {row['ops_per_step']} ops (under the profiler)",
+             "", "| kind | calls per step | µs per step | share of busy time |", "|---|---|---|---|"]
+    lines += [f"| {k['kind']} | {k['calls_per_step']:g} | {k['us_per_step']:.1f} | {k['share']:.1%} |"
+              for k in row["kinds"]]
+    return "\n".join(lines)
+
+
 def gpt2_tensor_parallel_config(dtype, layout):
     """The GPT-2-small shape with its vocabulary padded to a multiple of 128 (50257 -> 50304 rows),
     so that a tensor mesh axis divides the table."""
@@ -338,8 +469,12 @@ def main():
     parser.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
                         help="only the GPT-2-small row split over a tensor mesh of N devices "
                              "(see tensor_parallel_row); prints that one row")
-    parser.add_argument("--batch", type=int, default=8, help="with --tensor-parallel")
-    parser.add_argument("--steps", type=int, default=64, help="new tokens, with --tensor-parallel")
+    parser.add_argument("--batch", type=int, default=8, help="with --tensor-parallel or --profile")
+    parser.add_argument("--steps", type=int, default=64,
+                        help="new tokens, with --tensor-parallel or --profile")
+    parser.add_argument("--profile", action="store_true",
+                        help="only where a GPT-2-small decoding step's time goes (profile_steps), at "
+                             "--batch, --dtype and --kernel-layout: prints a table and the JSON")
     args = parser.parse_args()
     if args.steps < 2:  # lm_row times steps - 1 decoding steps: the prefill makes the first token
         parser.error(f"--steps {args.steps}: at least 2 new tokens (the first comes from the prefill)")
@@ -347,6 +482,16 @@ def main():
         config = gpt2_tensor_parallel_config(args.dtype, args.kernel_layout)
         row = tensor_parallel_row(config, args.batch, args.steps, args.tensor_parallel, args.repeats)
         print(json.dumps(row))
+        return
+    if args.profile:
+        config = tj.presets.gpt2_small(dropout_rate=0.0, dtype=args.dtype, param_dtype=args.dtype,
+                                       kernel_layout=args.kernel_layout)
+        row = profile_steps(config, args.batch, args.steps)
+        print(profile_table(row))
+        print(json.dumps(row))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(row, indent=1) + "\n")
         return
 
     bandwidth = memory_bandwidth()

@@ -881,3 +881,39 @@ def test_a_layout_the_weights_cannot_be_converted_to_fails_its_rows_only(monkeyp
     monkeypatch.setattr(accelerator, "DECODE_VARIANTS", (("out_in", "vector", 1),))
     [row] = accelerator.profile_section(accelerator.SMOKE, "cpu", "7b")
     assert row["error"].startswith("converting the weights to out_in: RuntimeError: RESOURCE_EXHAUSTED")
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_decoding_profile_counts_each_kernel_once_per_step(scan):
+    """`bench_decode.profile_steps` attributes the profiled ops of the decoding loop, and only those,
+    to each step: with the package's kernels, a GPT-style step of L layers makes 6 L + 1 weight
+    products ([out, in] kernels: query, key, value, output, wi, wo and the tied output projection),
+    L attentions over the cache and 2 L cache writes (bf16 keys and values), whether the layers are
+    separate or one scanned loop inside the decoding loop; the greedy choice once. On XLA's kernels
+    alone none of the package's kernels appear."""
+    import transformer_jax as tj
+    from benchmarks import bench_decode
+    from transformer_jax.modeling import native
+
+    layers = 3
+    config = tj.ModelConfig(vocab_size=997, d_model=64, num_heads=4, d_ff=128, num_encoder_layers=0,
+                            num_decoder_layers=layers, max_len=96, norm="pre", activation="gelu_tanh",
+                            dropout_rate=0.0, attention_dropout_rate=0.0, dtype="bfloat16",
+                            param_dtype="bfloat16", kernel_layout="out_in", scan_layers=scan,
+                            cpu_kernels="xla")
+    row = bench_decode.profile_steps(config, batch=2, steps=9)
+    kinds = {k["kind"]: k for k in row["kinds"]}
+    assert row["steps"] == 8 and not any(k.startswith("transformer_jax") for k in kinds)
+    assert row["busy_ms_per_step"] > 0 and abs(sum(k["share"] for k in row["kinds"]) - 1) < 0.05
+    if not native.available():
+        pytest.skip(f"native CPU kernels unavailable: {native.unavailable_reason()}")
+    row = bench_decode.profile_steps(config.replace(cpu_kernels="native"), batch=2, steps=9, top=100)
+    calls = {k["kind"]: k["calls_per_step"] for k in row["kinds"]}
+    assert calls["transformer_jax_rows_matmul"] == 6 * layers + 1
+    assert calls["transformer_jax_cache_attention"] == layers
+    assert calls["transformer_jax_cache_write"] == 2 * layers
+    assert calls["transformer_jax_bias_activation"] == layers
+    assert calls["transformer_jax_greedy_choice"] == 1
+    assert abs(sum(k["share"] for k in row["kinds"]) - 1) < 1e-3  # every kind listed
+    table = bench_decode.profile_table(row)
+    assert "| transformer_jax_rows_matmul | 19 |" in table
