@@ -4,7 +4,7 @@
 //
 // It calls the FFI implementation functions (RowsMatmulImpl, ColsMatmulImpl, CacheAttentionImpl,
 // CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl, TrainAttentionFwdImpl,
-// TrainAttentionBwdImpl, MaterializeImpl) directly, through an XLA_FFI_Api whose
+// TrainAttentionBwdImpl, MaterializeImpl, LayerNormImpl) directly, through an XLA_FFI_Api whose
 // thread pool is threads of its own (so ParallelFor runs as in XLA, threads taking each other's
 // ranges), on buffers allocated with exactly the bytes their shapes need, and compares every result
 // with a scalar reference in double precision (bit for bit on small-integer data, where the sums
@@ -739,6 +739,56 @@ static void TestBiasAct(const Params& p) {
   if (worst > 0) Fail("biasact", p, "max abs error beyond tolerance %.6g at r=%ld o=%ld", worst, (long)wr, (long)wo);
 }
 
+static void TestLayerNorm(const Params& p) {
+  const int64_t R = p.at("R"), D = p.at("D"), rms = p.at("rms"), it = p.at("it"), ot = p.at("ot"),
+                alloc = p.at("alloc");
+  std::mt19937_64 rng(Seed("layernorm", p));
+  std::uniform_real_distribution<float> real(-3.0f, 3.0f);
+  Alloc xa((it ? 2 : 4) * R * D, alloc), sa(4 * D, alloc), ba(4 * D, alloc), oa((ot ? 2 : 4) * R * D, alloc);
+  std::vector<float> x(R * D);
+  for (int64_t i = 0; i < R * D; ++i) {
+    x[i] = real(rng) + 0.7f;
+    if (it) {
+      ((uint16_t*)xa.p)[i] = ToBf16(x[i]);
+      x[i] = FromBf16(((uint16_t*)xa.p)[i]);
+    } else {
+      ((float*)xa.p)[i] = x[i];
+    }
+  }
+  float* scale = (float*)sa.p;
+  float* bias = (float*)ba.p;
+  for (int64_t j = 0; j < D; ++j) scale[j] = 1.0f + 0.3f * real(rng), bias[j] = 0.2f * real(rng);
+  if (ot) for (int64_t i = 0; i < R * D; ++i) ((uint16_t*)oa.p)[i] = 0xFFFF;
+  else for (int64_t i = 0; i < R * D; ++i) ((float*)oa.p)[i] = std::numeric_limits<float>::quiet_NaN();
+  Buf xb(it ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32, xa.p, {R, D}), sb(XLA_FFI_DataType_F32, sa.p, {D}),
+      bb(XLA_FFI_DataType_F32, ba.p, {D}), ob(ot ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32, oa.p, {R, D});
+  const float eps = 1e-5f;
+  ffi::Error e = LayerNormImpl(ffi::AnyBuffer(&xb.b), ffi::Buffer<ffi::F32>(&sb.b), ffi::Buffer<ffi::F32>(&bb.b),
+                               ffi::AnyBuffer(&ob.b), eps, (int32_t)rms);
+  if (e.failure()) return Fail("layernorm", p, "returned error: %s", e.message().c_str());
+  double worst = 0;
+  int64_t wr = -1, wj = -1;
+  for (int64_t r = 0; r < R; ++r) {
+    double mean = 0, var = 0;
+    if (!rms) {
+      for (int64_t j = 0; j < D; ++j) mean += x[r * D + j];
+      mean /= D;
+    }
+    for (int64_t j = 0; j < D; ++j) var += (x[r * D + j] - mean) * (x[r * D + j] - mean);
+    const double inv = 1.0 / std::sqrt(var / D + eps);
+    for (int64_t j = 0; j < D; ++j) {
+      const double ref = (x[r * D + j] - mean) * inv * scale[j] + (rms ? 0.0 : bias[j]);
+      const double got = ot ? FromBf16(((uint16_t*)oa.p)[r * D + j]) : ((float*)oa.p)[r * D + j];
+      // float32: the statistics' rounding; bf16: one rounding step of the result, and that.
+      const double tol = (ot ? 8e-3 : 2e-6) * std::fabs(ref) + 1e-5 * (std::fabs(x[r * D + j] - mean) * inv + 1.0);
+      double err = std::fabs(got - ref);
+      if (std::isnan(got)) err = INFINITY;
+      if (err > tol && err > worst) worst = err, wr = r, wj = j;
+    }
+  }
+  if (worst > 0) Fail("layernorm", p, "max abs error beyond tolerance %.6g at r=%ld j=%ld", worst, (long)wr, (long)wj);
+}
+
 // ------------------------------------------------------------------------------------------------
 struct Case {
   std::string kernel;
@@ -891,6 +941,14 @@ static void Sweep(std::vector<Case>& cs) {
   for (int64_t ot = 0; ot < 2; ++ot)
     for (int64_t rf = 0; rf < 2; ++rf)
       cs.push_back({"biasact", {{"O", 0}, {"R", 3}, {"act", 2}, {"ot", ot}, {"rf", rf}, {"thr", 2}, {"alloc", 0}}});
+  // --- layer norm (on the calling thread: thr 1) ---
+  for (int64_t D : {1, 2, 7, 15, 16, 17, 31, 33, 64, 100, 768, 1025})
+    for (int64_t R : {0, 1, 2, 3, 8, 16})
+      for (int64_t rms = 0; rms < 2; ++rms)
+        for (int64_t it = 0; it < 2; ++it)
+          for (int64_t ot = 0; ot < 2; ++ot)
+            cs.push_back({"layernorm", {{"R", R}, {"D", D}, {"rms", rms}, {"it", it}, {"ot", ot}, {"thr", 1},
+                                        {"alloc", (int64_t)((k++) % 3)}}});
 }
 
 static void RunCase(const Case& c) {
@@ -905,6 +963,7 @@ static void RunCase(const Case& c) {
   else if (c.kernel == "cachereorder") TestCacheReorder(c.p);
   else if (c.kernel == "greedy") TestGreedy(c.p);
   else if (c.kernel == "biasact") TestBiasAct(c.p);
+  else if (c.kernel == "layernorm") TestLayerNorm(c.p);
   if (g_scheduled.load() != scheduled) ++g_parallel;
 }
 

@@ -531,6 +531,7 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     assert calls.count("transformer_jax_cache_write") == 2 * 2  # the bf16 keys and values, in place
     # wi's bias and tanh-GELU in one pass; exact GELU stays in XLA.
     assert calls.count("transformer_jax_bias_activation") == 2
+    assert calls.count("transformer_jax_layer_norm") == 2 * 2 + 1  # two a layer, then the final one
     gelu = _custom_calls(_lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in",
                              activation="gelu"))
     assert "transformer_jax_bias_activation" not in gelu and gelu.count("transformer_jax_rows_matmul") == 13
@@ -541,6 +542,7 @@ def test_a_decoding_step_calls_the_kernels_for_every_weight_product_and_attentio
     assert calls.count("transformer_jax_bias_activation") == 2
     assert calls.count("transformer_jax_rows_matmul") == 1
     assert calls.count("transformer_jax_cache_attention") == 2
+    assert calls.count("transformer_jax_layer_norm") == 2 * 2 + 1
     assert "transformer_jax_cache_write" not in calls  # a float32 cache: XLA writes it
     assert _custom_calls(_lm(kernel_layout="out_in", cpu_kernels="xla")) == []
     assert _custom_calls(_lm(cpu_kernels="xla")) == []
@@ -625,6 +627,118 @@ def test_bias_activation_gradient_equals_xla():
     want = jax.grad(loss(lambda y, b: jax.nn.gelu(y + b, approximate=True)), (0, 1))(y, bias)
     for g, e in zip(got, want):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def _one_bf16_step(got, want):
+    """Where got and want (float32 views of bf16 values) differ, by at most one bf16 rounding step."""
+    diff = np.abs(got - want)
+    return np.all(diff <= np.abs(want) * 2.0**-7 + 1e-30), np.mean(diff > 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", native.NORM_KINDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows,size", [(1, 768), (8, 768), (16, 37), (5, 1)])
+def test_layer_norm_equals_the_xla_ops(kind, dtype, rows, size):
+    # Statistics in float32 in another order than XLA's: float32 results within a few ulp of the
+    # XLA path's; bf16 results equal, or one rounding step apart where the float32 value lay within
+    # a few ulp of a rounding boundary (measured: ~2e-5 of 3M values for LayerNorm). An input
+    # offset from zero keeps the mean from vanishing; size 37 leaves a tail of the 16-lane sums.
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((rows, size)) * 3 + 0.7, dtype)
+    scale = jnp.asarray(1 + 0.3 * rng.standard_normal(size), dtype)
+    bias = jnp.asarray(0.2 * rng.standard_normal(size), dtype)
+    got = np.asarray(jax.jit(lambda *a: native.layer_norm(*a, 1e-5, kind))(x, scale, bias), np.float32)
+    want = np.asarray(jax.jit(lambda *a: native.layer_norm_xla(*a, 1e-5, kind, dtype))(x, scale, bias),
+                      np.float32)
+    assert got.shape == (rows, size) and got.dtype == np.float32
+    if dtype == jnp.bfloat16:
+        within, differing = _one_bf16_step(got, want)
+        assert within and differing < 0.01, differing
+    else:
+        np.testing.assert_allclose(got, want, rtol=3e-6, atol=3e-6)
+    # bf16 in, float32 out, and the reverse
+    other = jnp.float32 if dtype == jnp.bfloat16 else jnp.bfloat16
+    got = jax.jit(lambda *a: native.layer_norm(*a, 1e-5, kind, other))(x, scale, bias)
+    want = jax.jit(lambda *a: native.layer_norm_xla(*a, 1e-5, kind, other))(x, scale, bias)
+    assert got.dtype == other
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2.0**-7 if other == jnp.bfloat16 else 3e-6, atol=3e-6)
+
+
+@needs_kernels
+def test_layer_norm_over_many_values_and_its_gradient():
+    # 3M bf16 values of LayerNorm: at most one bf16 step from the XLA path, and rarely that.
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((4096, 768)) * 3 + 0.5, jnp.bfloat16)
+    scale = jnp.asarray(1 + 0.5 * rng.standard_normal(768), jnp.bfloat16)
+    bias = jnp.asarray(0.1 * rng.standard_normal(768), jnp.bfloat16)
+    got = jax.jit(lambda *a: native.layer_norm(*a, 1e-5))(x, scale, bias)
+    want = jax.jit(lambda *a: native.layer_norm_xla(*a, 1e-5, "layernorm", jnp.bfloat16))(x, scale, bias)
+    within, differing = _one_bf16_step(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert within and differing < 1e-4, differing
+    # The derivatives are the XLA path's, in both modes (at the kernel's own value of the norm,
+    # which the loss's cosine sees: a few float32 ulp apart).
+    x, scale, bias = (_rand(rng, shape, jnp.float32) for shape in ((3, 40), (40,), (40,)))
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(3 * f(*a)))
+    tangents = (jnp.ones_like(x), jnp.ones_like(scale), jnp.ones_like(bias))
+    for kind in native.NORM_KINDS:
+        ours = functools.partial(native.layer_norm, eps=1e-6, kind=kind)
+        xla = functools.partial(native.layer_norm_xla, eps=1e-6, kind=kind, dtype=jnp.float32)
+        got = jax.grad(loss(ours), (0, 1, 2))(x, scale, bias)
+        want = jax.grad(loss(xla), (0, 1, 2))(x, scale, bias)
+        for g, e in zip(got, want):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+        got, want = (jax.jvp(f, (x, scale, bias), tangents)[1] for f in (ours, xla))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_layer_norm_refuses_what_it_cannot_take():
+    x, v = jnp.ones((2, 8)), jnp.ones((8,))
+    with pytest.raises(ValueError, match="kind 'batchnorm'"):
+        native.layer_norm(x, v, v, 1e-6, "batchnorm")
+    with pytest.raises(ValueError, match=r"expected x \[R, D\], scale \[D\] and bias \[D\]"):
+        native.layer_norm(x, jnp.ones((7,)), v, 1e-6)
+    with pytest.raises(ValueError, match="expected x"):
+        native.layer_norm(jnp.ones((2, 2, 8)), v, v, 1e-6)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        native.layer_norm(x.astype(jnp.float16), v, v, 1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+def test_norm_modules_on_native_kernels_equal_xla(norm_type):
+    # The model's norms with cpu_kernels='native' create the same parameters as on XLA (flax's
+    # LayerNorm, layers.RMSNorm) and, at a decoding step's few rows, call the kernel: within one
+    # bf16 step of XLA's result; at more rows than the kernel takes, XLA's ops, bit for bit.
+    from transformer_jax.modeling.layers import make_norm
+
+    ours = make_norm(norm_type, 1e-5, jnp.bfloat16, jnp.bfloat16, "norm", "native")
+    xla = make_norm(norm_type, 1e-5, jnp.bfloat16, jnp.bfloat16, "norm", "xla")
+    rng = np.random.default_rng(5)
+    step = jnp.asarray(rng.standard_normal((2, 4, 64)) * 2 + 0.3, jnp.bfloat16)
+    params = ours.init(jax.random.key(0), step)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), xla.init(jax.random.key(0), step))
+    params = jax.tree.map(lambda a: a + jnp.asarray(rng.standard_normal(a.shape) * 0.2, a.dtype), params)
+    apply = lambda module, x: jax.jit(module.apply)(params, x)
+    hlo = jax.jit(ours.apply).lower(params, step).as_text()
+    assert "transformer_jax_layer_norm" in hlo
+    within, _ = _one_bf16_step(*(np.asarray(apply(m, step), np.float32) for m in (ours, xla)))
+    assert within
+    prompt = jnp.asarray(rng.standard_normal((2, 9, 64)), jnp.bfloat16)  # 18 rows
+    assert "transformer_jax_layer_norm" not in jax.jit(ours.apply).lower(params, prompt).as_text()
+    np.testing.assert_array_equal(np.asarray(apply(ours, prompt), np.float32),
+                                  np.asarray(apply(xla, prompt), np.float32))
+    if norm_type == "layernorm":  # and the XLA path is flax's LayerNorm, parameters and numbers
+        flax_norm = nn.LayerNorm(epsilon=1e-5, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                 use_fast_variance=False)
+        assert jax.tree.map(jnp.shape, flax_norm.init(jax.random.key(0), step)) == jax.tree.map(
+            jnp.shape, nn.unbox(params))
+        for x in (step, prompt):
+            want = jax.jit(flax_norm.apply)(nn.unbox(params), x)
+            np.testing.assert_array_equal(np.asarray(want, np.float32), np.asarray(apply(xla, x), np.float32))
 
 
 @needs_kernels
@@ -1130,10 +1244,10 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # AVX-512) then runs a check of every kernel against NumPy and XLA in a child process: products
     # at 1, 5, 13 and 16 rows (one and two passes, tails, several blocks), attention with grouped
     # heads and per-query masks, the cache write and reordering, the greedy choice at batch 1 and 17,
-    # the bf16 activations over 131,072 values and the training attention's forward and backward
-    # kernels (37 tests, 7 of them for the bf16 dot products AVX2 lacks). Built at -O1 (the last
-    # -O wins) into a cache of its own, so that the suite does not wait for an optimised build of
-    # code that runs nowhere else in it.
+    # the bf16 activations over 131,072 values, the training attention's forward and backward
+    # kernels and the layer norm (46 tests, 7 of them for the bf16 dot products AVX2 lacks). Built
+    # at -O1 (the last -O wins) into a cache of its own, so that the suite does not wait for an
+    # optimised build of code that runs nowhere else in it.
     if native.isa() != "avx512":
         pytest.skip(f"the kernels here are the {native.isa()} build, which the tests above check")
     cxx = tmp_path / "cxx"
@@ -1144,7 +1258,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
                 "or (greedy_choice_equals and (50257-1 or 1000-17)) or bit_for_bit or instruction_set_named "
                 "or (cache_reorder_equals and bfloat16) or cols_matmul_sums_exactly "
                 "or (cols_matmul_equals and (3-33-50 or 9-70-130 or 16-2049-300)) "
-                "or (sequence_attention_and and packed) or sequence_attention_log_sum_exp")
+                "or (sequence_attention_and and packed) or sequence_attention_log_sum_exp "
+                "or (layer_norm_equals and 768) or layer_norm_over_many")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected]
     env = dict(os.environ, CXX=str(cxx), TRANSFORMER_JAX_CACHE=str(tmp_path / "cache"))
     env[native.ISA_ENV] = "avx2"
@@ -1153,7 +1268,7 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # Every selected test ran but the 4 of the bf16 dot-product path, which AVX2 lacks: a build that
     # compiles but cannot load skipped them all.
     summary = out.stdout[-2000:]
-    assert re.search(r"\b30 passed, 7 skipped\b", out.stdout) and " failed" not in out.stdout, summary
+    assert re.search(r"\b39 passed, 7 skipped\b", out.stdout) and " failed" not in out.stdout, summary
     skips = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
     assert skips and all("AVX2 has no bf16 dot product" in line for line in skips), out.stdout[-2000:]
 

@@ -54,7 +54,8 @@ class TransformerBlock(nn.Module):
             )
 
         def norm(name):
-            return make_norm(self.norm_type, self.norm_eps, self.dtype, self.param_dtype, name)
+            return make_norm(self.norm_type, self.norm_eps, self.dtype, self.param_dtype, name,
+                             self.cpu_kernels)
 
         self.self_attention = attention("self_attention", self.rope_theta, self.fused_qkv)
         self.self_attention_norm = norm("self_attention_norm")

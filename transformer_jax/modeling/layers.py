@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.modeling import native
 from transformer_jax.modeling.attention import projection
 from transformer_jax.modeling.matmul import contract_transposed
 
@@ -111,29 +114,75 @@ class FeedForward(nn.Module):
         return self._dense(x.shape[-1], ("mlp", "embed"), "wo")(h)
 
 
+def _native_norm_fits(x, dtype, cpu_kernels) -> bool:
+    """Whether a norm of x (over its last axis) takes `native.layer_norm`: a decoding step's few rows
+    (at most native.MAX_ROWS), float32 or bf16 in and out, where the model calls the package's CPU
+    kernels (`native.use_native`)."""
+    rows = math.prod(x.shape[:-1])
+    return (1 <= rows <= native.MAX_ROWS and x.dtype in native.CACHE_DTYPES
+            and jnp.dtype(dtype or x.dtype) in native.CACHE_DTYPES and native.use_native(cpu_kernels))
+
+
+def _native_norm(x, scale, bias, eps, kind, dtype):
+    """The norm through `native.layer_norm` on a CPU, where it replaces the five operations XLA:CPU
+    makes of a decoding step's norm (two reductions among them); elsewhere
+    (`lax.platform_dependent`) XLA's ops, the module's own numbers."""
+    dtype = jnp.dtype(dtype or x.dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    bias = jnp.zeros(scale.shape, jnp.float32) if bias is None else bias
+
+    def on_cpu(x2, scale, bias):
+        return native.layer_norm(x2, scale, bias, eps, kind, dtype)
+
+    def elsewhere(x2, scale, bias):
+        return native.layer_norm_xla(x2, scale, bias, eps, kind, dtype)
+
+    return jax.lax.platform_dependent(x2, scale, bias, cpu=on_cpu, default=elsewhere).reshape(x.shape)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis (Ba et al. 2016), statistics in float32 and the variance as the
+    mean of squared deviations: flax's `nn.LayerNorm(use_fast_variance=False)`, the same parameters
+    and the same numbers (tested), which on a CPU takes a decoding step's few rows through the
+    package's kernel (`cpu_kernels`, see ModelConfig.cpu_kernels)."""
+
+    epsilon: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    cpu_kernels: str = "xla"
+
+    @nn.compact
+    def __call__(self, x):
+        shape = (x.shape[-1],)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), shape,
+                           self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), shape,
+                          self.param_dtype)
+        if _native_norm_fits(x, self.dtype, self.cpu_kernels):
+            return _native_norm(x, scale, bias, self.epsilon, "layernorm", self.dtype)
+        return native.layer_norm_xla(x, scale, bias, self.epsilon, "layernorm", self.dtype or x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * scale, computed in float32."""
 
     eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    cpu_kernels: str = "xla"  # a decoding step's few rows on the package's kernel (see LayerNorm)
 
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
                            (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale).astype(self.dtype)
+        if _native_norm_fits(x, self.dtype, self.cpu_kernels):
+            return _native_norm(x, scale, None, self.eps, "rmsnorm", self.dtype)
+        return native.layer_norm_xla(x, scale, jnp.zeros_like(scale), self.eps, "rmsnorm", self.dtype)
 
 
-def make_norm(norm_type: str, eps: float, dtype, param_dtype, name: str) -> nn.Module:
+def make_norm(norm_type: str, eps: float, dtype, param_dtype, name: str,
+              cpu_kernels: str = "xla") -> nn.Module:
     """LayerNorm (the paper's, Ba et al. 2016) or RMSNorm; statistics in float32."""
     if norm_type == "rmsnorm":
-        return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
-    return nn.LayerNorm(
-        epsilon=eps, dtype=dtype, param_dtype=param_dtype, use_fast_variance=False,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-        name=name,
-    )
+        return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, cpu_kernels=cpu_kernels, name=name)
+    return LayerNorm(epsilon=eps, dtype=dtype, param_dtype=param_dtype, cpu_kernels=cpu_kernels, name=name)

@@ -25,6 +25,8 @@ XLA FFI.
 - `bias_activation(y, bias, activation, dtype)`: a feed-forward layer's first product's bias,
   rounding and activation (ReLU, tanh-GELU, SiLU) in one pass; XLA:CPU's tanh-GELU over a
   decoding step's [8, 3072] took ~50 us.
+- `layer_norm(x, scale, bias, eps, kind)`: a decoding step's LayerNorm or RMSNorm over a few rows
+  in one call, where XLA:CPU makes five operations (two reductions among them) of each.
 
 `ModelConfig.cpu_kernels` decides where a model uses them (`use_native`); the figures are in
 `benchmarks/NOTES.md`.
@@ -72,7 +74,8 @@ _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_bias_activation": "TjBiasActivation",
             "transformer_jax_attention_fwd": "TjAttentionFwd",
             "transformer_jax_attention_bwd": "TjAttentionBwd",
-            "transformer_jax_materialize": "TjMaterialize"}
+            "transformer_jax_materialize": "TjMaterialize",
+            "transformer_jax_layer_norm": "TjLayerNorm"}
 # Activations `bias_activation` computes (the kernel's codes); others run in XLA.
 ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu_tanh": 2, "silu": 3}
 # Under `jax.vmap` every kernel runs once per element of the mapped axis (they take unbatched
@@ -662,3 +665,53 @@ def bias_activation(y, bias, activation: str, dtype, *, rows_first: bool = False
         raise TypeError(f"bias_activation: output float32 or bfloat16, not {dtype}")
     _check_available()
     return _bias_activation(y, bias, activation, dtype, bool(rows_first))
+
+
+NORM_KINDS = ("layernorm", "rmsnorm")
+
+
+def layer_norm_xla(x, scale, bias, eps: float, kind: str, dtype):
+    """What `layer_norm` computes, in XLA ops, as the model's norms do (flax's LayerNorm with
+    `use_fast_variance=False`; layers.RMSNorm): statistics in float32, the result rounded once."""
+    x32 = x.astype(jnp.float32)
+    scale = scale.astype(jnp.float32)
+    if kind == "rmsnorm":
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (y * scale).astype(dtype)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    centered = x32 - mean
+    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    return (centered * (jax.lax.rsqrt(var + eps) * scale) + bias.astype(jnp.float32)).astype(dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _layer_norm(x, scale, bias, eps, kind, dtype):
+    return jax.ffi.ffi_call("transformer_jax_layer_norm", jax.ShapeDtypeStruct(x.shape, dtype),
+                            vmap_method=VMAP)(
+        x, scale.astype(jnp.float32), bias.astype(jnp.float32), eps=np.float32(eps),
+        rms=np.int32(kind == "rmsnorm"))
+
+
+@_layer_norm.defjvp
+def _layer_norm_jvp(eps, kind, dtype, primals, tangents):
+    tangent = jax.jvp(lambda *a: layer_norm_xla(*a, eps, kind, dtype), primals, tangents)[1]
+    return _layer_norm(*primals, eps, kind, dtype), tangent
+
+
+def layer_norm(x, scale, bias, eps: float, kind: str = "layernorm", dtype=None):
+    """A few rows of x [R, D] (float32 or bfloat16) normalised over D with scale [D] and bias [D]
+    (unused by 'rmsnorm'), as `layer_norm_xla` computes it: statistics in float32, the result
+    rounded to `dtype` (x's by default; float32 or bfloat16) once. The sums run in another order
+    than XLA's, so a bf16 result can differ from the XLA path's by one rounding step (rarely; see
+    the tests). Differentiable in both modes (the derivatives are `layer_norm_xla`'s); `jax.vmap`
+    maps it one call per element. Call only where `available()` is True, on the CPU."""
+    dtype = jnp.dtype(dtype or x.dtype)
+    if kind not in NORM_KINDS:
+        raise ValueError(f"layer_norm: kind {kind!r}; the kernel computes {', '.join(NORM_KINDS)}")
+    if x.ndim != 2 or scale.shape != x.shape[1:] or bias.shape != x.shape[1:]:
+        raise ValueError(f"layer_norm: expected x [R, D], scale [D] and bias [D], got {x.shape}, "
+                         f"{scale.shape} and {bias.shape}")
+    if x.dtype not in CACHE_DTYPES or dtype not in CACHE_DTYPES:
+        raise TypeError(f"layer_norm: x and the result must be float32 or bfloat16 (got {x.dtype}, {dtype})")
+    _check_available()
+    return _layer_norm(x, scale, bias, float(eps), kind, dtype)

@@ -126,7 +126,7 @@ class _Stack(nn.Module):
         self.embed_dropout = nn.Dropout(rate)
         if cfg.use_final_norm:
             self.final_norm = make_norm(cfg.norm_type, cfg.norm_eps, cfg.compute_dtype,
-                                        cfg.weights_dtype, "final_norm")
+                                        cfg.weights_dtype, "final_norm", cfg.cpu_kernels)
 
     def embed_tokens(self, tokens, positions, deterministic):
         """Token embeddings (times sqrt(d_model)) plus positions, then dropout (section 5.4)."""
