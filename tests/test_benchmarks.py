@@ -888,9 +888,9 @@ def test_decoding_profile_counts_each_kernel_once_per_step(scan):
     """`bench_decode.profile_steps` attributes the profiled ops of the decoding loop, and only those,
     to each step: with the package's kernels, a GPT-style step of L layers makes 6 L + 1 weight
     products ([out, in] kernels: query, key, value, output, wi, wo and the tied output projection),
-    L attentions over the cache and 2 L cache writes (bf16 keys and values), whether the layers are
-    separate or one scanned loop inside the decoding loop; the greedy choice once. On XLA's kernels
-    alone none of the package's kernels appear."""
+    L attentions over the cache, 2 L cache writes (bf16 keys and values) and 2 L + 1 norms, whether
+    the layers are separate or one scanned loop inside the decoding loop; the greedy choice once.
+    On XLA's kernels alone none of the package's kernels appear."""
     import transformer_jax as tj
     from benchmarks import bench_decode
     from transformer_jax.modeling import native
@@ -914,6 +914,7 @@ def test_decoding_profile_counts_each_kernel_once_per_step(scan):
     assert calls["transformer_jax_cache_write"] == 2 * layers
     assert calls["transformer_jax_bias_activation"] == layers
     assert calls["transformer_jax_greedy_choice"] == 1
+    assert calls["transformer_jax_layer_norm"] == 2 * layers + 1  # two a layer, then the final norm
     assert abs(sum(k["share"] for k in row["kinds"]) - 1) < 1e-3  # every kind listed
     table = bench_decode.profile_table(row)
     assert "| transformer_jax_rows_matmul | 19 |" in table

@@ -775,25 +775,27 @@ ffi::Error LayerNormImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buf
     return ffi::Error::InvalidArgument("tj_layer_norm: x and out must be float32 or bfloat16");
   const int64_t R = d[0], D = d[1];
   if (R == 0 || D == 0) return ffi::Error::Success();
+  // A bf16 row is widened (exactly) into xr, a bf16 result rounded from yr; float32 is read and
+  // written in place.
   thread_local std::vector<float> row;
   row.resize(2 * D);
   float* xr = row.data();
   float* yr = row.data() + D;
   for (int64_t r = 0; r < R; ++r) {
+    const float* xi = static_cast<const float*>(x.untyped_data()) + r * D;
     if (in_bf16) {
       const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data()) + r * D;
       for (int64_t j = 0; j < D; ++j) {
         const uint32_t u = (uint32_t)xb[j] << 16;
         std::memcpy(xr + j, &u, 4);
       }
-    } else {
-      std::memcpy(xr, static_cast<const float*>(x.untyped_data()) + r * D, sizeof(float) * D);
+      xi = xr;
     }
     float* yo = out_bf16 ? yr : static_cast<float*>(out->untyped_data()) + r * D;
     if (rms) {
-      NormRow<true>(xr, scale.typed_data(), bias.typed_data(), yo, D, eps);
+      NormRow<true>(xi, scale.typed_data(), bias.typed_data(), yo, D, eps);
     } else {
-      NormRow<false>(xr, scale.typed_data(), bias.typed_data(), yo, D, eps);
+      NormRow<false>(xi, scale.typed_data(), bias.typed_data(), yo, D, eps);
     }
     if (out_bf16) {
       uint16_t* ob = static_cast<uint16_t*>(out->untyped_data()) + r * D;
