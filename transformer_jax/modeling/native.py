@@ -67,6 +67,7 @@ MAX_ROWS = 16  # tokens per call the weight-product kernel takes (and the attent
 MAX_HEAD_DIM = 256
 _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_cols_matmul": "TjColsMatmul",
+            "transformer_jax_packed_matmul": "TjPackedMatmul",
             "transformer_jax_cache_attention": "TjCacheAttention",
             "transformer_jax_cache_write": "TjCacheWrite",
             "transformer_jax_cache_reorder": "TjCacheReorder",
@@ -351,6 +352,81 @@ def _check_product(name, layout, x, w, in_axis):
     if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"{name}: x and w must both be bfloat16 or float32 (got {x.dtype}, {w.dtype})")
     _check_available()
+
+
+# The packed layout of a weight [O, I] (``kernel_layout='packed'``): where I is even, its first
+# `packed_rows(O, I)` rows as tiles of PACK_TILE rows, each stored [I / 2, PACK_TILE, 2] (so that
+# one 64-byte line of bf16 holds a pair of inputs for all the tile's outputs), then the other rows
+# as they are; where I is odd, every row as it is. The same shape as the weight: only the order of
+# its elements changes.
+PACK_TILE = 16
+
+
+def packed_rows(out_size: int, in_size: int) -> int:
+    """How many of a packed [out_size, in_size] weight's rows are stored as tiles."""
+    return out_size // PACK_TILE * PACK_TILE if in_size % 2 == 0 else 0
+
+
+def _array_module(a):
+    return np if isinstance(a, np.ndarray) else jnp
+
+
+def pack_kernel(w):
+    """A weight [O, I] (numpy or JAX) in the packed layout (see PACK_TILE); `unpack_kernel` inverts it."""
+    xp, (O, I) = _array_module(w), w.shape
+    tiled = packed_rows(O, I)
+    if tiled == 0:
+        return w
+    tiles = w[:tiled].reshape(tiled // PACK_TILE, PACK_TILE, I // 2, 2).transpose(0, 2, 1, 3)
+    return xp.concatenate([tiles.reshape(tiled, I), w[tiled:]], axis=0)
+
+
+def unpack_kernel(w):
+    """The weight [O, I] that `pack_kernel` packed into w."""
+    xp, (O, I) = _array_module(w), w.shape
+    tiled = packed_rows(O, I)
+    if tiled == 0:
+        return w
+    tiles = w[:tiled].reshape(tiled // PACK_TILE, I // 2, PACK_TILE, 2).transpose(0, 2, 1, 3)
+    return xp.concatenate([tiles.reshape(tiled, I), w[tiled:]], axis=0)
+
+
+def packed_matmul_xla(x, w):
+    """x [R, I] times a packed weight w [O, I] (see PACK_TILE) -> float32 [R, O], in XLA's ops: the
+    tiles as one product over their [O / 16, I / 2, 16, 2] view, the rows after them as they are."""
+    O, I = w.shape
+    tiled = packed_rows(O, I)
+    parts = []
+    if tiled:
+        tiles = w[:tiled].reshape(tiled // PACK_TILE, I // 2, PACK_TILE, 2)
+        y = jnp.einsum("rpj,tpoj->rto", x.reshape(x.shape[0], I // 2, 2), tiles,
+                       preferred_element_type=jnp.float32)
+        parts.append(y.reshape(x.shape[0], tiled))
+    if tiled < O:
+        parts.append(_rows_matmul_xla(x, w[tiled:]))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+@jax.custom_jvp
+def _packed_matmul(x, w):
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("transformer_jax_packed_matmul", out, vmap_method=VMAP)(x, w).T
+
+
+@_packed_matmul.defjvp
+def _packed_matmul_jvp(primals, tangents):
+    return _packed_matmul(*primals), jax.jvp(packed_matmul_xla, primals, tangents)[1]
+
+
+def packed_matmul(x, w):
+    """x [R, I] times a bfloat16 weight stored packed, w [O, I] (see PACK_TILE), over I -> float32
+    [R, O] on the CPU kernel (1 <= R <= 16). As `rows_matmul`: differentiable in both modes (XLA's
+    product's derivatives), mapped by `jax.vmap` one call per element; call only where
+    `available()` is True, in a computation placed on the CPU."""
+    _check_product("packed_matmul", "[O, I]", x, w, 1)
+    if x.dtype != jnp.bfloat16:
+        raise TypeError(f"packed_matmul: bfloat16 only (got {x.dtype})")
+    return _packed_matmul(x, w)
 
 
 # Where a model's products of [in, out] weights take `cols_matmul`: up to COLS_MAX_ROWS rows, and

@@ -141,6 +141,47 @@ inline void RowGroup(const T* w, const T* x, float* y, int64_t I, int64_t o, int
 constexpr int64_t kWidenRun = 16;
 inline int64_t PaddedWiden(int64_t n) { return (n + kWidenRun - 1) / kWidenRun * kWidenRun; }
 
+// tj_packed_matmul (see native_kernels.cc) without bf16 arithmetic: each 32-byte half of a tile's
+// line (one pair of inputs for 8 outputs) widened exactly to float32, its first elements and its
+// second, each multiplied by the activation row's element broadcast. One tile at a time: its 2 R
+// accumulators fill the 16 registers.
+template <int R>
+constexpr int PackedTileCount() { return 1; }
+
+template <int R, int T>
+inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o) {
+  static_assert(T == 1, "one tile at a time");
+  __m256 acc[2 * R];
+  for (int k = 0; k < 2 * R; ++k) acc[k] = _mm256_setzero_ps();
+  const uint16_t* tile = w + o * I;
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  auto widen = [](uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  };
+  for (int64_t p = 0; p < I / 2; ++p) {
+    const uint16_t* line = tile + 32 * p;
+    _mm_prefetch(reinterpret_cast<const char*>(line) + kPackedPrefetchBytes, _MM_HINT_T0);
+    __m256 first[2], second[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
+      first[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      second[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 b0 = _mm256_set1_ps(widen(x[r * I + 2 * p])), b1 = _mm256_set1_ps(widen(x[r * I + 2 * p + 1]));
+      for (int h = 0; h < 2; ++h)
+        acc[2 * r + h] = _mm256_fmadd_ps(second[h], b1, _mm256_fmadd_ps(first[h], b0, acc[2 * r + h]));
+    }
+  }
+  alignas(32) float sums[2 * R * 8];
+  for (int k = 0; k < 2 * R; ++k) _mm256_store_ps(sums + 8 * k, acc[k]);
+  for (int j = 0; j < 16; ++j)
+    for (int r = 0; r < R; ++r) y[(o + j) * R + r] = sums[(2 * r + j / 8) * 8 + j % 8];
+}
+
 // 16 bf16 from p, of which the first n (1..16) are read and the rest are zero.
 inline __m256i LoadBf16Run(const uint16_t* p, int64_t n) {
   if (n >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
