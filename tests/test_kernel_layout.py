@@ -98,11 +98,12 @@ def _model_and_params(config, batch=2, length=9):
     return model, params, inputs
 
 
+@pytest.mark.parametrize("layout", ["out_in", "packed"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_out_in_layout_computes_the_same_model(variant):
+def test_out_in_layout_computes_the_same_model(variant, layout):
     config = _lm(**VARIANTS[variant])
     model, params, inputs = _model_and_params(config)
-    target = config.replace(kernel_layout="out_in")
+    target = config.replace(kernel_layout=layout)
     converted = convert_params(params, config, target)
     shapes = jax.tree.map(lambda s: s.shape, param_shapes(target))
     assert jax.tree.map(lambda a: a.shape, converted) == shapes
@@ -210,6 +211,54 @@ def test_greedy_generation_is_the_same_in_both_layouts():
     config = _lm()
     _, params, _ = _model_and_params(config)
     assert_same_greedy_generation(config, params, config.replace(kernel_layout="out_in"))
+    assert_same_greedy_generation(config, params, config.replace(kernel_layout="packed"))
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(num_encoder_layers=2, scan_layers=True),
+                                     dict(fused_qkv=True, tie_output=False, vocab_size=1000)])
+def test_packed_layout_stores_out_in_values_in_tiles(variant):
+    # 'packed' holds out_in's values in out_in's shapes, each kernel's [out, in] matrix (and each
+    # token table) in tiles of 16 rows x 2 inputs; a vocabulary of no multiple of 16 keeps its last
+    # rows as they are. Lookups of every token, and the initialisation, agree with out_in's.
+    config = _lm(**variant)
+    _, params, _ = _model_and_params(config)
+    out_in, packed = config.replace(kernel_layout="out_in"), config.replace(kernel_layout="packed")
+    a, b = convert_params(params, config, out_in), convert_params(params, config, packed)
+    assert jax.tree.map(lambda x: x.shape, a) == jax.tree.map(lambda x: x.shape, b)
+    table_a, table_b = a["embed"]["embedding"], b["embed"]["embedding"]
+    np.testing.assert_array_equal(native.unpack_kernel(table_b), table_a)
+    rows = native.packed_rows(*table_a.shape)
+    assert rows == table_a.shape[0] // 16 * 16 and (rows < table_a.shape[0]) == (config.vocab_size == 1000)
+    layer = (lambda p: p["decoder"]["layers"]) if config.scan_layers else (lambda p: p["decoder"]["layer_0"])
+    wi_a, wi_b = layer(a)["feed_forward"]["wi"]["kernel"], layer(b)["feed_forward"]["wi"]["kernel"]
+    unpack = jax.vmap(native.unpack_kernel) if config.scan_layers else native.unpack_kernel
+    np.testing.assert_array_equal(unpack(wi_b), wi_a)
+    assert not np.array_equal(wi_b, wi_a)
+    embed = lambda cfg, p: tj.params.build_model(cfg).apply(  # noqa: E731
+        {"params": p}, jnp.arange(config.vocab_size)[None], method=lambda m, t: m.embed(t))
+    np.testing.assert_array_equal(embed(packed, b), embed(out_in, a))
+    init_a = _model_and_params(out_in)[1]
+    init_b = _model_and_params(packed)[1]
+    back = convert_params(init_b, packed, out_in)
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(init_a), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.skipif(not native.available(), reason="the bf16 kernel for packed weights runs on the CPU kernels")
+def test_packed_cached_decoding_follows_the_full_forward_on_the_kernel():
+    config = _lm(dtype="bfloat16", param_dtype="bfloat16")
+    _, params, _ = _model_and_params(config)
+    target = config.replace(kernel_layout="packed", cpu_kernels="native")
+    params = convert_params(params, config, target)
+    tokens = jax.random.randint(jax.random.key(3), (8, 12), 3, config.vocab_size)
+    full = jax.jit(tj.TransformerLM(target).apply)({"params": params}, tokens)
+    cached, _ = _cached_logits(target, params, tokens)
+    _close(cached, full, 3e-2)
+    step = jax.jit(lambda p, t, c: tj.TransformerLM(target).apply({"params": p}, t, cache=c))
+    hlo = step.lower(params, jnp.ones((8, 1), jnp.int32), tj.init_cache(target, 8, 16)).compile().as_text()
+    # Every weight product of the step on the packed kernel: 6 a layer, then the tied table.
+    assert hlo.count('custom_call_target="transformer_jax_packed_matmul"') == 2 * 6 + 1
+    assert "transformer_jax_rows_matmul" not in hlo
 
 
 @pytest.mark.parametrize("impl", ["xla", "reference", "chunked"])

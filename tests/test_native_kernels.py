@@ -222,6 +222,81 @@ def test_rows_matmul_refuses_what_it_cannot_take():
         native.rows_matmul(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.float32))
 
 
+@pytest.mark.parametrize("out,inp", [(48, 8), (50, 6), (15, 8), (33, 7), (1, 2)])
+def test_pack_kernel_orders_tiles_of_16_rows_by_input_pairs(out, inp):
+    w = np.arange(out * inp, dtype=np.float32).reshape(out, inp)
+    packed = native.pack_kernel(w)
+    tiled = native.packed_rows(out, inp)
+    assert tiled == (out // 16 * 16 if inp % 2 == 0 else 0) and packed.shape == w.shape
+    flat = packed.reshape(-1)
+    for o in range(out):
+        for i in range(inp):
+            if o < tiled:  # tile o // 16, pair i // 2, row o % 16, element i % 2
+                at = (o // 16) * 16 * inp + (i // 2) * 32 + (o % 16) * 2 + i % 2
+            else:  # the rows after the tiles, as they are
+                at = o * inp + i
+            assert flat[at] == w[o, i]
+    np.testing.assert_array_equal(native.unpack_kernel(packed), w)
+    np.testing.assert_array_equal(native.unpack_kernel(native.pack_kernel(jnp.asarray(w))), w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,out,inp", [
+    (1, 5, 8),          # no tile: every row after the tiles
+    (1, 50, 168),       # one tile at a time, four sets of sums; two rows after three tiles
+    (2, 33, 40),        # one row after two tiles
+    (3, 48, 64),        # three tiles side by side, once
+    (8, 768, 768),      # a decoding step's [768, 768] product: 16 groups of three tiles
+    (8, 3072 + 16, 768),  # a group of one tile last
+    (8, 130, 3072),     # two tiles, then two rows after them
+    (5, 80, 98),        # a group of two tiles last; a pair count that is no multiple of 16
+    (11, 64, 100),      # two tiles side by side
+    (16, 300, 5000),    # the most rows, one tile at a time; 12 rows after the tiles
+    (4, 20, 33),        # an odd input count: every row stored as it is
+])
+def test_packed_matmul_equals_float64_product(rows, out, inp):
+    rng = np.random.default_rng(rows * 1000 + out)
+    x, w = _rand(rng, (rows, inp), jnp.bfloat16), _rand(rng, (out, inp), jnp.bfloat16)
+    got = jax.jit(native.packed_matmul)(x, native.pack_kernel(w))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert got.dtype == jnp.float32 and got.shape == (rows, out)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * inp)
+    # The same product off the kernel, from the tiles' view.
+    off = jax.jit(native.packed_matmul_xla)(x, native.pack_kernel(w))
+    np.testing.assert_allclose(np.asarray(off), want, rtol=0, atol=2e-6 * inp)
+
+
+@needs_kernels
+def test_packed_matmul_derivatives_and_vmap_equal_xla():
+    rng = np.random.default_rng(0)
+    x, w = _rand(rng, (4, 48), jnp.bfloat16), _rand(rng, (40, 48), jnp.bfloat16)
+    wp = native.pack_kernel(w)
+    loss = lambda f, w: lambda x, w_: jnp.sum(jnp.sin(f(x, w_)))  # noqa: E731
+    got = jax.grad(loss(native.packed_matmul, wp), argnums=(0, 1))(x, wp)
+    want = jax.grad(loss(native.packed_matmul_xla, wp), argnums=(0, 1))(x, wp)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=2e-2, atol=2e-2)
+    # The weight's gradient is in the packed order too: that of the unpacked product, packed.
+    plain = jax.grad(lambda w_: jnp.sum(jnp.sin(x.astype(jnp.float32) @ w_.astype(jnp.float32).T)))(w)
+    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(native.pack_kernel(plain), np.float32),
+                               rtol=2e-2, atol=2e-2)
+    tangent = jax.jvp(native.packed_matmul, (x, wp), (x, wp))[1]
+    np.testing.assert_allclose(tangent, 2 * native.packed_matmul_xla(x, wp), rtol=1e-5, atol=1e-4)
+    xs = _rand(rng, (3, 2, 48), jnp.bfloat16)
+    mapped = jax.vmap(native.packed_matmul, in_axes=(0, None))(xs, wp)
+    np.testing.assert_allclose(mapped, jax.vmap(native.packed_matmul_xla, in_axes=(0, None))(xs, wp),
+                               rtol=0, atol=1e-4)
+
+
+def test_packed_matmul_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="17 rows; the kernel takes 1 to 16"):
+        native.packed_matmul(jnp.ones((17, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"expected x \[R, I\] and w \[O, I\]"):
+        native.packed_matmul(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((4, 9), jnp.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16 only"):
+        native.packed_matmul(jnp.ones((2, 8), jnp.float32), jnp.ones((4, 8), jnp.float32))
+
+
 @needs_kernels
 @pytest.mark.parametrize("B,L,H,N,S,K,mask_heads,mask_queries", [
     (8, 1, 12, 12, 96, 64, 1, 1),   # a GPT-2-small decoding step
@@ -463,7 +538,7 @@ def _greedy(config, steps=10):
 @needs_kernels
 @pytest.mark.parametrize("dtype,layout,tol", [
     ("float32", "in_out", 2e-5), ("float32", "out_in", 2e-5), ("bfloat16", "out_in", 5e-2),
-    ("bfloat16", "in_out", 5e-2)])
+    ("bfloat16", "in_out", 5e-2), ("bfloat16", "packed", 5e-2)])
 def test_decoding_with_native_kernels_equals_xla(dtype, layout, tol):
     # Same tokens; log-probabilities within float32 rounding (bf16: the activations round to bf16
     # between the layers, so a different summation order can move a value by one bf16 step).

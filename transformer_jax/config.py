@@ -20,7 +20,7 @@ POSITIONS = ("sinusoidal", "learned", "rope", "none")
 SINUSOIDAL_LAYOUTS = ("interleaved", "concat")
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked", "flash")
 REMAT_POLICIES = ("none", "dots_saveable", "full")
-KERNEL_LAYOUTS = ("in_out", "out_in")
+KERNEL_LAYOUTS = ("in_out", "out_in", "packed")
 CPU_KERNELS = ("auto", "native", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -77,7 +77,10 @@ class ModelConfig:
     scan_layers: bool = False  # nn.scan over identical blocks: compile time flat in depth
     remat: str = "none"  # rematerialisation policy for each block
     # Projection kernels stored inputs first ([D, F], Flax's order) or outputs first ([F, D],
-    # PyTorch's); 'out_in' decodes faster on CPU. tj.params.convert_params converts.
+    # PyTorch's); 'out_in' decodes faster on CPU. 'packed': out_in's shapes, each kernel's [out, in]
+    # matrix (and each token embedding table's) stored in tiles of 16 outputs x 2 inputs, the order
+    # in which the bf16 CPU decoding kernel reads it fastest (modeling/native.py, `pack_kernel`);
+    # other products read it through a reshaped view, slower. tj.params.convert_params converts.
     kernel_layout: str = "in_out"
     # Self-attention's query, key and value kernels stored as one, `qkv` [d_model, kv_heads,
     # heads / kv_heads + 2, head_dim] (out_in: [kv_heads, ..., d_model]): each call is one product

@@ -148,13 +148,54 @@ def _resize_vocab(params, names: dict, rows: int, rows_before: int):
     return jax.tree_util.tree_map_with_path(resize, params)
 
 
+def _packed_views(config: ModelConfig) -> dict:
+    """{path: (leading axes, output axes)} of the arrays ``kernel_layout='packed'`` stores packed:
+    every projection kernel (its output axes first, as 'out_in'; after the 'layers' axis of a
+    scanned stack) and every token embedding table (its 'vocab' axis)."""
+    out_in = _logical_names(_boxed_param_shapes(config.replace(kernel_layout="out_in")))
+    in_out = _logical_names(_boxed_param_shapes(config.replace(kernel_layout="in_out")))
+    views = {}
+    for key, names in out_in.items():
+        lead = 1 if names[:1] == ("layers",) else 0
+        body, other = names[lead:], in_out[key][lead:]
+        if key.endswith("['embedding']"):
+            if "vocab" in body:
+                views[key] = (lead, 1)
+        elif key.endswith("['kernel']"):
+            n_out = next((n for n in range(1, len(body)) if body[n:] + body[:n] == other), None)
+            if n_out is None:
+                raise ValueError(f"convert_params: params{key} has no output axes to pack: {body}")
+            views[key] = (lead, n_out)
+    return views
+
+
+def _repack(params, views: dict, pack: bool):
+    """The arrays of `views` packed (`attention.pack_kernel`), or unpacked."""
+    from transformer_jax.modeling.attention import pack_kernel, unpack_kernel
+
+    fn = pack_kernel if pack else unpack_kernel
+
+    def move(path, x):
+        view = views.get(jax.tree_util.keystr(path))
+        if view is None:
+            return x
+        lead, n_out = view
+        one = lambda a: fn(a, n_out)  # noqa: E731
+        for _ in range(lead):
+            one = jax.vmap(one)
+        return one(jnp.asarray(x))
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
 def convert_params(params, config: ModelConfig, target: ModelConfig):
     """`params` of a model built from `config`, as the parameters of `target`, which may differ
     from it in `CONVERTIBLE_FIELDS` (and `PARAMETER_FREE_FIELDS`) only: the same function with
     kernels stored in another `kernel_layout` (each kernel's axes permuted so that its logical
     axis names follow), cast to another `param_dtype`, with the vocabulary padded to another
     `pad_vocab_multiple` (zero rows added or padding rows removed), or with self-attention's
-    query, key and value kernels stored as one (`fused_qkv`) or three. For decoding on CPU, e.g.::
+    query, key and value kernels stored as one (`fused_qkv`) or three; 'packed' goes through
+    'out_in', whose shapes it has. For decoding on CPU, e.g.::
 
         serving = config.replace(kernel_layout="out_in", dtype="bfloat16", param_dtype="bfloat16")
         serving_params = tj.params.convert_params(params, config, serving)
@@ -172,15 +213,22 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
         return params
     boxed = _boxed_param_shapes(config)
     _check_matches(params, nn.unbox(boxed), config)
+    if config.kernel_layout == "packed":  # through 'out_in', the same shapes
+        params = _repack(params, _packed_views(config), pack=False)
+        config = config.replace(kernel_layout="out_in")
+        boxed = _boxed_param_shapes(config)
+    layout = "out_in" if target.kernel_layout == "packed" else target.kernel_layout
     if target.fused_qkv != config.fused_qkv:
         params = _convert_qkv(params, _logical_names(boxed), target.fused_qkv)
         config = config.replace(fused_qkv=target.fused_qkv)
         boxed = _boxed_param_shapes(config)
-    if target.kernel_layout != config.kernel_layout:
-        target_boxed = _boxed_param_shapes(config.replace(kernel_layout=target.kernel_layout))
+    if layout != config.kernel_layout:
+        target_boxed = _boxed_param_shapes(config.replace(kernel_layout=layout))
         params = _relayout(params, _logical_names(boxed), _logical_names(target_boxed))
     if target.padded_vocab_size != config.padded_vocab_size:
-        names = _logical_names(_boxed_param_shapes(config.replace(kernel_layout=target.kernel_layout)))
+        names = _logical_names(_boxed_param_shapes(config.replace(kernel_layout=layout)))
         params = _resize_vocab(params, names, target.padded_vocab_size, config.padded_vocab_size)
+    if target.kernel_layout == "packed":
+        params = _repack(params, _packed_views(target), pack=True)
     dtype = target.weights_dtype
     return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), params)

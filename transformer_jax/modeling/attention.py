@@ -20,7 +20,7 @@ from transformer_jax.config import ATTENTION_IMPLS
 from transformer_jax.modeling import derivatives, masks, native
 from transformer_jax.modeling.activations import activation_fn
 from transformer_jax.modeling.chunked_attention import chunked_attention
-from transformer_jax.modeling.matmul import contract, contract_transposed
+from transformer_jax.modeling.matmul import contract, contract_packed, contract_transposed
 from transformer_jax.modeling.positional import apply_rope
 
 _MASKED = -1e30  # finite, so a fully masked row cannot produce inf - inf = NaN
@@ -501,7 +501,8 @@ class Projection(nn.Module):
         axis = tuple(a % x.ndim for a in self.axis)
         n_in, n_out = len(axis), len(self.features)
         in_shape = tuple(x.shape[a] for a in axis)
-        out_first = self.kernel_layout == "out_in"
+        out_first = self.kernel_layout in ("out_in", "packed")
+        packed = self.kernel_layout == "packed"
         if out_first:
             shape, names = self.features + in_shape, self.names[n_in:] + self.names[:n_in]
             in_axes, out_axes = tuple(range(n_out, n_out + n_in)), tuple(range(n_out))
@@ -509,6 +510,8 @@ class Projection(nn.Module):
             shape, names = in_shape + self.features, self.names
             in_axes, out_axes = tuple(range(n_in)), tuple(range(n_in, n_in + n_out))
         init = self.kernel_init or nn.initializers.xavier_uniform(in_axis=in_axes, out_axis=out_axes)
+        if packed:
+            init = _packed_init(init, n_out)
         kernel = self.param("kernel", nn.with_logical_partitioning(init, names), shape,
                             self.param_dtype)
         # Low-precision inputs, float32 accumulation (and bias add), one rounding at the end: on
@@ -522,13 +525,21 @@ class Projection(nn.Module):
                               self.features, self.param_dtype)
         trailing = axis == tuple(range(x.ndim - n_in, x.ndim))
         rows = math.prod(x.shape[:x.ndim - n_in])
-        fits = (1 <= rows <= native.MAX_ROWS if out_first
-                else native.cols_fit(rows, math.prod(self.features), x.dtype))
+        if packed:
+            fits = native.packed_fits(rows, x.dtype)
+        elif out_first:
+            fits = 1 <= rows <= native.MAX_ROWS
+        else:
+            fits = native.cols_fit(rows, math.prod(self.features), x.dtype)
         if (self.activation in native.ACTIVATION_CODES and trailing and n_in == n_out == 1 and fits
                 and x.dtype in (jnp.bfloat16, jnp.float32)
                 and out_dtype in (jnp.bfloat16, jnp.float32) and native.use_native(self.cpu_kernels)):
-            return _native_dense(x, kernel, bias, self.activation, out_dtype, out_first)
-        if trailing and out_first:
+            return _native_dense(x, kernel, bias, self.activation, out_dtype, out_first, packed)
+        if not trailing and packed:  # the general product below reads the weight as stored
+            kernel = unpack_kernel(kernel, n_out)
+        if trailing and packed:
+            y = contract_packed(x, kernel, n_in, cpu_kernels=self.cpu_kernels)
+        elif trailing and out_first:
             y = contract_transposed(x, kernel, n_in, cpu_kernels=self.cpu_kernels)
         elif trailing:
             y = contract(x, kernel, n_in, cpu_kernels=self.cpu_kernels)
@@ -541,24 +552,52 @@ class Projection(nn.Module):
         return activation_fn(self.activation)(y) if self.activation else y
 
 
-def _native_dense(x, kernel, bias, activation, out_dtype, out_first):
+def _packed_init(init, n_out: int):
+    """`init` for a kernel stored packed: the same values, in the packed order (`pack_kernel`)."""
+
+    def packed_init(key, shape, dtype=jnp.float32):
+        return pack_kernel(init(key, shape, dtype), n_out)
+
+    return packed_init
+
+
+def pack_kernel(kernel, n_out: int):
+    """An output-axes-first kernel [out..., in...] (its first `n_out` axes the outputs) with its
+    [out, in] matrix in `native.pack_kernel`'s order (``kernel_layout='packed'``); numpy or JAX."""
+    rows = math.prod(kernel.shape[:n_out])
+    return native.pack_kernel(kernel.reshape(rows, -1)).reshape(kernel.shape)
+
+
+def unpack_kernel(kernel, n_out: int):
+    """The output-axes-first kernel that `pack_kernel` packed."""
+    rows = math.prod(kernel.shape[:n_out])
+    return native.unpack_kernel(kernel.reshape(rows, -1)).reshape(kernel.shape)
+
+
+def _native_dense(x, kernel, bias, activation, out_dtype, out_first, packed=False):
     """act(x W + b) for a few rows through the CPU kernels: the product (of a kernel stored
-    [out, in] if `out_first`, else [in, out]), then bias, rounding and activation in one pass
-    (`native.bias_activation`); XLA's ops where the computation is not on the CPU."""
+    [out, in] if `out_first`, packed if `packed`, else [in, out]), then bias, rounding and
+    activation in one pass (`native.bias_activation`); XLA's ops where the computation is not on
+    the CPU."""
     x2 = x.reshape(-1, x.shape[-1])
     features = kernel.shape[0] if out_first else kernel.shape[1]
     b = jnp.zeros((features,), jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
     contracted = 1 if out_first else 0
 
     def on_cpu(x2, kernel, b):
+        if packed:
+            return native.bias_activation(native.packed_matmul(x2, kernel), b, activation, out_dtype)
         if out_first:
             return native.bias_activation(native.rows_matmul(x2, kernel), b, activation, out_dtype)
         return native.bias_activation(native.cols_matmul(x2, kernel), b, activation, out_dtype,
                                       rows_first=True)
 
     def elsewhere(x2, kernel, b):
-        y = jax.lax.dot_general(x2, kernel, (((1,), (contracted,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+        if packed:
+            y = native.packed_matmul_xla(x2, kernel)
+        else:
+            y = jax.lax.dot_general(x2, kernel, (((1,), (contracted,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
         return native.bias_activation_xla(y, b, activation, out_dtype)
 
     y = jax.lax.platform_dependent(x2, kernel, b, cpu=on_cpu, default=elsewhere)
@@ -656,7 +695,7 @@ class MultiHeadAttention(nn.Module):
                 use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                 kernel_layout=self.kernel_layout, cpu_kernels=self.cpu_kernels, name="qkv",
                 kernel_init=_fused_qkv_init(self.num_heads, self.num_kv_heads, self.head_dim,
-                                            self.kernel_layout == "out_in"))
+                                            self.kernel_layout in ("out_in", "packed")))
         else:
             self.query = heads_proj(self.num_heads, ("embed", "heads", "kv"), "query")
             self.key = heads_proj(self.num_kv_heads, ("embed", "kv_heads", "kv"), "key")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -10,12 +11,31 @@ import jax.numpy as jnp
 
 from transformer_jax.modeling import native
 from transformer_jax.modeling.attention import projection
-from transformer_jax.modeling.matmul import contract_transposed
+from transformer_jax.modeling.matmul import contract_packed, contract_transposed
 
 
-@jax.custom_jvp
-def _take_rows(table, ids):
-    """``jnp.take(table, ids, axis=0)`` for a 16-bit float table, gathering its bit patterns.
+def _gather_rows(table, ids, packed: bool):
+    """table[ids] (rows along axis 0); of a table stored packed (`native.pack_kernel`: rows in
+    tiles of 16, each [D / 2, 16, 2]), gathered from the tiles' view."""
+    if not packed:
+        return jnp.take(table, ids, axis=0)
+    V, D = table.shape
+    tiled = native.packed_rows(V, D)
+    inside = ids < tiled
+    tile = native.PACK_TILE
+    view = table[:tiled].reshape(tiled // tile, D // 2, tile, 2)
+    rows = view[jnp.where(inside, ids // tile, 0), :, jnp.where(inside, ids % tile, 0), :]
+    rows = rows.reshape(ids.shape + (D,))
+    if tiled < V:
+        rest = jnp.take(table[tiled:], jnp.clip(ids - tiled, 0, V - tiled - 1), axis=0)
+        rows = jnp.where(inside[..., None], rows, rest)
+    return rows
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _take_rows(table, ids, packed=False):
+    """``jnp.take(table, ids, axis=0)`` for a 16-bit float table, gathering its bit patterns (of a
+    packed table, through `_gather_rows`).
 
     XLA:CPU gathers bf16 through float32: in a decoding loop it hoists the conversion of the whole
     table out of the loop (50257 x 768: 75 ms on every call). Integers gather in place, on every
@@ -26,16 +46,16 @@ def _take_rows(table, ids):
     # bitcast out of a decoding loop and writes a whole copy of the table on every call.
     table, ids = jax.lax.optimization_barrier((table, ids))
     bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
-    return jax.lax.bitcast_convert_type(jnp.take(bits, ids, axis=0), table.dtype)
+    return jax.lax.bitcast_convert_type(_gather_rows(bits, ids, packed), table.dtype)
 
 
 @_take_rows.defjvp
-def _take_rows_jvp(primals, tangents):
+def _take_rows_jvp(packed, primals, tangents):
     # A JVP rule, not a VJP one: JAX's forward mode (jax.jvp; over jax.grad, Hessian-vector
     # products) cannot pass a custom VJP, and a gather of bit patterns has no derivative of its own.
     table, ids = primals
-    rows = jnp.take(tangents[0].astype(jnp.float32), ids, axis=0)
-    return _take_rows(table, ids), rows.astype(table.dtype)
+    rows = _gather_rows(tangents[0].astype(jnp.float32), ids, packed)
+    return _take_rows(table, ids, packed), rows.astype(table.dtype)
 
 
 class Embed(nn.Module):
@@ -49,10 +69,16 @@ class Embed(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     cpu_kernels: str = "xla"  # for `attend`; see ModelConfig.cpu_kernels
+    # The table stored packed (``kernel_layout='packed'``: `native.pack_kernel`'s order), for
+    # `attend` on the CPU decoding kernel; lookups gather from the tiles' view.
+    packed: bool = False
 
     def setup(self):
         # N(0, 1/D): with the sqrt(D) scale the embedded tokens start with unit variance.
         init = nn.initializers.normal(stddev=self.features**-0.5)
+        if self.packed:  # the same values, in the packed order
+            init = functools.partial(lambda init, key, shape, dtype: native.pack_kernel(init(key, shape, dtype)),
+                                     init)
         self.embedding = self.param(
             "embedding", nn.with_logical_partitioning(init, self.names),
             (self.num_embeddings, self.features), self.param_dtype,
@@ -68,16 +94,17 @@ class Embed(nn.Module):
         table = nn.with_logical_constraint(table, (self.names[0], None))
         ids = nn.with_logical_constraint(ids, ("batch", "length")[-ids.ndim:])
         if table.dtype.itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
-            out = _take_rows(table, ids)
+            out = _take_rows(table, ids, self.packed)
         else:
-            out = jnp.take(table, ids, axis=0)
+            out = _gather_rows(table, ids, self.packed)
         return out * jnp.asarray(self.scale, self.dtype) if self.scale != 1.0 else out
 
     def attend(self, x):
         """Tied output projection: x [B, L, D] -> float32 logits [B, L, V] (x E^T), accumulated in
         float32 whatever the compute dtype (in bf16 through `matmul.contract_transposed`)."""
-        return contract_transposed(x.astype(self.dtype), jnp.asarray(self.embedding, self.dtype),
-                                   cpu_kernels=self.cpu_kernels)
+        product = contract_packed if self.packed else contract_transposed
+        return product(x.astype(self.dtype), jnp.asarray(self.embedding, self.dtype),
+                       cpu_kernels=self.cpu_kernels)
 
 
 class FeedForward(nn.Module):

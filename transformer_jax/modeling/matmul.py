@@ -293,6 +293,30 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     return y.reshape(lead + out_shape)
 
 
+def contract_packed(x, w_p, n_in: int = 1, *, cpu_kernels: str = "xla"):
+    """As `contract_transposed`, for a weight stored packed (``kernel_layout='packed'``): w_p has
+    the shape [out..., in...] of an output-axes-first weight, its [out, in] matrix stored as
+    `native.pack_kernel` orders it. A bfloat16 product of 1 to native.MAX_ROWS rows on CPU, where
+    `native.use_native(cpu_kernels)`, runs on the package's kernel (`native.packed_matmul`); any
+    other, as one product over the tiles' [out / 16, in / 2, 16, 2] view (`native.packed_matmul_xla`,
+    differentiated by JAX as usual)."""
+    if x.dtype != w_p.dtype:
+        raise TypeError(f"contract_packed: x is {x.dtype} but w_p is {w_p.dtype}")
+    n_out = w_p.ndim - n_in
+    out_shape, in_shape = w_p.shape[:n_out], w_p.shape[n_out:]
+    if n_in < 1 or x.shape[x.ndim - n_in:] != in_shape:
+        raise ValueError(f"contract_packed: x {x.shape} does not end in w_p's input axes "
+                         f"{in_shape} (w_p {w_p.shape}, n_in={n_in})")
+    lead = x.shape[:x.ndim - n_in]
+    x2 = x.reshape(-1, math.prod(in_shape))
+    w2 = w_p.reshape(math.prod(out_shape), math.prod(in_shape))
+    if native.packed_fits(x2.shape[0], x.dtype) and native.use_native(cpu_kernels):
+        y = lax.platform_dependent(x2, w2, cpu=native.packed_matmul, default=native.packed_matmul_xla)
+    else:
+        y = native.packed_matmul_xla(x2, w2)
+    return y.reshape(lead + out_shape)
+
+
 def _contract_2d(x2, w2):
     # What the native kernel's call computes elsewhere than on CPU: contract's own rules.
     return _low_precision_contract(x2, w2, 1) if x2.dtype == jnp.bfloat16 else _dot(x2, w2, 1)

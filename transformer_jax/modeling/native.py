@@ -367,6 +367,12 @@ def packed_rows(out_size: int, in_size: int) -> int:
     return out_size // PACK_TILE * PACK_TILE if in_size % 2 == 0 else 0
 
 
+def packed_fits(rows: int, dtype) -> bool:
+    """Whether a product of `rows` rows by a packed weight takes `packed_matmul` (bfloat16, 1 to
+    MAX_ROWS rows); elsewhere `packed_matmul_xla`."""
+    return 1 <= rows <= MAX_ROWS and jnp.dtype(dtype) == jnp.bfloat16
+
+
 def _array_module(a):
     return np if isinstance(a, np.ndarray) else jnp
 

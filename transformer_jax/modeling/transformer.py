@@ -31,7 +31,8 @@ _REMAT_POLICIES = {
 def make_embed(config: ModelConfig, name: str) -> Embed:
     scale = config.d_model**0.5 if config.scale_embeddings else 1.0
     return Embed(config.padded_vocab_size, config.d_model, scale=scale, dtype=config.compute_dtype,
-                 param_dtype=config.weights_dtype, cpu_kernels=config.cpu_kernels, name=name)
+                 param_dtype=config.weights_dtype, cpu_kernels=config.cpu_kernels,
+                 packed=config.kernel_layout == "packed", name=name)
 
 
 class _LayerStep(TransformerBlock):
