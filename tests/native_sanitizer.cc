@@ -255,7 +255,7 @@ __attribute__((no_sanitize("thread"))) static void ReferenceDot(const float* w, 
 static void TestProduct(const std::string& kernel, const Params& p) {
   const int64_t dtype = p.at("dtype"), path = p.at("path"), R = p.at("R"), I = p.at("I"), O = p.at("O");
   const int64_t thr = p.at("thr"), data = p.at("data"), alloc = p.at("alloc");
-  const bool cols = kernel == "cols";
+  const bool cols = kernel == "cols", packed = kernel == "packed";
   const size_t es = dtype ? 2 : 4;
   Alloc xa(es * R * I, alloc), wa(es * O * I, alloc), ya(4 * O * R, alloc);
   std::vector<float> xf(R * I), wf(O * I);  // wf in the kernel's layout
@@ -265,17 +265,23 @@ static void TestProduct(const std::string& kernel, const Params& p) {
   if (dtype) {
     for (int64_t i = 0; i < R * I; ++i) ((uint16_t*)xa.p)[i] = ToBf16(xf[i]);
     for (int64_t i = 0; i < O * I; ++i) ((uint16_t*)wa.p)[i] = ToBf16(wf[i]);
+    if (packed) {  // rows 0 .. O16 - 1 in tiles of 16, each [I / 2, 16, 2]; the rest as they are
+      const int64_t O16 = I % 2 == 0 ? O / 16 * 16 : 0;
+      uint16_t* w = (uint16_t*)wa.p;
+      for (int64_t o = 0; o < O16; ++o)
+        for (int64_t i = 0; i < I; ++i) w[(o / 16) * 16 * I + (i / 2) * 32 + (o % 16) * 2 + i % 2] = ToBf16(wf[o * I + i]);
+    }
   } else {
     if (R * I) memcpy(xa.p, xf.data(), 4 * R * I);
     if (O * I) memcpy(wa.p, wf.data(), 4 * O * I);
   }
   float* y = (float*)ya.p;
   for (int64_t i = 0; i < O * R; ++i) y[i] = std::numeric_limits<float>::quiet_NaN();
-  if (dtype && tj_set_bf16_products((int)path) != (kHasBf16Dot ? path : 2)) abort();
+  if (dtype && !packed && tj_set_bf16_products((int)path) != (kHasBf16Dot ? path : 2)) abort();
   const XLA_FFI_DataType t = dtype ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
   Buf xb(t, xa.p, {R, I}), wb(t, wa.p, cols ? std::vector<int64_t>{I, O} : std::vector<int64_t>{O, I}),
       yb(XLA_FFI_DataType_F32, ya.p, cols ? std::vector<int64_t>{R, O} : std::vector<int64_t>{O, R});
-  auto impl = cols ? ColsMatmulImpl : RowsMatmulImpl;
+  auto impl = cols ? ColsMatmulImpl : (packed ? PackedMatmulImpl : RowsMatmulImpl);
   ffi::Error e = impl(MakePool(thr), ffi::AnyBuffer(&xb.b), ffi::AnyBuffer(&wb.b), ffi::Buffer<ffi::F32>(&yb.b));
   if (e.failure()) return Fail(kernel, p, "returned error: %s", e.message().c_str());
   double worst = 0;
@@ -841,6 +847,15 @@ static void Sweep(std::vector<Case>& cs) {
       for (auto [I, O] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {0, 0}, {17, 0}})
         cs.push_back({"cols", {{"dtype", dt}, {"path", path}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()}, {"data", 0}, {"alloc", 0}}});
     }
+  // --- products of packed bf16 weights: tiles of 16 rows (1, 2 or 3 side by side), rows after them ---
+  for (int64_t R = 1; R <= 16; ++R) {
+    for (int64_t I : {1, 2, 3, 8, 30, 31, 64, 98, 770})
+      for (int64_t O : {1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 80, 97, 113, 145})
+        cs.push_back({"packed", {{"dtype", 1}, {"path", 0}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()},
+                                 {"data", (int64_t)(n % 4 == 0)}, {"alloc", (int64_t)(n % 3)}}});
+    for (auto [I, O] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {0, 0}, {18, 0}, {3072, 49}, {768, 771}})
+      cs.push_back({"packed", {{"dtype", 1}, {"path", 0}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()}, {"data", 0}, {"alloc", 0}}});
+  }
   // --- attention ---
   const std::vector<int64_t> Kds = {1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 100, 127, 128, 129, 200, 240, 255, 256};
   const std::vector<int64_t> Ss = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100};
@@ -955,7 +970,7 @@ static void RunCase(const Case& c) {
   snprintf(g_case, sizeof g_case, "%s", CaseString(c.kernel, c.p).c_str());
   ++g_cases;
   const int64_t scheduled = g_scheduled.load();
-  if (c.kernel == "matmul" || c.kernel == "cols") TestProduct(c.kernel, c.p);
+  if (c.kernel == "matmul" || c.kernel == "cols" || c.kernel == "packed") TestProduct(c.kernel, c.p);
   else if (c.kernel == "attention") TestAttention(c.p);
   else if (c.kernel == "trainattn") TestTrainAttention(c.p);
   else if (c.kernel == "materialize") TestMaterialize(c.p);
@@ -975,7 +990,8 @@ static bool MayRunOnSeveralThreads(const Case& c) {
   const auto thr = c.p.find("thr");
   if (thr != c.p.end() && thr->second < 2) return false;
   const auto data = c.p.find("data");
-  return !((c.kernel == "matmul" || c.kernel == "cols") && data != c.p.end() && data->second != 0);
+  return !((c.kernel == "matmul" || c.kernel == "cols" || c.kernel == "packed") && data != c.p.end() &&
+           data->second != 0);
 }
 
 int main(int argc, char** argv) {

@@ -1352,13 +1352,13 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
                                              ("avx512", "thread")])
 def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     """tests/native_sanitizer.cc runs every kernel (the products of [out, in] and [in, out] weights at
-    1-16 rows on both bf16 paths, the cache attention, the cache write, beam search's cache
+    1-16 rows on both bf16 paths and of packed bf16 weights, the cache attention, the cache write, beam search's cache
     reordering, the greedy choice, the bias and activation, the training attention forward and
-    backward, the in-place identity, the norms) over ~48,000 awkward shapes (~36,000 on AVX2,
+    backward, the in-place identity, the norms) over ~50,000 awkward shapes (~38,000 on AVX2,
     which has one bf16 path) on buffers of exactly their size, some flush against a no-access
     page, with the work split over threads as XLA's pool splits it, and checks each result against
     a scalar reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each instruction set, and
-    under ThreadSanitizer the ~26,300 cases whose work can be split over threads (pools of one
+    under ThreadSanitizer the ~27,100 cases whose work can be split over threads (pools of one
     thread run a kernel inline, and the values in a product's operands do not change its split; the
     references and the drawing of operands run uninstrumented: 99 -> 37 s here). It found the
     greedy choice naming token V past the vocabulary when every logit is negative (fixed; the tests
@@ -1388,12 +1388,12 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     assert built.returncode == 0, built.stderr[-3000:]
     env = dict(os.environ, UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1", TSAN_OPTIONS="halt_on_error=1")
     threads = sanitizers == "thread"
-    if threads:  # only the cases whose work can be split over threads (26,336 of 48,046 on AVX-512)
+    if threads:  # only the cases whose work can be split over threads (27,158 of 50,430 on AVX-512)
         env["SANITIZER_SWEEP"] = "threads"
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = re.search(r": (\d+) cases, (\d+) mismatches, (\d+) on several threads", run.stdout)
-    # ~48,000 cases; ~36,000 on AVX2, where bf16 products have one path (widened), not two. Of those,
+    # ~50,000 cases; ~38,000 on AVX2, where bf16 products have one path (widened), not two. Of those,
     # ~7,800 (~5,900 with one kind of product data) hand work to another thread.
     assert summary, run.stdout[-2000:]
     cases, mismatches, parallel = (int(g) for g in summary.groups())
