@@ -463,8 +463,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="128 new tokens only; no-cache at batch 1")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--kernel-layout", default="in_out", choices=["in_out", "out_in"],
-                        help="ModelConfig.kernel_layout ('out_in' decodes faster on CPU)")
+    parser.add_argument("--kernel-layout", default="in_out", choices=["in_out", "out_in", "packed"],
+                        help="ModelConfig.kernel_layout ('out_in' decodes faster on CPU; 'packed', "
+                             "in bf16, faster still)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
                         help="only the GPT-2-small row split over a tensor mesh of N devices "

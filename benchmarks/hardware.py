@@ -93,18 +93,20 @@ def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int =
     """Bytes per second of weights read by one jitted program that multiplies a [rows, d_in]
     activation by `count` distinct [d_in, d_out] matrices in turn (~380 MiB in float32, more than the caches
     hold), stored as `layout` ('in_out': [d_in, d_out], x @ W; 'out_in': [d_out, d_in], through
-    `matmul.contract_transposed` as the model runs it, with the model's `cpu_kernels` setting): the
+    `matmul.contract_transposed` as the model runs it, with the model's `cpu_kernels` setting;
+    'packed': [d_out, d_in] in tiles, through `matmul.contract_packed`): the
     rate at which a decoding step's matmuls can stream parameters at batch `rows`, as opposed to
     `memory_bandwidth`, which no matmul kernel need reach."""
     from transformer_jax.decoding.huge_pages import place_on_huge_pages
-    from transformer_jax.modeling.matmul import contract, contract_transposed
+    from transformer_jax.modeling.matmul import contract, contract_packed, contract_transposed
 
     keys = jax.random.split(jax.random.key(0), count)
     shape = (d_in, d_out) if layout == "in_out" else (d_out, d_in)
     weights = [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
     place_on_huge_pages(weights)  # as decoding places its parameters
     x = jnp.ones((rows, d_in), dtype)
-    product = contract if layout == "in_out" else partial(contract_transposed, cpu_kernels=cpu_kernels)
+    product = (contract if layout == "in_out" else  # random values: the packed order is any order
+               partial(contract_packed if layout == "packed" else contract_transposed, cpu_kernels=cpu_kernels))
 
     def chain(x, ws):
         # Each product's input comes from the one before, as layer follows layer in a step: XLA

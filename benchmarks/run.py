@@ -9,7 +9,7 @@ Writes benchmarks/results/<date>-<HHMMSS>.json and .md and prints the Markdown t
             base encoder-decoder, batch 8 x 256 tokens on CPU, float32 and bfloat16
             (MFU formula: benchmarks/bench_model.py; peak = the measured matmul FLOP/s, same dtype)
   decode    cached greedy decoding of the GPT-2-small shape at batch 1 and 8 (bench_decode.py),
-            float32 and bf16 weights, kernel_layout 'in_out' and 'out_in': fraction of the
+            float32 and bf16 weights, kernel_layout 'in_out', 'out_in' and (bf16) 'packed': fraction of the
             memory-bandwidth roofline (params + KV cache read once per step); on a CPU also bf16
             'out_in' batch 8 split over a 2-device tensor mesh, one host device per core, in a
             child process (the vocabulary padded to 50304 rows so that the mesh divides it)
@@ -89,10 +89,11 @@ def train_rows(peaks, quick, batch=8, length=256):
 
 # (compute and weight dtype, kernel layout, batch sizes, ModelConfig.cpu_kernels) of the decoding
 # rows. 'out_in' stores the kernels output axes first, which XLA:CPU streams faster at a few rows and
-# the native kernels take (ModelConfig.kernel_layout); the last row is the same step on XLA's
-# kernels alone.
+# the native kernels take (ModelConfig.kernel_layout); 'packed', in the tiles the native bf16 kernel
+# reads fastest; the last row is the bf16 'out_in' step on XLA's kernels alone.
 DECODE_VARIANTS = (("float32", "in_out", (1, 8), "auto"), ("float32", "out_in", (8,), "auto"),
-                   ("bfloat16", "out_in", (1, 8), "auto"), ("bfloat16", "out_in", (8,), "xla"))
+                   ("bfloat16", "out_in", (1, 8), "auto"), ("bfloat16", "packed", (1, 8), "auto"),
+                   ("bfloat16", "out_in", (8,), "xla"))
 
 
 def decode_rows(quick):

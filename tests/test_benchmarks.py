@@ -488,7 +488,7 @@ def test_cpu_suite_rows_take_the_higher_adjacent_reading_of_their_own_dtype(monk
     assert peaks == dict(float32=0.3, bfloat16=0.1) and rows[1]["mfu"] == 0.5
 
     # before and after each row
-    bandwidths = [20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 20e9, 25e9]
+    bandwidths = [20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9]
     monkeypatch.setattr(run.hardware, "memory_bandwidth", lambda repeats=5: bandwidths.pop(0))
     streamed = []
     monkeypatch.setattr(run.hardware, "weight_streaming", lambda batch, dtype, layout, repeats, cpu_kernels: (
@@ -507,13 +507,14 @@ def test_cpu_suite_rows_take_the_higher_adjacent_reading_of_their_own_dtype(monk
     assert [(r["dtype"], r["kernel_layout"], r["batch"], r["cpu_kernels"]) for r in rows] == [
         ("float32", "in_out", 1, "auto"), ("float32", "in_out", 8, "auto"),
         ("float32", "out_in", 8, "auto"), ("bfloat16", "out_in", 1, "auto"),
-        ("bfloat16", "out_in", 8, "auto"), ("bfloat16", "out_in", 8, "xla")]
+        ("bfloat16", "out_in", 8, "auto"), ("bfloat16", "packed", 1, "auto"),
+        ("bfloat16", "packed", 8, "auto"), ("bfloat16", "out_in", 8, "xla")]
     assert streamed == [r["cpu_kernels"] for r in rows]  # each row's products, as the model runs them
     # against 25 GB/s, the higher reading next to each row, whichever came first
-    assert [r["roofline_frac"] for r in rows] == [0.4] * 6
-    assert [r["bandwidth_gb_s"] for r in rows] == [25.0] * 6
+    assert [r["roofline_frac"] for r in rows] == [0.4] * 8
+    assert [r["bandwidth_gb_s"] for r in rows] == [25.0] * 8
     # 100 MB per 10 ms step against the 40 GB/s the matmuls stream
-    assert [r["stream_frac"] for r in rows] == [0.25] * 6 and rows[0]["weight_stream_gb_s"] == 40.0
+    assert [r["stream_frac"] for r in rows] == [0.25] * 8 and rows[0]["weight_stream_gb_s"] == 40.0
 
 
 def test_summary_table_of_training_attention_and_compile_rows():
