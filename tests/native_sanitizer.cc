@@ -280,7 +280,7 @@ static void TestProduct(const std::string& kernel, const Params& p) {
   if (dtype && !packed && tj_set_bf16_products((int)path) != (kHasBf16Dot ? path : 2)) abort();
   const XLA_FFI_DataType t = dtype ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
   Buf xb(t, xa.p, {R, I}), wb(t, wa.p, cols ? std::vector<int64_t>{I, O} : std::vector<int64_t>{O, I}),
-      yb(XLA_FFI_DataType_F32, ya.p, cols ? std::vector<int64_t>{R, O} : std::vector<int64_t>{O, R});
+      yb(XLA_FFI_DataType_F32, ya.p, cols || (packed && R > 16) ? std::vector<int64_t>{R, O} : std::vector<int64_t>{O, R});
   auto impl = cols ? ColsMatmulImpl : (packed ? PackedMatmulImpl : RowsMatmulImpl);
   ffi::Error e = impl(MakePool(thr), ffi::AnyBuffer(&xb.b), ffi::AnyBuffer(&wb.b), ffi::Buffer<ffi::F32>(&yb.b));
   if (e.failure()) return Fail(kernel, p, "returned error: %s", e.message().c_str());
@@ -290,7 +290,7 @@ static void TestProduct(const std::string& kernel, const Params& p) {
     for (int64_t r = 0; r < R; ++r) {
       double ref, mag;
       ReferenceDot(wf.data() + (cols ? o : o * I), cols ? O : 1, xf.data() + r * I, I, &ref, &mag);
-      const double got = y[cols ? r * O + o : o * R + r];
+      const double got = y[cols || (packed && R > 16) ? r * O + o : o * R + r];
       double err = std::fabs(got - ref);
       if (std::isnan(got)) err = INFINITY;
       const double tol = data == 0 ? 0.0 : 2e-5 * mag + 1e-30;
@@ -856,6 +856,12 @@ static void Sweep(std::vector<Case>& cs) {
     for (auto [I, O] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {0, 0}, {18, 0}, {3072, 49}, {768, 771}})
       cs.push_back({"packed", {{"dtype", 1}, {"path", 0}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()}, {"data", 0}, {"alloc", 0}}});
   }
+  // more rows than a decoding step's (y [R, O]): chunks of 8 rows through each group of tiles
+  for (int64_t R : {17, 23, 24, 31, 40, 65})
+    for (int64_t I : {2, 8, 31, 98})
+      for (int64_t O : {1, 15, 16, 33, 48, 49, 97})
+        cs.push_back({"packed", {{"dtype", 1}, {"path", 0}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()},
+                                 {"data", (int64_t)(n % 4 == 0)}, {"alloc", (int64_t)(n % 3)}}});
   // --- attention ---
   const std::vector<int64_t> Kds = {1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 100, 127, 128, 129, 200, 240, 255, 256};
   const std::vector<int64_t> Ss = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100};

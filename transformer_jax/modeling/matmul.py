@@ -296,10 +296,10 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
 def contract_packed(x, w_p, n_in: int = 1, *, cpu_kernels: str = "xla"):
     """As `contract_transposed`, for a weight stored packed (``kernel_layout='packed'``): w_p has
     the shape [out..., in...] of an output-axes-first weight, its [out, in] matrix stored as
-    `native.pack_kernel` orders it. A bfloat16 product of 1 to native.MAX_ROWS rows on CPU, where
-    `native.use_native(cpu_kernels)`, runs on the package's kernel (`native.packed_matmul`); any
-    other, as one product over the tiles' [out / 16, in / 2, 16, 2] view (`native.packed_matmul_xla`,
-    differentiated by JAX as usual)."""
+    `native.pack_kernel` orders it. A bfloat16 product of 1 to native.PACKED_MAX_ROWS rows on CPU
+    (decoding steps and prefills), where `native.use_native(cpu_kernels)`, runs on the package's
+    kernel (`native.packed_matmul`); any other, as one product over the tiles' [out / 16, in / 2,
+    16, 2] view (`native.packed_matmul_xla`, differentiated by JAX as usual)."""
     if x.dtype != w_p.dtype:
         raise TypeError(f"contract_packed: x is {x.dtype} but w_p is {w_p.dtype}")
     n_out = w_p.ndim - n_in

@@ -367,10 +367,15 @@ def packed_rows(out_size: int, in_size: int) -> int:
     return out_size // PACK_TILE * PACK_TILE if in_size % 2 == 0 else 0
 
 
+# Rows up to which a model's product of a packed weight takes `packed_matmul` (a prefill); more take
+# `packed_matmul_xla`. See `packed_fits`.
+PACKED_MAX_ROWS = 4096
+
+
 def packed_fits(rows: int, dtype) -> bool:
-    """Whether a product of `rows` rows by a packed weight takes `packed_matmul` (bfloat16, 1 to
-    MAX_ROWS rows); elsewhere `packed_matmul_xla`."""
-    return 1 <= rows <= MAX_ROWS and jnp.dtype(dtype) == jnp.bfloat16
+    """Whether a model's product of `rows` rows by a packed weight takes `packed_matmul` (bfloat16,
+    1 to PACKED_MAX_ROWS rows); elsewhere `packed_matmul_xla`."""
+    return 1 <= rows <= PACKED_MAX_ROWS and jnp.dtype(dtype) == jnp.bfloat16
 
 
 def _array_module(a):
@@ -415,6 +420,11 @@ def packed_matmul_xla(x, w):
 
 @jax.custom_jvp
 def _packed_matmul(x, w):
+    # Up to MAX_ROWS rows the kernel writes [O, R], as `rows_matmul` (a decoding step's logits stay
+    # vocabulary-major); above, [R, O].
+    if x.shape[0] > MAX_ROWS:
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+        return jax.ffi.ffi_call("transformer_jax_packed_matmul", out, vmap_method=VMAP)(x, w)
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32)
     return jax.ffi.ffi_call("transformer_jax_packed_matmul", out, vmap_method=VMAP)(x, w).T
 
@@ -426,12 +436,18 @@ def _packed_matmul_jvp(primals, tangents):
 
 def packed_matmul(x, w):
     """x [R, I] times a bfloat16 weight stored packed, w [O, I] (see PACK_TILE), over I -> float32
-    [R, O] on the CPU kernel (1 <= R <= 16). As `rows_matmul`: differentiable in both modes (XLA's
-    product's derivatives), mapped by `jax.vmap` one call per element; call only where
-    `available()` is True, in a computation placed on the CPU."""
-    _check_product("packed_matmul", "[O, I]", x, w, 1)
-    if x.dtype != jnp.bfloat16:
-        raise TypeError(f"packed_matmul: bfloat16 only (got {x.dtype})")
+    [R, O] on the CPU kernel, any R >= 1: up to MAX_ROWS rows a decoding step's product, above a
+    prefill's, each group of tiles then going through the rows in chunks while it is in cache. As
+    `rows_matmul`: differentiable in both modes (XLA's product's derivatives), mapped by `jax.vmap`
+    one call per element; call only where `available()` is True, in a computation placed on the
+    CPU."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"packed_matmul: expected x [R, I] and w [O, I], got {x.shape} and {w.shape}")
+    if x.shape[0] < 1:
+        raise ValueError("packed_matmul: x has no rows")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise TypeError(f"packed_matmul: bfloat16 only (got {x.dtype}, {w.dtype})")
+    _check_available()
     return _packed_matmul(x, w)
 
 

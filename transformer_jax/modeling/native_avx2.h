@@ -149,7 +149,8 @@ template <int R>
 constexpr int PackedTileCount() { return 1; }
 
 template <int R, int T>
-inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o) {
+inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O,
+                        int64_t r0) {
   static_assert(T == 1, "one tile at a time");
   __m256 acc[2 * R];
   for (int k = 0; k < 2 * R; ++k) acc[k] = _mm256_setzero_ps();
@@ -178,8 +179,8 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
   }
   alignas(32) float sums[2 * R * 8];
   for (int k = 0; k < 2 * R; ++k) _mm256_store_ps(sums + 8 * k, acc[k]);
-  for (int j = 0; j < 16; ++j)
-    for (int r = 0; r < R; ++r) y[(o + j) * R + r] = sums[(2 * r + j / 8) * 8 + j % 8];
+  for (int j = 0; j < 16; ++j)  // y [O, R], or from row r0 of y [rows, O] where O >= 0
+    for (int r = 0; r < R; ++r) y[O < 0 ? (o + j) * R + r : (r0 + r) * O + o + j] = sums[(2 * r + j / 8) * 8 + j % 8];
 }
 
 // 16 bf16 from p, of which the first n (1..16) are read and the rest are zero.

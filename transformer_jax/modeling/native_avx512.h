@@ -444,7 +444,8 @@ constexpr int PackedTileCount() {
 }
 
 template <int R, int T>
-inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o) {
+inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O,
+                        int64_t r0) {
   // Independent sums enough to keep the dot products' latency hidden: at few accumulators, S sets
   // taken in turn, pair by pair.
   constexpr int S = T * R >= 8 ? 1 : (T * R >= 4 ? 2 : 4);
@@ -472,17 +473,21 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
   for (; p < pairs; ++p) step(p, acc);
   for (int k = 1; k < S; ++k)
     for (int j = 0; j < T * R; ++j) acc[j] = _mm512_add_ps(acc[j], acc[k * T * R + j]);
-  // y [O, R]: outputs o .. o + 16 T - 1 are 16 T R consecutive floats, output-major.
-  alignas(64) float sums[T * R * 16];
-  for (int k = 0; k < T * R; ++k) _mm512_store_ps(sums + 16 * k, acc[k]);
-  float* out = y + o * R;
-  for (int v = 0; v < T * R; ++v) {
-    alignas(64) int32_t index[16];
-    for (int l = 0; l < 16; ++l) {
-      const int f = 16 * v + l, local = f / R, r = f % R;  // output o + local, row r
-      index[l] = ((local / 16) * R + r) * 16 + local % 16;
+  if (O < 0) {  // y [O, R]: outputs o .. o + 16 T - 1 are 16 T R consecutive floats, output-major
+    alignas(64) float sums[T * R * 16];
+    for (int k = 0; k < T * R; ++k) _mm512_store_ps(sums + 16 * k, acc[k]);
+    float* out = y + o * R;
+    for (int v = 0; v < T * R; ++v) {
+      alignas(64) int32_t index[16];
+      for (int l = 0; l < 16; ++l) {
+        const int f = 16 * v + l, local = f / R, r = f % R;  // output o + local, row r
+        index[l] = ((local / 16) * R + r) * 16 + local % 16;
+      }
+      _mm512_storeu_ps(out + 16 * v, _mm512_i32gather_ps(_mm512_load_si512(index), sums, 4));
     }
-    _mm512_storeu_ps(out + 16 * v, _mm512_i32gather_ps(_mm512_load_si512(index), sums, 4));
+  } else {  // y [rows, O], these R rows from row r0: each sum is 16 consecutive outputs of a row
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + r) * O + o + 16 * t, acc[t * R + r]);
   }
 }
 

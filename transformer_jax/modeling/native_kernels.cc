@@ -423,7 +423,7 @@ ffi::Error ColsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // stored packed (`kernel_layout='packed'`, native.pack_kernel): where I is even, its first O16 =
 // 16 * floor(O / 16) rows as tiles of 16 rows, tile t stored [I / 2, 16, 2] (element (p, j, k) is
 // w[16 t + j, 2 p + k]), then the other O - O16 rows as they are (where I is odd, every row as it
-// is). x bf16 [R, I] (1 <= R <= 16) -> y float32 [O, R].
+// is). x bf16 [R, I] -> y float32 [O, R] for R <= 16 (a decoding step), [R, O] above (a prefill).
 //
 // A task is one group of tiles side by side (PackedTileCount), read as one run per tile; the rows after the tiles are the last task.
 // Measured on AMD Zen 5 (two threads, bf16): one [1536, 768] weight from cache, 100 calls in a
@@ -435,9 +435,9 @@ ffi::Error ColsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 inline int64_t PackedRows(int64_t O, int64_t I) { return I % 2 == 0 ? O / 16 * 16 : 0; }
 
 // The rows after the tiles, [o0, O), stored as they are: few (under 16 where I is even), so plain
-// float32 sums in 8 interleaved partials.
+// float32 sums in 8 interleaved partials. Into y [O, R], or y [R, O] where `rows_out`.
 inline void PackedPlainRows(const uint16_t* w, const uint16_t* x, float* y, int64_t R, int64_t I, int64_t o0,
-                            int64_t O) {
+                            int64_t O, bool rows_out) {
   auto widen = [](uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -448,15 +448,17 @@ inline void PackedPlainRows(const uint16_t* w, const uint16_t* x, float* y, int6
     for (int64_t r = 0; r < R; ++r) {
       float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int64_t i = 0; i < I; ++i) part[i % 8] += widen(w[o * I + i]) * widen(x[r * I + i]);
-      y[o * R + r] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      y[rows_out ? r * O + o : o * R + r] =
+          ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     }
   }
 }
 
+// A group of `tiles` tiles (1 .. T) at output o, all R rows (a decoding step: y [O, R]).
 template <int R, int T>
 void PackedGroup(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int tiles) {
   if constexpr (T > 0) {
-    if (tiles == T) return PackedTiles<R, T>(w, x, y, I, o);
+    if (tiles == T) return PackedTiles<R, T>(w, x, y, I, o, -1, 0);
     PackedGroup<R, T - 1>(w, x, y, I, o, tiles);
   }
 }
@@ -466,7 +468,7 @@ void PackedRange(ffi::ThreadPool& pool, const uint16_t* w, const uint16_t* x, fl
   constexpr int T = PackedTileCount<R>();
   const int64_t O16 = PackedRows(O, I), groups = (O16 / 16 + T - 1) / T;
   ParallelFor(pool, groups + (O16 < O ? 1 : 0), [=](int64_t g) {
-    if (g == groups) return PackedPlainRows(w, x, y, R, I, O16, O);
+    if (g == groups) return PackedPlainRows(w, x, y, R, I, O16, O, false);
     const int64_t o = g * 16 * T;
     PackedGroup<R, T>(w, x, y, I, o, (int)std::min<int64_t>(T, (O16 - o) / 16));
   });
@@ -481,19 +483,66 @@ PackedFn PickPacked(int rows, std::integer_sequence<int, Rs...>) {
   return fn;
 }
 
+// More rows than a decoding step's (a prefill): each task a group of tiles, which stays in cache
+// while chunks of kPackedChunk rows go through it in turn, into y [R, O]. The weight is read from
+// memory once, as a matrix product's blocking would; the chunks' activations come from cache.
+constexpr int kPackedChunk = 8;
+
+template <int T, int N = kPackedChunk - 1>
+void PackedChunkTail(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O, int64_t r0,
+                     int n) {
+  if constexpr (N > 0) {
+    if (n == N) return PackedTiles<N, T>(w, x + r0 * I, y, I, o, O, r0);
+    PackedChunkTail<T, N - 1>(w, x, y, I, o, O, r0, n);
+  }
+}
+
+template <int T>
+void PackedChunks(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O, int64_t R,
+                  int tiles) {
+  if constexpr (T > 0) {
+    if (tiles != T) return PackedChunks<T - 1>(w, x, y, I, o, O, R, tiles);
+    int64_t r0 = 0;
+    for (; r0 + kPackedChunk <= R; r0 += kPackedChunk) PackedTiles<kPackedChunk, T>(w, x + r0 * I, y, I, o, O, r0);
+    if (r0 < R) PackedChunkTail<T>(w, x, y, I, o, O, r0, (int)(R - r0));
+  }
+}
+
+void PackedManyRows(ffi::ThreadPool& pool, const uint16_t* w, const uint16_t* x, float* y, int64_t R, int64_t I,
+                    int64_t O) {
+  constexpr int T = PackedTileCount<kPackedChunk>();
+  const int64_t O16 = PackedRows(O, I), groups = (O16 / 16 + T - 1) / T;
+  ParallelFor(pool, groups + (O16 < O ? 1 : 0), [=](int64_t g) {
+    if (g == groups) return PackedPlainRows(w, x, y, R, I, O16, O, true);
+    const int64_t o = g * 16 * T;
+    PackedChunks<T>(w, x, y, I, o, O, R, (int)std::min<int64_t>(T, (O16 - o) / 16));
+  });
+}
+
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  int64_t R, I, O;
-  if (ffi::Error e = ProductShape("tj_packed_matmul", "[O, I] (packed)", x, w, 1, R, I, O); e.failure()) return e;
-  if (x.element_type() != ffi::DataType::BF16)
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || yd.size() != 2)
+    return ffi::Error::InvalidArgument("tj_packed_matmul: expected x [R, I] and w [O, I] (packed)");
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("tj_packed_matmul: bfloat16 only");
+  const int64_t R = xd[0], I = xd[1], O = wd[0];
+  // Up to kMaxRows rows y is [O, R] (a decoding step's logits stay vocabulary-major), above [R, O].
+  const bool rows_out = R > kMaxRows;
+  if (R < 1 || (rows_out ? yd[0] != R || yd[1] != O : yd[0] != O || yd[1] != R))
+    return ffi::Error::InvalidArgument("tj_packed_matmul: y must be [O, R] up to 16 rows, else [R, O]");
   float* out = y->typed_data();
-  if (I == 0) {
+  const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
+  const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+  if (I == 0 || O == 0) {
     std::memset(out, 0, sizeof(float) * R * O);
     return ffi::Error::Success();
   }
-  PickPacked((int)R, std::make_integer_sequence<int, kMaxRows>{})(
-      pool, static_cast<const uint16_t*>(w.untyped_data()), static_cast<const uint16_t*>(x.untyped_data()), out, I, O);
+  if (rows_out) {
+    PackedManyRows(pool, wp, xp, out, R, I, O);
+  } else {
+    PickPacked((int)R, std::make_integer_sequence<int, kMaxRows>{})(pool, wp, xp, out, I, O);
+  }
   return ffi::Error::Success();
 }
 
