@@ -612,9 +612,10 @@ def test_the_parameters_go_onto_huge_pages_unless_asked_not_to(tmp_path, monkeyp
 
 
 def test_auto_layout_picks_out_in_where_the_native_kernels_take_every_step(monkeypatch):
-    """`--kernel_layout=auto` (the default) converts to 'out_in' only where the decoding steps'
-    weight products run on the native CPU kernels: at most 16 rows a step (the batch the inputs
-    fill, times the beams), kernels the model lets it use, a checkpoint not already 'out_in'."""
+    """`--kernel_layout=auto` (the default) converts to 'out_in' ('packed' in bf16) only where the
+    decoding steps' weight products run on the native CPU kernels: at most 16 rows a step (the batch
+    the inputs fill, times the beams), kernels the model lets it use, a checkpoint not already in
+    that layout."""
     import transformer_jax as tj
     from transformer_jax.modeling import native
 
@@ -629,8 +630,17 @@ def test_auto_layout_picks_out_in_where_the_native_kernels_take_every_step(monke
     assert cli.auto_kernel_layout(config, beam, 5) is None  # a batch of 8 x 4 beams
     assert cli.auto_kernel_layout(config.replace(cpu_kernels="xla"), opts, 1) is None
     assert cli.auto_kernel_layout(config.replace(kernel_layout="out_in"), opts, 1) is None
+    # bf16 (the checkpoint's compute dtype, or --dtype's): the tiles of the bf16 kernel
+    bf16 = config.replace(dtype="bfloat16")
+    assert cli.auto_kernel_layout(bf16, opts, 1) == "packed"
+    assert cli.auto_kernel_layout(config, opts, 1, dtype="bfloat16") == "packed"
+    assert cli.auto_kernel_layout(bf16, opts, 1, dtype="float32") == "out_in"
+    assert cli.auto_kernel_layout(bf16.replace(kernel_layout="packed"), opts, 1) is None
+    assert cli.auto_kernel_layout(bf16.replace(kernel_layout="out_in"), opts, 1) == "packed"
+    assert cli.auto_kernel_layout(bf16, cli.DecodeOptions(batch_size=32), 17) is None  # 32 rows
     monkeypatch.setattr(native, "use_native", lambda setting: False)  # another backend, another CPU
     assert cli.auto_kernel_layout(config, opts, 1) is None
+    assert cli.auto_kernel_layout(bf16, opts, 1) is None
 
 
 def test_the_default_layout_is_chosen_per_run_and_gives_the_same_text(tmp_path, monkeypatch):

@@ -65,8 +65,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     string("dtype", None, "Decode in this compute and weight dtype (e.g. bfloat16; default: the "
                           "checkpoint's).")
     string("kernel_layout", "auto", "Decode with kernels stored this way (ModelConfig.kernel_layout): "
-                                    "'auto' converts to 'out_in' where the native CPU kernels will run "
-                                    "the steps' products, else keeps the checkpoint's; 'in_out', "
+                                    "'auto' converts to 'packed' (bfloat16) or 'out_in' where the native "
+                                    "CPU kernels will run the steps' products, else keeps the "
+                                    "checkpoint's; 'in_out', "
                                     "'out_in' or 'packed' (bf16: tiles the CPU kernel reads fastest) "
                                     "to choose.")
     flags.DEFINE_bool(
@@ -190,18 +191,22 @@ def _available_memory() -> int | None:
     return None
 
 
-def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int, param_bytes: int = 0) -> str | None:
-    """The layout ``--kernel_layout=auto`` decodes with: 'out_in' where the decoding steps' weight
-    products will run on the native CPU kernels (a CPU they run on, ``config.cpu_kernels`` allowing
-    them, at most `native.MAX_ROWS` rows a step: the batch, times the beams for beam search), since
-    they stream kernels stored output axes first faster than ones stored input axes first (README,
-    "From the command line"); None (the checkpoint's layout) elsewhere, and where
-    the converted copy of the `param_bytes` of parameters would not fit in the memory available
-    (the conversion holds both copies for a moment). The outputs are the same function of the same
-    weights; only the float32 order of summation differs from XLA's products."""
+def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int, param_bytes: int = 0,
+                       dtype: str | None = None) -> str | None:
+    """The layout ``--kernel_layout=auto`` decodes with where the decoding steps' weight products
+    will run on the native CPU kernels (a CPU they run on, ``config.cpu_kernels`` allowing them, at
+    most `native.MAX_ROWS` rows a step: the batch, times the beams for beam search): 'packed' for a
+    bfloat16 compute dtype (`dtype`, the ``--dtype`` flag, or the checkpoint's), whose tiles the
+    bf16 kernel reads fastest (its prefill runs on the same kernel, as fast as XLA's product), and
+    'out_in' otherwise, which the kernels stream faster than kernels stored input axes first
+    (README, "From the command line"). None (the checkpoint's layout) where that is the layout
+    already, elsewhere, and where the converted copy of the `param_bytes` of parameters would not
+    fit in the memory available (the conversion holds both copies for a moment). The outputs are
+    the same function of the same weights; only the float32 order of summation differs."""
     from transformer_jax.modeling import native
 
-    if config.kernel_layout == "out_in":
+    layout = "packed" if (dtype or config.dtype) == "bfloat16" else "out_in"
+    if config.kernel_layout == layout:
         return None
     rows = _batch_size(opts, num_inputs) * (opts.beam_size if opts.decoding == "beam" else 1)
     if rows > native.MAX_ROWS or not native.use_native(config.cpu_kernels):
@@ -212,7 +217,7 @@ def auto_kernel_layout(config, opts: DecodeOptions, num_inputs: int, param_bytes
                         "needs another %.1f GiB, and %.1f GiB are available", param_bytes / 2**30,
                         available / 2**30)
         return None
-    return "out_in"
+    return layout
 
 
 # ----------------------------------------------------------------------------- decoding settings
@@ -608,7 +613,7 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
         layout = fv.kernel_layout
         if layout == "auto":
             param_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
-            layout = auto_kernel_layout(gen.config, opts, len(texts), param_bytes)
+            layout = auto_kernel_layout(gen.config, opts, len(texts), param_bytes, fv.dtype)
             logging.info("kernel layout: %s (--kernel_layout=auto)", layout or gen.config.kernel_layout)
         gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=layout, fused_qkv=fv.fused_qkv or None)
         if fv.huge_pages:
