@@ -105,8 +105,9 @@ def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int =
     weights = [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
     place_on_huge_pages(weights)  # as decoding places its parameters
     x = jnp.ones((rows, d_in), dtype)
-    product = (contract if layout == "in_out" else  # random values: the packed order is any order
-               partial(contract_packed if layout == "packed" else contract_transposed, cpu_kernels=cpu_kernels))
+    # (random values: stored packed, they are any values in another order)
+    transposed = contract_packed if layout == "packed" else contract_transposed
+    product = contract if layout == "in_out" else partial(transposed, cpu_kernels=cpu_kernels)
 
     def chain(x, ws):
         # Each product's input comes from the one before, as layer follows layer in a step: XLA

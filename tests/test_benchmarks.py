@@ -488,7 +488,8 @@ def test_cpu_suite_rows_take_the_higher_adjacent_reading_of_their_own_dtype(monk
     assert peaks == dict(float32=0.3, bfloat16=0.1) and rows[1]["mfu"] == 0.5
 
     # before and after each row
-    bandwidths = [20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9]
+    bandwidths = [20e9, 25e9, 25e9, 20e9, 20e9, 25e9, 25e9, 20e9,
+                  20e9, 25e9, 20e9, 25e9, 25e9, 20e9, 20e9, 25e9]
     monkeypatch.setattr(run.hardware, "memory_bandwidth", lambda repeats=5: bandwidths.pop(0))
     streamed = []
     monkeypatch.setattr(run.hardware, "weight_streaming", lambda batch, dtype, layout, repeats, cpu_kernels: (

@@ -244,7 +244,7 @@ def test_packed_layout_stores_out_in_values_in_tiles(variant):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.skipif(not native.available(), reason="the bf16 kernel for packed weights runs on the CPU kernels")
+@pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
 def test_packed_cached_decoding_follows_the_full_forward_on_the_kernel():
     config = _lm(dtype="bfloat16", param_dtype="bfloat16")
     _, params, _ = _model_and_params(config)

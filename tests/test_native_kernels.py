@@ -282,8 +282,8 @@ def test_packed_matmul_derivatives_and_vmap_equal_xla():
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=2e-2, atol=2e-2)
     # The weight's gradient is in the packed order too: that of the unpacked product, packed.
     plain = jax.grad(lambda w_: jnp.sum(jnp.sin(x.astype(jnp.float32) @ w_.astype(jnp.float32).T)))(w)
-    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(native.pack_kernel(plain), np.float32),
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got[1], np.float32),
+                               np.asarray(native.pack_kernel(plain), np.float32), rtol=2e-2, atol=2e-2)
     tangent = jax.jvp(native.packed_matmul, (x, wp), (x, wp))[1]
     np.testing.assert_allclose(tangent, 2 * native.packed_matmul_xla(x, wp), rtol=1e-5, atol=1e-4)
     xs = _rand(rng, (3, 2, 48), jnp.bfloat16)
@@ -1358,11 +1358,11 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
                                              ("avx512", "thread")])
 def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     """tests/native_sanitizer.cc runs every kernel (the products of [out, in] and [in, out] weights at
-    1-16 rows on both bf16 paths and of packed bf16 weights, the cache attention, the cache write, beam search's cache
-    reordering, the greedy choice, the bias and activation, the training attention forward and
-    backward, the in-place identity, the norms) over ~50,000 awkward shapes (~38,000 on AVX2,
-    which has one bf16 path) on buffers of exactly their size, some flush against a no-access
-    page, with the work split over threads as XLA's pool splits it, and checks each result against
+    1-16 rows on both bf16 paths and of packed bf16 weights, the cache attention, the cache write,
+    beam search's cache reordering, the greedy choice, the bias and activation, the training
+    attention forward and backward, the in-place identity, the norms) over ~50,000 awkward shapes
+    (~38,000 on AVX2, which has one bf16 path) on buffers of exactly their size, some flush against a
+    no-access page, with the work split over threads as XLA's pool splits it, and checks each result against
     a scalar reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each instruction set, and
     under ThreadSanitizer the ~27,600 cases whose work can be split over threads (pools of one
     thread run a kernel inline, and the values in a product's operands do not change its split; the

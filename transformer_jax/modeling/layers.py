@@ -58,6 +58,10 @@ def _take_rows_jvp(packed, primals, tangents):
     return _take_rows(table, ids, packed), rows.astype(table.dtype)
 
 
+def _packed_table_init(init, key, shape, dtype):
+    return native.pack_kernel(init(key, shape, dtype))
+
+
 class Embed(nn.Module):
     """A [V, D] embedding table. `attend` reuses it as the pre-softmax projection (section 3.4:
     the same weight matrix for both embedding layers and the output linear transformation)."""
@@ -77,8 +81,7 @@ class Embed(nn.Module):
         # N(0, 1/D): with the sqrt(D) scale the embedded tokens start with unit variance.
         init = nn.initializers.normal(stddev=self.features**-0.5)
         if self.packed:  # the same values, in the packed order
-            init = functools.partial(lambda init, key, shape, dtype: native.pack_kernel(init(key, shape, dtype)),
-                                     init)
+            init = functools.partial(_packed_table_init, init)
         self.embedding = self.param(
             "embedding", nn.with_logical_partitioning(init, self.names),
             (self.num_embeddings, self.features), self.param_dtype,

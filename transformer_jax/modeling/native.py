@@ -384,36 +384,36 @@ def _array_module(a):
 
 def pack_kernel(w):
     """A weight [O, I] (numpy or JAX) in the packed layout (see PACK_TILE); `unpack_kernel` inverts it."""
-    xp, (O, I) = _array_module(w), w.shape
-    tiled = packed_rows(O, I)
+    xp, (rows, size) = _array_module(w), w.shape
+    tiled = packed_rows(rows, size)
     if tiled == 0:
         return w
-    tiles = w[:tiled].reshape(tiled // PACK_TILE, PACK_TILE, I // 2, 2).transpose(0, 2, 1, 3)
-    return xp.concatenate([tiles.reshape(tiled, I), w[tiled:]], axis=0)
+    tiles = w[:tiled].reshape(tiled // PACK_TILE, PACK_TILE, size // 2, 2).transpose(0, 2, 1, 3)
+    return xp.concatenate([tiles.reshape(tiled, size), w[tiled:]], axis=0)
 
 
 def unpack_kernel(w):
     """The weight [O, I] that `pack_kernel` packed into w."""
-    xp, (O, I) = _array_module(w), w.shape
-    tiled = packed_rows(O, I)
+    xp, (rows, size) = _array_module(w), w.shape
+    tiled = packed_rows(rows, size)
     if tiled == 0:
         return w
-    tiles = w[:tiled].reshape(tiled // PACK_TILE, I // 2, PACK_TILE, 2).transpose(0, 2, 1, 3)
-    return xp.concatenate([tiles.reshape(tiled, I), w[tiled:]], axis=0)
+    tiles = w[:tiled].reshape(tiled // PACK_TILE, size // 2, PACK_TILE, 2).transpose(0, 2, 1, 3)
+    return xp.concatenate([tiles.reshape(tiled, size), w[tiled:]], axis=0)
 
 
 def packed_matmul_xla(x, w):
     """x [R, I] times a packed weight w [O, I] (see PACK_TILE) -> float32 [R, O], in XLA's ops: the
     tiles as one product over their [O / 16, I / 2, 16, 2] view, the rows after them as they are."""
-    O, I = w.shape
-    tiled = packed_rows(O, I)
+    rows, size = w.shape
+    tiled = packed_rows(rows, size)
     parts = []
     if tiled:
-        tiles = w[:tiled].reshape(tiled // PACK_TILE, I // 2, PACK_TILE, 2)
-        y = jnp.einsum("rpj,tpoj->rto", x.reshape(x.shape[0], I // 2, 2), tiles,
+        tiles = w[:tiled].reshape(tiled // PACK_TILE, size // 2, PACK_TILE, 2)
+        y = jnp.einsum("rpj,tpoj->rto", x.reshape(x.shape[0], size // 2, 2), tiles,
                        preferred_element_type=jnp.float32)
         parts.append(y.reshape(x.shape[0], tiled))
-    if tiled < O:
+    if tiled < rows:
         parts.append(_rows_matmul_xla(x, w[tiled:]))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
