@@ -53,6 +53,32 @@ def test_contract_transposed_equals_einsum_with_gradients(dtype, n_in, rows):
         _close(g, r, 1e-5 if dtype == "float32" else 2e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 40])  # decoding steps; a prefill's rows
+@pytest.mark.parametrize("n_in", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_contract_packed_equals_einsum_with_gradients(dtype, n_in, rows):
+    # A packed weight's product, on the kernel (bf16 on a CPU with it) or through the tiles' view,
+    # equals the out_in weight's; its gradient is the out_in gradient in the packed order.
+    kx, kw = jax.random.split(jax.random.key(rows))
+    out, in_ = (4, 8), ((2, 6) if n_in == 2 else (12,))
+    x = jax.random.normal(kx, (rows,) + in_).astype(dtype)
+    w_t = (jax.random.normal(kw, out + in_) * 0.3).astype(dtype)
+    w_p = native.pack_kernel(w_t.reshape(32, -1)).reshape(w_t.shape)
+    loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w))))  # noqa: E731
+    mine = lambda x, w: matmul.contract_packed(x, w, n_in, cpu_kernels="auto")  # noqa: E731
+    plain = lambda x, w: matmul.contract_transposed(x, w, n_in)  # noqa: E731
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    _close(jax.jit(mine)(x, w_p), jax.jit(plain)(x, w_t), 1e-6 if dtype == "float32" else 1e-2)
+    gx, gw = jax.jit(jax.grad(loss(mine), argnums=(0, 1)))(x, w_p)
+    rx, rw = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(x, w_t)
+    _close(gx, rx, tol)
+    _close(gw, native.pack_kernel(rw.reshape(32, -1)).reshape(rw.shape), tol)
+    with pytest.raises(ValueError, match=r"does not end in w_p's input axes"):
+        matmul.contract_packed(jnp.ones((3, 5), dtype), w_p, n_in)
+    with pytest.raises(TypeError, match="contract_packed: x is"):
+        matmul.contract_packed(x.astype(jnp.float16), w_p, n_in)
+
+
 def test_contract_transposed_rejects_mismatched_inputs():
     x = jnp.ones((3, 7))
     with pytest.raises(ValueError, match=r"does not end in w_t's input axes \(5,\)"):

@@ -245,6 +245,20 @@ def _cpu_weights_first(x2, w2):
     return lax.optimization_barrier(y_t).T[:rows]
 
 
+def _as_matrices(caller: str, name: str, x, w, n_in: int):
+    """x [..., in...] and an output-axes-first w [out..., in...] as matrices x2 [rows, in] and
+    w2 [out, in], with x's leading and w's output shapes; errors name `caller` and the weight."""
+    if x.dtype != w.dtype:
+        raise TypeError(f"{caller}: x is {x.dtype} but {name} is {w.dtype}")
+    n_out = w.ndim - n_in
+    out_shape, in_shape = w.shape[:n_out], w.shape[n_out:]
+    if n_in < 1 or x.shape[x.ndim - n_in:] != in_shape:
+        raise ValueError(f"{caller}: x {x.shape} does not end in {name}'s input axes "
+                         f"{in_shape} ({name} {w.shape}, n_in={n_in})")
+    x2 = x.reshape(-1, math.prod(in_shape))
+    return x2, w.reshape(math.prod(out_shape), math.prod(in_shape)), x.shape[:x.ndim - n_in], out_shape
+
+
 def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
     """x [..., in...] times a weight stored output axes first, w_t [out..., in...], over the `n_in`
     `in` axes -> float32 [..., out...]. Used for the tied embedding as the output projection
@@ -263,16 +277,7 @@ def contract_transposed(x, w_t, n_in: int = 1, *, cpu_kernels: str = "xla"):
       pass of the module doc (dW_t from a transposed copy of x);
     - otherwise one `lax.dot_general`.
     """
-    if x.dtype != w_t.dtype:
-        raise TypeError(f"contract_transposed: x is {x.dtype} but w_t is {w_t.dtype}")
-    n_out = w_t.ndim - n_in
-    out_shape, in_shape = w_t.shape[:n_out], w_t.shape[n_out:]
-    if n_in < 1 or x.shape[x.ndim - n_in:] != in_shape:
-        raise ValueError(f"contract_transposed: x {x.shape} does not end in w_t's input axes "
-                         f"{in_shape} (w_t {w_t.shape}, n_in={n_in})")
-    lead = x.shape[:x.ndim - n_in]
-    x2 = x.reshape(-1, math.prod(in_shape))
-    w2 = w_t.reshape(math.prod(out_shape), math.prod(in_shape))
+    x2, w2, lead, out_shape = _as_matrices("contract_transposed", "w_t", x, w_t, n_in)
     rows = x2.shape[0]
     if (1 <= rows <= native.MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float32)
             and native.use_native(cpu_kernels)):
@@ -300,16 +305,7 @@ def contract_packed(x, w_p, n_in: int = 1, *, cpu_kernels: str = "xla"):
     (decoding steps and prefills), where `native.use_native(cpu_kernels)`, runs on the package's
     kernel (`native.packed_matmul`); any other, as one product over the tiles' [out / 16, in / 2,
     16, 2] view (`native.packed_matmul_xla`, differentiated by JAX as usual)."""
-    if x.dtype != w_p.dtype:
-        raise TypeError(f"contract_packed: x is {x.dtype} but w_p is {w_p.dtype}")
-    n_out = w_p.ndim - n_in
-    out_shape, in_shape = w_p.shape[:n_out], w_p.shape[n_out:]
-    if n_in < 1 or x.shape[x.ndim - n_in:] != in_shape:
-        raise ValueError(f"contract_packed: x {x.shape} does not end in w_p's input axes "
-                         f"{in_shape} (w_p {w_p.shape}, n_in={n_in})")
-    lead = x.shape[:x.ndim - n_in]
-    x2 = x.reshape(-1, math.prod(in_shape))
-    w2 = w_p.reshape(math.prod(out_shape), math.prod(in_shape))
+    x2, w2, lead, out_shape = _as_matrices("contract_packed", "w_p", x, w_p, n_in)
     if native.packed_fits(x2.shape[0], x.dtype) and native.use_native(cpu_kernels):
         y = lax.platform_dependent(x2, w2, cpu=native.packed_matmul, default=native.packed_matmul_xla)
     else:
