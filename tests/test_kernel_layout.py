@@ -270,6 +270,19 @@ def test_packed_layout_stores_out_in_values_in_tiles(variant):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("vocab,width", [(50, 8), (50, 7), (16, 4), (3, 6)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_table_lookups_return_every_row(vocab, width, dtype):
+    # Rows in tiles, rows after the tiles, and an odd width (stored as it is): every lookup is the row.
+    from transformer_jax.modeling.layers import Embed
+
+    table = jnp.arange(vocab * width, dtype=jnp.float32).reshape(vocab, width).astype(dtype)
+    embed = Embed(vocab, width, dtype=dtype, param_dtype=dtype, packed=True)
+    ids = jnp.arange(vocab)[::-1].reshape(1, vocab)
+    got = embed.apply({"params": {"embedding": native.pack_kernel(table)}}, ids)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(table[::-1], np.float32))
+
+
 @pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
 def test_packed_cached_decoding_follows_the_full_forward_on_the_kernel():
     config = _lm(dtype="bfloat16", param_dtype="bfloat16")

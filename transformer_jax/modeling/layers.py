@@ -17,10 +17,10 @@ from transformer_jax.modeling.matmul import contract_packed, contract_transposed
 def _gather_rows(table, ids, packed: bool):
     """table[ids] (rows along axis 0); of a table stored packed (`native.pack_kernel`: rows in
     tiles of 16, each [D / 2, 16, 2]), gathered from the tiles' view."""
-    if not packed:
-        return jnp.take(table, ids, axis=0)
     V, D = table.shape
-    tiled = native.packed_rows(V, D)
+    tiled = native.packed_rows(V, D) if packed else 0
+    if tiled == 0:  # (an odd width is stored as it is)
+        return jnp.take(table, ids, axis=0)
     inside = ids < tiled
     tile = native.PACK_TILE
     view = table[:tiled].reshape(tiled // tile, D // 2, tile, 2)
