@@ -443,6 +443,18 @@ constexpr int PackedTileCount() {
   return R <= 2 ? 1 : (R <= 8 ? 3 : (R <= 12 ? 2 : 1));
 }
 
+// Where output-major element f of a group's [16 T, R] outputs lies among its sums (sum k = tile
+// k / R, row k % R, 16 outputs each): computed at compile time, as the table the store gathers by.
+template <int R, int T>
+constexpr std::array<int32_t, 16 * T * R> PackedOutputOrder() {
+  std::array<int32_t, 16 * T * R> order{};
+  for (int f = 0; f < 16 * T * R; ++f) {
+    const int local = f / R, r = f % R;  // output o + local, row r
+    order[f] = ((local / 16) * R + r) * 16 + local % 16;
+  }
+  return order;
+}
+
 template <int R, int T>
 inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O,
                         int64_t r0) {
@@ -476,15 +488,10 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
   if (O < 0) {  // y [O, R]: outputs o .. o + 16 T - 1 are 16 T R consecutive floats, output-major
     alignas(64) float sums[T * R * 16];
     for (int k = 0; k < T * R; ++k) _mm512_store_ps(sums + 16 * k, acc[k]);
+    static constexpr std::array<int32_t, 16 * T * R> kOrder = PackedOutputOrder<R, T>();
     float* out = y + o * R;
-    for (int v = 0; v < T * R; ++v) {
-      alignas(64) int32_t index[16];
-      for (int l = 0; l < 16; ++l) {
-        const int f = 16 * v + l, local = f / R, r = f % R;  // output o + local, row r
-        index[l] = ((local / 16) * R + r) * 16 + local % 16;
-      }
-      _mm512_storeu_ps(out + 16 * v, _mm512_i32gather_ps(_mm512_load_si512(index), sums, 4));
-    }
+    for (int v = 0; v < T * R; ++v)
+      _mm512_storeu_ps(out + 16 * v, _mm512_i32gather_ps(_mm512_loadu_si512(kOrder.data() + 16 * v), sums, 4));
   } else {  // y [rows, O], these R rows from row r0: each sum is 16 consecutive outputs of a row
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + r) * O + o + 16 * t, acc[t * R + r]);
