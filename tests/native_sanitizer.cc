@@ -3,7 +3,7 @@
 // tests/test_native_kernels.py for each instruction set the CPU runs.
 //
 // It calls the FFI implementation functions (RowsMatmulImpl, ColsMatmulImpl, CacheAttentionImpl,
-// CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl, TrainAttentionFwdImpl,
+// CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl, PackedDenseImpl, TrainAttentionFwdImpl,
 // TrainAttentionBwdImpl, MaterializeImpl, LayerNormImpl) directly, through an XLA_FFI_Api whose
 // thread pool is threads of its own (so ParallelFor runs as in XLA, threads taking each other's
 // ranges), on buffers allocated with exactly the bytes their shapes need, and compares every result
@@ -249,6 +249,15 @@ __attribute__((no_sanitize("thread"))) static void ReferenceDot(const float* w, 
   *mag = m;
 }
 
+// A bf16 weight w [O, I] in the packed layout: rows 0 .. O16 - 1 in tiles of 16, each [I / 2, 16, 2];
+// the rest (every row where I is odd) as they are.
+static void PackWeights(const float* wf, uint16_t* w, int64_t O, int64_t I) {
+  const int64_t O16 = I % 2 == 0 ? O / 16 * 16 : 0;
+  for (int64_t o = 0; o < O; ++o)
+    for (int64_t i = 0; i < I; ++i)
+      w[o < O16 ? (o / 16) * 16 * I + (i / 2) * 32 + (o % 16) * 2 + i % 2 : o * I + i] = ToBf16(wf[o * I + i]);
+}
+
 // The weight products: tj_rows_matmul ("matmul": x [R, I] times w [O, I] -> y [O, R]) and
 // tj_cols_matmul ("cols": w [I, O] -> y [R, O]). dtype 0 f32 / 1 bf16; path 1 dot / 2 widen (bf16);
 // data 0 small integers (exact), 1 random reals (tolerance).
@@ -265,12 +274,7 @@ static void TestProduct(const std::string& kernel, const Params& p) {
   if (dtype) {
     for (int64_t i = 0; i < R * I; ++i) ((uint16_t*)xa.p)[i] = ToBf16(xf[i]);
     for (int64_t i = 0; i < O * I; ++i) ((uint16_t*)wa.p)[i] = ToBf16(wf[i]);
-    if (packed) {  // rows 0 .. O16 - 1 in tiles of 16, each [I / 2, 16, 2]; the rest as they are
-      const int64_t O16 = I % 2 == 0 ? O / 16 * 16 : 0;
-      uint16_t* w = (uint16_t*)wa.p;
-      for (int64_t o = 0; o < O16; ++o)
-        for (int64_t i = 0; i < I; ++i) w[(o / 16) * 16 * I + (i / 2) * 32 + (o % 16) * 2 + i % 2] = ToBf16(wf[o * I + i]);
-    }
+    if (packed) PackWeights(wf.data(), (uint16_t*)wa.p, O, I);
   } else {
     if (R * I) memcpy(xa.p, xf.data(), 4 * R * I);
     if (O * I) memcpy(wa.p, wf.data(), 4 * O * I);
@@ -745,6 +749,56 @@ static void TestBiasAct(const Params& p) {
   if (worst > 0) Fail("biasact", p, "max abs error beyond tolerance %.6g at r=%ld o=%ld", worst, (long)wr, (long)wo);
 }
 
+// tj_packed_dense: act(round(x W^T + bias)) for a packed bf16 weight. ot 0 f32 / 1 bf16 output;
+// act 0..3; data 0 small integers (exact sums), 1 random reals.
+static double ActivationRef(int64_t act, double h) {
+  switch (act) {
+    case 1: return h > 0 ? h : 0;
+    case 2: return h * 0.5 * (1 + std::tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)));
+    case 3: return h / (1 + std::exp(-h));
+    default: return h;
+  }
+}
+
+static void TestPackedDense(const Params& p) {
+  const int64_t R = p.at("R"), I = p.at("I"), O = p.at("O"), act = p.at("act"), ot = p.at("ot"),
+                thr = p.at("thr"), data = p.at("data"), alloc = p.at("alloc");
+  Alloc xa(2 * R * I, alloc), wa(2 * O * I, alloc), ba(4 * O, alloc), oa((ot ? 2 : 4) * R * O, alloc);
+  std::vector<float> xf(R * I), wf(O * I);
+  uint64_t state = Seed("packeddense", p);
+  ProductOperands(xf.data(), R * I, data == 0, true, &state);
+  ProductOperands(wf.data(), O * I, data == 0, true, &state);
+  for (int64_t i = 0; i < R * I; ++i) ((uint16_t*)xa.p)[i] = ToBf16(xf[i]);
+  PackWeights(wf.data(), (uint16_t*)wa.p, O, I);
+  std::mt19937_64 rng(state);
+  float* bias = (float*)ba.p;
+  for (int64_t o = 0; o < O; ++o) bias[o] = (float)((int64_t)(rng() % 9) - 4) * (data == 0 ? 1.0f : 0.37f);
+  if (ot) for (int64_t i = 0; i < R * O; ++i) ((uint16_t*)oa.p)[i] = 0xFFFF;
+  else for (int64_t i = 0; i < R * O; ++i) ((float*)oa.p)[i] = std::numeric_limits<float>::quiet_NaN();
+  Buf xb(XLA_FFI_DataType_BF16, xa.p, {R, I}), wb(XLA_FFI_DataType_BF16, wa.p, {O, I}),
+      bb(XLA_FFI_DataType_F32, ba.p, {O}), ob(ot ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32, oa.p, {R, O});
+  ffi::Error e = PackedDenseImpl(MakePool(thr), ffi::AnyBuffer(&xb.b), ffi::AnyBuffer(&wb.b),
+                                 ffi::Buffer<ffi::F32>(&bb.b), ffi::AnyBuffer(&ob.b), (int32_t)act);
+  if (e.failure()) return Fail("packeddense", p, "returned error: %s", e.message().c_str());
+  double worst = 0;
+  int64_t wr = -1, wo = -1;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t o = 0; o < O; ++o) {
+      double dot, mag;
+      ReferenceDot(wf.data() + o * I, 1, xf.data() + r * I, I, &dot, &mag);
+      float hf = (float)dot + bias[o];
+      if (ot) hf = RoundBf16(hf);
+      const double h = hf, ref = ActivationRef(act, h);
+      const double got = ot ? FromBf16(((uint16_t*)oa.p)[r * O + o]) : ((float*)oa.p)[r * O + o];
+      const double tol = (ot ? 0.03 * std::fabs(h) + 0.01 * std::fabs(ref) + 1e-3
+                             : 1e-5 * (std::fabs(h) + std::fabs(ref)) + 1e-6) + (data == 0 ? 0.0 : 4e-5 * mag);
+      double err = std::fabs(got - ref);
+      if (std::isnan(got)) err = INFINITY;
+      if (err > tol && err > worst) worst = err, wr = r, wo = o;
+    }
+  if (worst > 0) Fail("packeddense", p, "max abs error beyond tolerance %.6g at r=%ld o=%ld", worst, (long)wr, (long)wo);
+}
+
 static void TestLayerNorm(const Params& p) {
   const int64_t R = p.at("R"), D = p.at("D"), rms = p.at("rms"), it = p.at("it"), ot = p.at("ot"),
                 alloc = p.at("alloc");
@@ -862,6 +916,16 @@ static void Sweep(std::vector<Case>& cs) {
       for (int64_t O : {1, 15, 16, 33, 48, 49, 97})
         cs.push_back({"packed", {{"dtype", 1}, {"path", 0}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()},
                                  {"data", (int64_t)(n % 4 == 0)}, {"alloc", (int64_t)(n % 3)}}});
+  // the same products with a bias, a rounding and an activation after them (tj_packed_dense)
+  for (int64_t R = 1; R <= 16; ++R)
+    for (int64_t I : {1, 2, 8, 31, 98})
+      for (int64_t O : {1, 16, 17, 48, 49, 97}) {
+        ++n;
+        cs.push_back({"packeddense", {{"R", R}, {"I", I}, {"O", O}, {"act", n % 4}, {"ot", (n / 4) % 2},
+                                      {"thr", thr()}, {"data", (int64_t)(n % 3 == 0)}, {"alloc", (int64_t)(n % 3)}}});
+      }
+  for (auto [I, O] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {0, 0}, {18, 0}, {768, 771}})
+    cs.push_back({"packeddense", {{"R", 8}, {"I", I}, {"O", O}, {"act", 2}, {"ot", 1}, {"thr", thr()}, {"data", 0}, {"alloc", 0}}});
   // --- attention ---
   const std::vector<int64_t> Kds = {1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 100, 127, 128, 129, 200, 240, 255, 256};
   const std::vector<int64_t> Ss = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100};
@@ -984,6 +1048,7 @@ static void RunCase(const Case& c) {
   else if (c.kernel == "cachereorder") TestCacheReorder(c.p);
   else if (c.kernel == "greedy") TestGreedy(c.p);
   else if (c.kernel == "biasact") TestBiasAct(c.p);
+  else if (c.kernel == "packeddense") TestPackedDense(c.p);
   else if (c.kernel == "layernorm") TestLayerNorm(c.p);
   if (g_scheduled.load() != scheduled) ++g_parallel;
 }
@@ -996,7 +1061,8 @@ static bool MayRunOnSeveralThreads(const Case& c) {
   const auto thr = c.p.find("thr");
   if (thr != c.p.end() && thr->second < 2) return false;
   const auto data = c.p.find("data");
-  return !((c.kernel == "matmul" || c.kernel == "cols" || c.kernel == "packed") && data != c.p.end() &&
+  return !((c.kernel == "matmul" || c.kernel == "cols" || c.kernel == "packed" || c.kernel == "packeddense") &&
+           data != c.p.end() &&
            data->second != 0);
 }
 

@@ -295,9 +295,11 @@ def test_packed_cached_decoding_follows_the_full_forward_on_the_kernel():
     _close(cached, full, 3e-2)
     step = jax.jit(lambda p, t, c: tj.TransformerLM(target).apply({"params": p}, t, cache=c))
     hlo = step.lower(params, jnp.ones((8, 1), jnp.int32), tj.init_cache(target, 8, 16)).compile().as_text()
-    # Every weight product of the step on the packed kernel: 6 a layer, then the tied table.
-    assert hlo.count('custom_call_target="transformer_jax_packed_matmul"') == 2 * 6 + 1
-    assert "transformer_jax_rows_matmul" not in hlo
+    # Every weight product of the step on the packed kernel: 6 a layer, each with its bias (and
+    # wi with its activation) in the same call, then the tied table's plain product.
+    assert hlo.count('custom_call_target="transformer_jax_packed_dense"') == 2 * 6
+    assert hlo.count('custom_call_target="transformer_jax_packed_matmul"') == 1
+    assert "transformer_jax_rows_matmul" not in hlo and "transformer_jax_bias_activation" not in hlo
 
 
 @pytest.mark.parametrize("impl", ["xla", "reference", "chunked"])

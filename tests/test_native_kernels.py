@@ -302,6 +302,72 @@ def test_packed_matmul_refuses_what_it_cannot_take():
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows,out,inp,activation,dtype", [
+    (8, 3072, 768, "gelu_tanh", "bfloat16"),  # a decoding step's wi: 64 groups of three tiles
+    (8, 768, 3072, "none", "bfloat16"),       # its wo, a bias and a rounding only
+    (8, 3088, 768, "gelu_tanh", "float32"),   # a group of one tile last
+    (1, 50, 168, "relu", "bfloat16"),         # one tile at a time; two rows after three tiles
+    (5, 80, 98, "silu", "bfloat16"),          # a group of two tiles last
+    (16, 300, 512, "none", "float32"),        # the most rows; 12 rows after the tiles
+    (3, 5, 8, "gelu_tanh", "bfloat16"),       # no tile: every row after the tiles
+    (4, 20, 33, "silu", "float32"),           # an odd input count: every row stored as it is
+])
+def test_packed_dense_equals_the_product_then_bias_and_activation(rows, out, inp, activation, dtype):
+    # The one call gives exactly what the product and `bias_activation` give as two, and the XLA
+    # path's numbers within bias_activation's own tolerance of them.
+    rng = np.random.default_rng(rows * 100 + out)
+    x, w = _rand(rng, (rows, inp), jnp.bfloat16), _rand(rng, (out, inp), jnp.bfloat16)
+    wp, bias = native.pack_kernel(w), _rand(rng, (out,), jnp.float32)
+    got = jax.jit(lambda x, w, b: native.packed_dense(x, w, b, activation, dtype))(x, wp, bias)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == (rows, out)
+    two = jax.jit(lambda x, w, b: native.bias_activation(native.packed_matmul(x, w), b, activation, dtype))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(two(x, wp, bias), np.float32))
+    want = np.asarray(native.packed_dense_xla(x, wp, bias, activation, dtype), np.float32)
+    if dtype == "bfloat16":  # the sums' order decides the rounding of h = x W^T + b now and then
+        h = np.asarray(native.packed_matmul_xla(x, wp) + bias)
+        diff = np.abs(np.asarray(got, np.float32) - want)
+        # one bf16 step of h through an activation whose slope is at most ~1.13, then of the result
+        assert np.all(diff <= 2.0**-7 * (1.13 * np.abs(h) + np.abs(want))), diff.max()
+        assert np.mean(diff > 0) < 0.02
+    else:
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * inp ** 0.5)
+
+
+@needs_kernels
+def test_packed_dense_derivatives_and_vmap_equal_xla():
+    rng = np.random.default_rng(4)
+    x, w = _rand(rng, (4, 48), jnp.bfloat16), _rand(rng, (40, 48), jnp.bfloat16)
+    wp, b = native.pack_kernel(w), _rand(rng, (40,), jnp.float32)
+    dense = lambda x, w, b: native.packed_dense(x, w, b, "gelu_tanh", jnp.float32)  # noqa: E731
+    ref = lambda x, w, b: native.packed_dense_xla(x, w, b, "gelu_tanh", jnp.float32)  # noqa: E731
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    got = jax.grad(loss(dense), argnums=(0, 1, 2))(x, wp, b)
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(x, wp, b)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=2e-2, atol=2e-2)
+    tangent = jax.jvp(dense, (x, wp, b), (x, wp, b))[1]
+    np.testing.assert_allclose(tangent, jax.jvp(ref, (x, wp, b), (x, wp, b))[1], rtol=1e-4, atol=1e-4)
+    xs = _rand(rng, (3, 2, 48), jnp.bfloat16)
+    mapped = jax.vmap(dense, in_axes=(0, None, None))(xs, wp, b)
+    want = jax.vmap(ref, in_axes=(0, None, None))(xs, wp, b)
+    np.testing.assert_allclose(mapped, want, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_dense_refuses_what_it_cannot_take():
+    x, w, b = jnp.ones((2, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.bfloat16), jnp.ones((4,), jnp.float32)
+    with pytest.raises(ValueError, match="activation 'tanh'"):
+        native.packed_dense(x, w, b, "tanh", jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"bias \[O\]"):
+        native.packed_dense(x, w, jnp.ones((5,), jnp.float32), "none", jnp.bfloat16)
+    with pytest.raises(ValueError, match="x has 17 rows"):
+        native.packed_dense(jnp.ones((17, 8), jnp.bfloat16), w, b, "none", jnp.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 only"):
+        native.packed_dense(x.astype(jnp.float32), w.astype(jnp.float32), b, "none", jnp.float32)
+    with pytest.raises(TypeError, match="output float32 or bfloat16"):
+        native.packed_dense(x, w, b, "none", jnp.float16)
+
+
+@needs_kernels
 @pytest.mark.parametrize("B,L,H,N,S,K,mask_heads,mask_queries", [
     (8, 1, 12, 12, 96, 64, 1, 1),   # a GPT-2-small decoding step
     (2, 3, 8, 2, 37, 40, 8, 3),     # grouped-query heads, a mask per head and query, a head tail
@@ -1324,8 +1390,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # at 1, 5, 13 and 16 rows (one and two passes, tails, several blocks), attention with grouped
     # heads and per-query masks, the cache write and reordering, the greedy choice at batch 1 and 17,
     # the bf16 activations over 131,072 values, the training attention's forward and backward
-    # kernels, the layer norm and the product of packed weights (49 tests, 7 of them for the bf16 dot
-    # products AVX2 lacks). Built
+    # kernels, the layer norm and the product of packed weights, alone and with its bias and
+    # activation (51 tests, 7 of them for the bf16 dot products AVX2 lacks). Built
     # at -O1 (the last -O wins) into a cache of its own, so that the suite does not wait for an
     # optimised build of code that runs nowhere else in it.
     if native.isa() != "avx512":
@@ -1340,7 +1406,8 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
                 "or (cols_matmul_equals and (3-33-50 or 9-70-130 or 16-2049-300)) "
                 "or (sequence_attention_and and packed) or sequence_attention_log_sum_exp "
                 "or (layer_norm_equals and 768) or layer_norm_over_many "
-                "or (packed_matmul_equals and (1-50-168 or 8-3088-768 or 16-300-5000))")
+                "or (packed_matmul_equals and (1-50-168 or 8-3088-768 or 16-300-5000)) "
+                "or (packed_dense_equals and (3072-768 or 4-20-33))")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected]
     env = dict(os.environ, CXX=str(cxx), TRANSFORMER_JAX_CACHE=str(tmp_path / "cache"))
     env[native.ISA_ENV] = "avx2"
@@ -1349,7 +1416,7 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
     # Every selected test ran but the 4 of the bf16 dot-product path, which AVX2 lacks: a build that
     # compiles but cannot load skipped them all.
     summary = out.stdout[-2000:]
-    assert re.search(r"\b42 passed, 7 skipped\b", out.stdout) and " failed" not in out.stdout, summary
+    assert re.search(r"\b44 passed, 7 skipped\b", out.stdout) and " failed" not in out.stdout, summary
     skips = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
     assert skips and all("AVX2 has no bf16 dot product" in line for line in skips), out.stdout[-2000:]
 
@@ -1358,13 +1425,14 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(tmp_path):
                                              ("avx512", "thread")])
 def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     """tests/native_sanitizer.cc runs every kernel (the products of [out, in] and [in, out] weights at
-    1-16 rows on both bf16 paths and of packed bf16 weights, the cache attention, the cache write,
+    1-16 rows on both bf16 paths and of packed bf16 weights, alone and with a bias and activation
+    after them, the cache attention, the cache write,
     beam search's cache reordering, the greedy choice, the bias and activation, the training
     attention forward and backward, the in-place identity, the norms) over ~50,000 awkward shapes
-    (~38,000 on AVX2, which has one bf16 path) on buffers of exactly their size, some flush against a
+    (~38,500 on AVX2, which has one bf16 path) on buffers of exactly their size, some flush against a
     no-access page, with the work split over threads as XLA's pool splits it, and checks each result against
     a scalar reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each instruction set, and
-    under ThreadSanitizer the ~27,600 cases whose work can be split over threads (pools of one
+    under ThreadSanitizer the ~28,000 cases whose work can be split over threads (pools of one
     thread run a kernel inline, and the values in a product's operands do not change its split; the
     references and the drawing of operands run uninstrumented: 99 -> 37 s here). It found the
     greedy choice naming token V past the vocabulary when every logit is negative (fixed; the tests
@@ -1394,12 +1462,12 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     assert built.returncode == 0, built.stderr[-3000:]
     env = dict(os.environ, UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1", TSAN_OPTIONS="halt_on_error=1")
     threads = sanitizers == "thread"
-    if threads:  # only the cases whose work can be split over threads (27,632 of 50,598 on AVX-512)
+    if threads:  # only the cases whose work can be split over threads (27,955 of 51,082 on AVX-512)
         env["SANITIZER_SWEEP"] = "threads"
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = re.search(r": (\d+) cases, (\d+) mismatches, (\d+) on several threads", run.stdout)
-    # ~50,000 cases; ~38,000 on AVX2, where bf16 products have one path (widened), not two. Of those,
+    # ~51,000 cases; ~38,500 on AVX2, where bf16 products have one path (widened), not two. Of those,
     # ~7,800 (~5,900 with one kind of product data) hand work to another thread.
     assert summary, run.stdout[-2000:]
     cases, mismatches, parallel = (int(g) for g in summary.groups())

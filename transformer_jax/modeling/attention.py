@@ -531,10 +531,13 @@ class Projection(nn.Module):
             fits = 1 <= rows <= native.MAX_ROWS
         else:
             fits = native.cols_fit(rows, math.prod(self.features), x.dtype)
-        if (self.activation in native.ACTIVATION_CODES and trailing and n_in == n_out == 1 and fits
+        # A packed product takes its bias (and rounding) in the same call even with no activation
+        # (native.packed_dense): that replaces XLA's fusion of bias and rounding after it.
+        activation = "none" if self.activation is None and packed and bias is not None else self.activation
+        if (activation in native.ACTIVATION_CODES and trailing and (packed or n_in == n_out == 1) and fits
                 and x.dtype in (jnp.bfloat16, jnp.float32)
                 and out_dtype in (jnp.bfloat16, jnp.float32) and native.use_native(self.cpu_kernels)):
-            return _native_dense(x, kernel, bias, self.activation, out_dtype, out_first, packed)
+            return _native_dense(x, kernel, bias, activation, out_dtype, out_first, packed, n_in, n_out)
         if not trailing and packed:  # the general product below reads the weight as stored
             kernel = unpack_kernel(kernel, n_out)
         if trailing and packed:
@@ -574,19 +577,23 @@ def unpack_kernel(kernel, n_out: int):
     return native.unpack_kernel(kernel.reshape(rows, -1)).reshape(kernel.shape)
 
 
-def _native_dense(x, kernel, bias, activation, out_dtype, out_first, packed=False):
+def _native_dense(x, kernel, bias, activation, out_dtype, out_first, packed=False, n_in=1, n_out=1):
     """act(x W + b) for a few rows through the CPU kernels: the product (of a kernel stored
     [out, in] if `out_first`, packed if `packed`, else [in, out]), then bias, rounding and
-    activation in one pass (`native.bias_activation`); XLA's ops where the computation is not on
-    the CPU."""
-    x2 = x.reshape(-1, x.shape[-1])
-    features = kernel.shape[0] if out_first else kernel.shape[1]
-    b = jnp.zeros((features,), jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
+    activation in one pass (`native.bias_activation`; packed: all in one call,
+    `native.packed_dense`); XLA's ops where the computation is not on the CPU. x's last `n_in`
+    axes are contracted with the kernel's input axes, and its `n_out` output axes end the result
+    (more than one of either for a kernel stored output-first only)."""
+    features = kernel.shape[:n_out] if out_first else kernel.shape[n_in:]
+    size = math.prod(features)
+    x2 = x.reshape(-1, math.prod(x.shape[x.ndim - n_in:]))
+    kernel = kernel.reshape(size, -1) if out_first else kernel.reshape(-1, size)
+    b = jnp.zeros((size,), jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32).reshape(size)
     contracted = 1 if out_first else 0
 
     def on_cpu(x2, kernel, b):
         if packed:
-            return native.bias_activation(native.packed_matmul(x2, kernel), b, activation, out_dtype)
+            return native.packed_dense(x2, kernel, b, activation, out_dtype)
         if out_first:
             return native.bias_activation(native.rows_matmul(x2, kernel), b, activation, out_dtype)
         return native.bias_activation(native.cols_matmul(x2, kernel), b, activation, out_dtype,
@@ -601,7 +608,7 @@ def _native_dense(x, kernel, bias, activation, out_dtype, out_first, packed=Fals
         return native.bias_activation_xla(y, b, activation, out_dtype)
 
     y = jax.lax.platform_dependent(x2, kernel, b, cpu=on_cpu, default=elsewhere)
-    return y.reshape(x.shape[:-1] + (features,))
+    return y.reshape(x.shape[:x.ndim - n_in] + tuple(features))
 
 
 def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name,

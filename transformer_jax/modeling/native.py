@@ -7,6 +7,10 @@ XLA FFI.
   this one reads each thread's weight rows front to back with software prefetches and streams at
   about the rate of a plain sum. bf16 runs as bf16 dot products or widened to float32 FMAs,
   whichever is faster on this CPU (`bf16_products`).
+- `packed_matmul(x, w)`: the same for a bf16 weight stored in tiles of 16 rows
+  (``kernel_layout='packed'``, `pack_kernel`), whose dot products each add to 16 outputs; and
+  `packed_dense(x, w, bias, activation, dtype)`, that product with `bias_activation`'s bias,
+  rounding and activation in the same call.
 - `cols_matmul(x, w)`: the same for a weight stored input-major, w [I, O] (the default
   `kernel_layout`), each thread reading a run of input rows.
 - `cache_attention(q, k, v, mask)`: softmax(q k^T / sqrt(d)) v for a few queries over the
@@ -68,6 +72,7 @@ MAX_HEAD_DIM = 256
 _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_cols_matmul": "TjColsMatmul",
             "transformer_jax_packed_matmul": "TjPackedMatmul",
+            "transformer_jax_packed_dense": "TjPackedDense",
             "transformer_jax_cache_attention": "TjCacheAttention",
             "transformer_jax_cache_write": "TjCacheWrite",
             "transformer_jax_cache_reorder": "TjCacheReorder",
@@ -449,6 +454,49 @@ def packed_matmul(x, w):
         raise TypeError(f"packed_matmul: bfloat16 only (got {x.dtype}, {w.dtype})")
     _check_available()
     return _packed_matmul(x, w)
+
+
+def packed_dense_xla(x, w, bias, activation, dtype):
+    """What `packed_dense` computes, in XLA's ops (its derivatives, and the path off the CPU)."""
+    return bias_activation_xla(packed_matmul_xla(x, w), bias, activation, dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _packed_dense(x, w, bias, activation, dtype):
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), dtype)
+    return jax.ffi.ffi_call("transformer_jax_packed_dense", out, vmap_method=VMAP)(
+        x, w, bias.astype(jnp.float32), activation=np.int32(ACTIVATION_CODES[activation]))
+
+
+@_packed_dense.defjvp
+def _packed_dense_jvp(activation, dtype, primals, tangents):
+    tangent = jax.jvp(lambda *a: packed_dense_xla(*a, activation, dtype), primals, tangents)[1]
+    return _packed_dense(*primals, activation, dtype), tangent
+
+
+def packed_dense(x, w, bias, activation: str, dtype):
+    """act(round(x W^T + bias)) for x bf16 [R, I] (1 <= R <= 16) and a bf16 weight stored packed,
+    w [O, I], bias [O] -> [R, O] in `dtype` (float32 or bfloat16): `packed_matmul` and
+    `bias_activation` in one call, each group of tiles' sums biased, rounded and activated while
+    they are in cache (the same numbers as the two calls, and as `packed_dense_xla` within
+    `bias_activation`'s tolerance). Differentiable in both modes (`packed_dense_xla`'s
+    derivatives); `jax.vmap` maps it one call per element. Call only where `available()` is True,
+    on the CPU."""
+    dtype = jnp.dtype(dtype)
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"packed_dense: activation {activation!r}; the kernel computes "
+                         f"{', '.join(ACTIVATION_CODES)}")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or bias.shape != w.shape[:1]:
+        raise ValueError(f"packed_dense: expected x [R, I], w [O, I] and bias [O], got {x.shape}, "
+                         f"{w.shape} and {bias.shape}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"packed_dense: x has {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise TypeError(f"packed_dense: x and w bfloat16 only (got {x.dtype}, {w.dtype})")
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"packed_dense: output float32 or bfloat16, not {dtype}")
+    _check_available()
+    return _packed_dense(x, w, bias, activation, dtype)
 
 
 # Where a model's products of [in, out] weights take `cols_matmul`: up to COLS_MAX_ROWS rows, and

@@ -455,12 +455,14 @@ inline void PackedPlainRows(const uint16_t* w, const uint16_t* x, float* y, int6
   }
 }
 
-// A group of `tiles` tiles (1 .. T) at output o, all R rows (a decoding step: y [O, R]).
+// A group of `tiles` tiles (1 .. T) at output o, all R rows: into y [O, R] (a decoding step's
+// product), or where O >= 0 into y [R, O] (tj_packed_dense's sums before its epilogue).
 template <int R, int T>
-void PackedGroup(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int tiles) {
+void PackedGroup(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int tiles,
+                 int64_t O = -1) {
   if constexpr (T > 0) {
-    if (tiles == T) return PackedTiles<R, T>(w, x, y, I, o, -1, 0);
-    PackedGroup<R, T - 1>(w, x, y, I, o, tiles);
+    if (tiles == T) return PackedTiles<R, T>(w, x, y, I, o, O, 0);
+    PackedGroup<R, T - 1>(w, x, y, I, o, tiles, O);
   }
 }
 
@@ -518,6 +520,81 @@ void PackedManyRows(ffi::ThreadPool& pool, const uint16_t* w, const uint16_t* x,
     const int64_t o = g * 16 * T;
     PackedChunks<T>(w, x, y, I, o, O, R, (int)std::min<int64_t>(T, (O16 - o) / 16));
   });
+}
+
+// tj_bias_activation's columns o0 .. o1-1 (see below), by activation code and output dtype.
+using ActivationFn = void (*)(const float*, const float*, void*, int64_t, int64_t, int64_t, int64_t, bool);
+
+template <bool Bf16>
+ActivationFn PickActivation(int act) {
+  switch (act) {
+    case 1: return BiasActivationColumns<1, Bf16>;
+    case 2: return BiasActivationColumns<2, Bf16>;
+    case 3: return BiasActivationColumns<3, Bf16>;
+    default: return BiasActivationColumns<0, Bf16>;
+  }
+}
+
+// tj_packed_dense: out[r, o] = act(round(sum_i w[o, i] x[r, i] + bias[o])), tj_packed_matmul's
+// product for a decoding step's R <= 16 rows with tj_bias_activation's epilogue (the same rounding
+// and activations) in the same task: each group of tiles writes its sums [R, 16 T] into a scratch
+// [R, O] and turns them into its outputs while they are in cache. One call instead of two (or of
+// the product and XLA's bias-and-rounding fusion), and no [O, R] product to read back in another
+// order.
+template <int R>
+void PackedDenseRange(ffi::ThreadPool& pool, const uint16_t* w, const uint16_t* x, float* scratch, const float* bias,
+                      void* out, int64_t I, int64_t O, ActivationFn epilogue) {
+  constexpr int T = PackedTileCount<R>();
+  const int64_t O16 = PackedRows(O, I), groups = (O16 / 16 + T - 1) / T;
+  ParallelFor(pool, groups + (O16 < O ? 1 : 0), [=](int64_t g) {
+    if (g == groups) {
+      PackedPlainRows(w, x, scratch, R, I, O16, O, true);
+      return epilogue(scratch, bias, out, O, R, O16, O, true);
+    }
+    const int64_t o = g * 16 * T;
+    const int tiles = (int)std::min<int64_t>(T, (O16 - o) / 16);
+    PackedGroup<R, T>(w, x, scratch, I, o, tiles, O);
+    epilogue(scratch, bias, out, O, R, o, o + 16 * tiles, true);
+  });
+}
+
+using PackedDenseFn = void (*)(ffi::ThreadPool&, const uint16_t*, const uint16_t*, float*, const float*, void*,
+                               int64_t, int64_t, ActivationFn);
+
+template <int... Rs>
+PackedDenseFn PickPackedDense(int rows, std::integer_sequence<int, Rs...>) {
+  PackedDenseFn fn = nullptr;
+  ((rows == Rs + 1 ? (fn = &PackedDenseRange<Rs + 1>, 0) : 0), ...);
+  return fn;
+}
+
+ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> bias,
+                           ffi::Result<ffi::AnyBuffer> out, int32_t activation) {
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || bias.dimensions().size() != 1 ||
+      bias.dimensions()[0] != wd[0] || od.size() != 2 || od[0] != xd[0] || od[1] != wd[0])
+    return ffi::Error::InvalidArgument("tj_packed_dense: expected x [R, I], w [O, I] (packed), bias [O], out [R, O]");
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("tj_packed_dense: x and w bfloat16 only");
+  const bool bf16 = out->element_type() == ffi::DataType::BF16;
+  if (!bf16 && out->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("tj_packed_dense: output float32 or bfloat16");
+  if (activation < 0 || activation > 3)
+    return ffi::Error::InvalidArgument("tj_packed_dense: activation code must be 0-3");
+  const int64_t R = xd[0], I = xd[1], O = wd[0];
+  if (R < 1 || R > kMaxRows) return ffi::Error::InvalidArgument("tj_packed_dense: x must have 1 to 16 rows");
+  if (O == 0) return ffi::Error::Success();
+  std::vector<float> scratch(R * O, 0.0f);
+  const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
+  const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+  const ActivationFn epilogue = bf16 ? PickActivation<true>(activation) : PickActivation<false>(activation);
+  if (I == 0) {  // no products to run: the bias alone
+    epilogue(scratch.data(), bias.typed_data(), out->untyped_data(), O, R, 0, O, true);
+    return ffi::Error::Success();
+  }
+  PickPackedDense((int)R, std::make_integer_sequence<int, kMaxRows>{})(pool, wp, xp, scratch.data(), bias.typed_data(),
+                                                                        out->untyped_data(), I, O, epilogue);
+  return ffi::Error::Success();
 }
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -794,18 +871,6 @@ ffi::Error GreedyChoiceImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
 // activation, as in the XLA path) and act is none (0), relu (1), the tanh form of GELU (2) or
 // SiLU (3). XLA:CPU's tanh-GELU over a [8, 3072] step took ~50 us, one
 // twentieth of the weight product before it.
-
-using ActivationFn = void (*)(const float*, const float*, void*, int64_t, int64_t, int64_t, int64_t, bool);
-
-template <bool Bf16>
-ActivationFn PickActivation(int act) {
-  switch (act) {
-    case 1: return BiasActivationColumns<1, Bf16>;
-    case 2: return BiasActivationColumns<2, Bf16>;
-    case 3: return BiasActivationColumns<3, Bf16>;
-    default: return BiasActivationColumns<0, Bf16>;
-  }
-}
 
 ffi::Error BiasActivationImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> bias,
                               ffi::Result<ffi::AnyBuffer> out, int32_t activation, int32_t rows_first) {
@@ -1325,6 +1390,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjPackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjPackedDense, PackedDenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("activation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjColsMatmul, ColsMatmulImpl,
                               ffi::Ffi::Bind()
