@@ -284,8 +284,12 @@ def test_packed_table_lookups_return_every_row(vocab, width, dtype):
 
 
 @pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
-def test_packed_cached_decoding_follows_the_full_forward_on_the_kernel():
-    config = _lm(dtype="bfloat16", param_dtype="bfloat16")
+@pytest.mark.parametrize("variant", ["plain", "fused_qkv_untied"])
+def test_packed_cached_decoding_follows_the_full_forward_on_the_kernel(variant):
+    # fused_qkv_untied: one [3 H K, D] product a layer for Q/K/V (three output axes, flattened for
+    # the kernel) and an untied head of 1000 rows (8 after the tiles).
+    extra = dict(fused_qkv=True, tie_output=False, vocab_size=1000) if variant != "plain" else {}
+    config = _lm(dtype="bfloat16", param_dtype="bfloat16", **extra)
     _, params, _ = _model_and_params(config)
     target = config.replace(kernel_layout="packed", cpu_kernels="native")
     params = convert_params(params, config, target)
@@ -295,9 +299,9 @@ def test_packed_cached_decoding_follows_the_full_forward_on_the_kernel():
     _close(cached, full, 3e-2)
     step = jax.jit(lambda p, t, c: tj.TransformerLM(target).apply({"params": p}, t, cache=c))
     hlo = step.lower(params, jnp.ones((8, 1), jnp.int32), tj.init_cache(target, 8, 16)).compile().as_text()
-    # Every weight product of the step on the packed kernel: 6 a layer, each with its bias (and
-    # wi with its activation) in the same call, then the tied table's plain product.
-    assert hlo.count('custom_call_target="transformer_jax_packed_dense"') == 2 * 6
+    # Every weight product of the step on the packed kernel: 6 a layer (4 with fused Q/K/V), each
+    # with its bias (and wi with its activation) in the same call, then the output head's product.
+    assert hlo.count('custom_call_target="transformer_jax_packed_dense"') == 2 * (4 if extra else 6)
     assert hlo.count('custom_call_target="transformer_jax_packed_matmul"') == 1
     assert "transformer_jax_rows_matmul" not in hlo and "transformer_jax_bias_activation" not in hlo
 
