@@ -399,3 +399,22 @@ def test_bf16_out_in_decoding_step_multiplies_bf16_weights_first(variant):
         assert out.endswith(",8") and lhs[5:-1].split(",")[0] == out.split(",")[0]
     assert len(attention_dots) == 4 and len(dots) == len(weight_dots) + 4
     assert all(d[0] == "f32" for d in attention_dots)
+
+
+def test_packing_keeps_each_kernels_sharding():
+    # Packing reorders elements within a kernel of the same shape: the packed kernel keeps the
+    # sharding the kernel had (here wi split by its output rows over 4 devices, or replicated).
+    config = _lm(dtype="bfloat16", param_dtype="bfloat16", kernel_layout="out_in")
+    _, params, _ = _model_and_params(config)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tensor",))
+    P = jax.sharding.PartitionSpec
+    rows = jax.sharding.NamedSharding(mesh, P("tensor", None))
+    params = jax.tree.map(lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P())), params)
+    layer = params["decoder"]["layer_0"]["feed_forward"]["wi"]
+    layer["kernel"] = jax.device_put(layer["kernel"], rows)
+    packed = convert_params(params, config, config.replace(kernel_layout="packed"))
+    wi = packed["decoder"]["layer_0"]["feed_forward"]["wi"]["kernel"]
+    assert wi.sharding == rows
+    np.testing.assert_array_equal(np.asarray(wi), native.pack_kernel(np.asarray(layer["kernel"])))
+    for a in jax.tree.leaves(packed["decoder"]["layer_0"]["self_attention"]):
+        assert a.sharding.is_fully_replicated

@@ -183,6 +183,8 @@ def _repack(params, views: dict, pack: bool):
         one = lambda a: fn(a, n_out)  # noqa: E731
         for _ in range(lead):
             one = jax.vmap(one)
+        if isinstance(x, jax.Array):  # the same shape: the result keeps the array's sharding
+            return jax.jit(one, out_shardings=x.sharding)(x)
         return one(jnp.asarray(x))
 
     return jax.tree_util.tree_map_with_path(move, params)
@@ -201,7 +203,8 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
         serving_params = tj.params.convert_params(params, config, serving)
 
     `model.init`'s partitioning boxes are removed. Sharded arrays keep each axis's sharding through
-    the transposes. Errors name the parameter that does not match `config`."""
+    the transposes, and a packed (or unpacked) array keeps its array's sharding. Errors name the
+    parameter that does not match `config`."""
     import flax.linen as nn
 
     changed = sorted(set(config.diff(target)) - set(CONVERTIBLE_FIELDS + PARAMETER_FREE_FIELDS))
