@@ -584,15 +584,20 @@ ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int64_t R = xd[0], I = xd[1], O = wd[0];
   if (R < 1 || R > kMaxRows) return ffi::Error::InvalidArgument("tj_packed_dense: x must have 1 to 16 rows");
   if (O == 0) return ffi::Error::Success();
-  std::vector<float> scratch(R * O, 0.0f);
+  // The sums, kept by the calling thread from call to call (up to 16 x O floats: a fresh
+  // allocation above malloc's mmap threshold would cost page faults every call).
+  thread_local std::vector<float> sums;
+  if (sums.size() < (size_t)(R * O)) sums.resize(R * O);
+  float* scratch = sums.data();
   const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
   const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
   const ActivationFn epilogue = bf16 ? PickActivation<true>(activation) : PickActivation<false>(activation);
   if (I == 0) {  // no products to run: the bias alone
-    epilogue(scratch.data(), bias.typed_data(), out->untyped_data(), O, R, 0, O, true);
+    std::fill(scratch, scratch + R * O, 0.0f);
+    epilogue(scratch, bias.typed_data(), out->untyped_data(), O, R, 0, O, true);
     return ffi::Error::Success();
   }
-  PickPackedDense((int)R, std::make_integer_sequence<int, kMaxRows>{})(pool, wp, xp, scratch.data(), bias.typed_data(),
+  PickPackedDense((int)R, std::make_integer_sequence<int, kMaxRows>{})(pool, wp, xp, scratch, bias.typed_data(),
                                                                         out->untyped_data(), I, O, epilogue);
   return ffi::Error::Success();
 }
