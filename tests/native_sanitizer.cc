@@ -704,6 +704,16 @@ static void TestGreedy(const Params& p) {
          (long)wb);
 }
 
+// The activations in double precision (the references of tj_bias_activation and tj_packed_dense).
+static double ActivationRef(int64_t act, double h) {
+  switch (act) {
+    case 1: return h > 0 ? h : 0;
+    case 2: return h * 0.5 * (1 + std::tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)));
+    case 3: return h / (1 + std::exp(-h));
+    default: return h;
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // tj_bias_activation. ot 0 f32 / 1 bf16 output; act 0..3.
 static void TestBiasAct(const Params& p) {
@@ -732,14 +742,7 @@ static void TestBiasAct(const Params& p) {
     for (int64_t o = 0; o < O; ++o) {
       float hf = y[o * ys + r * rs] + bias[o];
       if (ot) hf = RoundBf16(hf);
-      const double h = hf;
-      double ref;
-      switch (act) {
-        case 1: ref = h > 0 ? h : 0; break;
-        case 2: ref = h * 0.5 * (1 + std::tanh(0.7978845608028654 * (h + 0.044715 * h * h * h))); break;
-        case 3: ref = h / (1 + std::exp(-h)); break;
-        default: ref = h;
-      }
+      const double h = hf, ref = ActivationRef(act, h);
       const double got = ot ? FromBf16(((uint16_t*)oa.p)[r * O + o]) : ((float*)oa.p)[r * O + o];
       const double tol = ot ? 0.03 * std::fabs(h) + 0.01 * std::fabs(ref) + 1e-3 : 1e-5 * (std::fabs(h) + std::fabs(ref)) + 1e-6;
       double err = std::fabs(got - ref);
@@ -751,15 +754,6 @@ static void TestBiasAct(const Params& p) {
 
 // tj_packed_dense: act(round(x W^T + bias)) for a packed bf16 weight. ot 0 f32 / 1 bf16 output;
 // act 0..3; data 0 small integers (exact sums), 1 random reals.
-static double ActivationRef(int64_t act, double h) {
-  switch (act) {
-    case 1: return h > 0 ? h : 0;
-    case 2: return h * 0.5 * (1 + std::tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)));
-    case 3: return h / (1 + std::exp(-h));
-    default: return h;
-  }
-}
-
 static void TestPackedDense(const Params& p) {
   const int64_t R = p.at("R"), I = p.at("I"), O = p.at("O"), act = p.at("act"), ot = p.at("ot"),
                 thr = p.at("thr"), data = p.at("data"), alloc = p.at("alloc");
