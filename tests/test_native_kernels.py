@@ -322,6 +322,11 @@ def test_packed_dense_equals_the_product_then_bias_and_activation(rows, out, inp
     assert got.dtype == jnp.dtype(dtype) and got.shape == (rows, out)
     two = jax.jit(lambda x, w, b: native.bias_activation(native.packed_matmul(x, w), b, activation, dtype))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(two(x, wp, bias), np.float32))
+    # Written in another shape of the same elements (a decoding step's [B, 1, heads, head_dim]).
+    shaped = jax.jit(lambda x, w, b: native.packed_dense(x, w, b, activation, dtype, (rows, 1, out)))
+    shaped = shaped(x, wp, bias)
+    assert shaped.shape == (rows, 1, out)
+    np.testing.assert_array_equal(np.asarray(shaped[:, 0], np.float32), np.asarray(got, np.float32))
     want = np.asarray(native.packed_dense_xla(x, wp, bias, activation, dtype), np.float32)
     if dtype == "bfloat16":  # the sums' order decides the rounding of h = x W^T + b now and then
         h = np.asarray(native.packed_matmul_xla(x, wp) + bias)
@@ -347,6 +352,11 @@ def test_packed_dense_derivatives_and_vmap_equal_xla():
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=2e-2, atol=2e-2)
     tangent = jax.jvp(dense, (x, wp, b), (x, wp, b))[1]
     np.testing.assert_allclose(tangent, jax.jvp(ref, (x, wp, b), (x, wp, b))[1], rtol=1e-4, atol=1e-4)
+    shaped = lambda x, w, b: native.packed_dense(x, w, b, "gelu_tanh", jnp.float32, (2, 2, 40))  # noqa: E731
+    tangent = jax.jvp(shaped, (x, wp, b), (x, wp, b))[1]
+    assert tangent.shape == (2, 2, 40)
+    want = jax.jvp(ref, (x, wp, b), (x, wp, b))[1]
+    np.testing.assert_allclose(tangent.reshape(4, 40), want, rtol=1e-4, atol=1e-4)
     xs = _rand(rng, (3, 2, 48), jnp.bfloat16)
     mapped = jax.vmap(dense, in_axes=(0, None, None))(xs, wp, b)
     want = jax.vmap(ref, in_axes=(0, None, None))(xs, wp, b)
@@ -365,6 +375,8 @@ def test_packed_dense_refuses_what_it_cannot_take():
         native.packed_dense(x.astype(jnp.float32), w.astype(jnp.float32), b, "none", jnp.float32)
     with pytest.raises(TypeError, match="output float32 or bfloat16"):
         native.packed_dense(x, w, b, "none", jnp.float16)
+    with pytest.raises(ValueError, match=r"shape \(2, 3\) does not hold the 2 x 4 result"):
+        native.packed_dense(x, w, b, "none", jnp.bfloat16, (2, 3))
 
 
 @needs_kernels

@@ -590,14 +590,17 @@ def _native_dense(x, kernel, bias, activation, out_dtype, out_first, packed=Fals
     kernel = kernel.reshape(size, -1) if out_first else kernel.reshape(-1, size)
     b = jnp.zeros((size,), jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32).reshape(size)
     contracted = 1 if out_first else 0
+    shape = x.shape[:x.ndim - n_in] + tuple(features)
 
     def on_cpu(x2, kernel, b):
-        if packed:
-            return native.packed_dense(x2, kernel, b, activation, out_dtype)
+        if packed:  # written in the result's shape: XLA:CPU copied a reshape of [R, O] after it
+            return native.packed_dense(x2, kernel, b, activation, out_dtype, shape)
         if out_first:
-            return native.bias_activation(native.rows_matmul(x2, kernel), b, activation, out_dtype)
-        return native.bias_activation(native.cols_matmul(x2, kernel), b, activation, out_dtype,
-                                      rows_first=True)
+            y = native.bias_activation(native.rows_matmul(x2, kernel), b, activation, out_dtype)
+        else:
+            y = native.bias_activation(native.cols_matmul(x2, kernel), b, activation, out_dtype,
+                                       rows_first=True)
+        return y.reshape(shape)
 
     def elsewhere(x2, kernel, b):
         if packed:
@@ -605,10 +608,9 @@ def _native_dense(x, kernel, bias, activation, out_dtype, out_first, packed=Fals
         else:
             y = jax.lax.dot_general(x2, kernel, (((1,), (contracted,)), ((), ())),
                                     preferred_element_type=jnp.float32)
-        return native.bias_activation_xla(y, b, activation, out_dtype)
+        return native.bias_activation_xla(y, b, activation, out_dtype).reshape(shape)
 
-    y = jax.lax.platform_dependent(x2, kernel, b, cpu=on_cpu, default=elsewhere)
-    return y.reshape(x.shape[:x.ndim - n_in] + tuple(features))
+    return jax.lax.platform_dependent(x2, kernel, b, cpu=on_cpu, default=elsewhere)
 
 
 def projection(features, names, *, axis=-1, use_bias, dtype, param_dtype, name,

@@ -51,6 +51,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shlex
@@ -461,28 +462,33 @@ def packed_dense_xla(x, w, bias, activation, dtype):
     return bias_activation_xla(packed_matmul_xla(x, w), bias, activation, dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
-def _packed_dense(x, w, bias, activation, dtype):
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), dtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _packed_dense(x, w, bias, activation, dtype, shape):
+    out = jax.ShapeDtypeStruct(shape, dtype)
     return jax.ffi.ffi_call("transformer_jax_packed_dense", out, vmap_method=VMAP)(
         x, w, bias.astype(jnp.float32), activation=np.int32(ACTIVATION_CODES[activation]))
 
 
 @_packed_dense.defjvp
-def _packed_dense_jvp(activation, dtype, primals, tangents):
-    tangent = jax.jvp(lambda *a: packed_dense_xla(*a, activation, dtype), primals, tangents)[1]
-    return _packed_dense(*primals, activation, dtype), tangent
+def _packed_dense_jvp(activation, dtype, shape, primals, tangents):
+    tangent = jax.jvp(lambda *a: packed_dense_xla(*a, activation, dtype).reshape(shape), primals, tangents)[1]
+    return _packed_dense(*primals, activation, dtype, shape), tangent
 
 
-def packed_dense(x, w, bias, activation: str, dtype):
+def packed_dense(x, w, bias, activation: str, dtype, shape=None):
     """act(round(x W^T + bias)) for x bf16 [R, I] (1 <= R <= 16) and a bf16 weight stored packed,
     w [O, I], bias [O] -> [R, O] in `dtype` (float32 or bfloat16): `packed_matmul` and
     `bias_activation` in one call, each group of tiles' sums biased, rounded and activated while
     they are in cache (the same numbers as the two calls, and as `packed_dense_xla` within
-    `bias_activation`'s tolerance). Differentiable in both modes (`packed_dense_xla`'s
+    `bias_activation`'s tolerance). `shape`, any of R * O elements, returns the result reshaped
+    so (a decoding step's [B, 1, heads, head_dim]): the kernel writes it in that shape, where a
+    reshape afterwards can cost XLA:CPU a copy. Differentiable in both modes (`packed_dense_xla`'s
     derivatives); `jax.vmap` maps it one call per element. Call only where `available()` is True,
     on the CPU."""
     dtype = jnp.dtype(dtype)
+    shape = (x.shape[0], w.shape[0]) if shape is None else tuple(int(d) for d in shape)
+    if math.prod(shape) != x.shape[0] * w.shape[0]:
+        raise ValueError(f"packed_dense: shape {shape} does not hold the {x.shape[0]} x {w.shape[0]} result")
     if activation not in ACTIVATION_CODES:
         raise ValueError(f"packed_dense: activation {activation!r}; the kernel computes "
                          f"{', '.join(ACTIVATION_CODES)}")
@@ -496,7 +502,7 @@ def packed_dense(x, w, bias, activation: str, dtype):
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"packed_dense: output float32 or bfloat16, not {dtype}")
     _check_available()
-    return _packed_dense(x, w, bias, activation, dtype)
+    return _packed_dense(x, w, bias, activation, dtype, shape)
 
 
 # Where a model's products of [in, out] weights take `cols_matmul`: up to COLS_MAX_ROWS rows, and

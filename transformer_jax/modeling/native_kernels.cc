@@ -570,10 +570,11 @@ PackedDenseFn PickPackedDense(int rows, std::integer_sequence<int, Rs...>) {
 
 ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> bias,
                            ffi::Result<ffi::AnyBuffer> out, int32_t activation) {
-  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  auto xd = x.dimensions(), wd = w.dimensions();
+  // out is [R, O] in memory, in any shape of R * O elements (the model's next reshape of it).
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || bias.dimensions().size() != 1 ||
-      bias.dimensions()[0] != wd[0] || od.size() != 2 || od[0] != xd[0] || od[1] != wd[0])
-    return ffi::Error::InvalidArgument("tj_packed_dense: expected x [R, I], w [O, I] (packed), bias [O], out [R, O]");
+      bias.dimensions()[0] != wd[0] || (int64_t)out->element_count() != xd[0] * wd[0])
+    return ffi::Error::InvalidArgument("tj_packed_dense: expected x [R, I], w [O, I] (packed), bias [O], out of R * O");
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("tj_packed_dense: x and w bfloat16 only");
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
