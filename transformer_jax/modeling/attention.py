@@ -525,7 +525,7 @@ class Projection(nn.Module):
                               self.features, self.param_dtype)
         trailing = axis == tuple(range(x.ndim - n_in, x.ndim))
         rows = math.prod(x.shape[:x.ndim - n_in])
-        if packed:  # a decoding step's few rows (bias_activation reads the [out, rows] product)
+        if packed:  # a decoding step's few rows, in bf16 (native.packed_dense)
             fits = rows <= native.MAX_ROWS and native.packed_fits(rows, x.dtype)
         elif out_first:
             fits = 1 <= rows <= native.MAX_ROWS
