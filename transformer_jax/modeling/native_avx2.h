@@ -392,11 +392,12 @@ inline __m256 LoadCache(const uint16_t* p, int64_t n) {
 }
 
 // One query over keys/values [S, Kd] with mask m[S] -> out[Kd], as AttendOne in native_avx512.h
-// (the visible window only, the same prefetches), in blocks of 8 keys.
-template <typename T>
+// (the visible window only, the same prefetches, N = (Kd + 7) / 8 as a template argument for the
+// common head sizes, 0 for any other), in blocks of 8 keys.
+template <typename T, int N>
 void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out,
                int64_t S, int64_t Kd, float* logits, const T* next_k, const T* next_v) {
-  const int64_t vecs = (Kd + 7) / 8;
+  const int64_t vecs = N > 0 ? N : (Kd + 7) / 8;
   auto width = [Kd](int64_t c) { return std::min<int64_t>(8, Kd - c * 8); };
   int64_t lo = 0, hi = S;
   while (lo < S && !m[lo]) ++lo;
@@ -407,7 +408,7 @@ void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out
   }
   const int64_t first = lo / 8 * 8;
   const int64_t row_bytes = Kd * sizeof(T);
-  __m256 qv[kMaxHeadDim / 8];
+  __m256 qv[N > 0 ? N : kMaxHeadDim / 8];
   for (int64_t c = 0; c < vecs; ++c) qv[c] = LoadCache(q + c * 8, width(c));
   float best = -3.0e38f;
   for (int64_t s0 = first; s0 < hi; s0 += 8) {
@@ -453,6 +454,11 @@ void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out
     }
   }
 }
+
+// Lanes of a vector of the attention's head rows, and the vectors per row for which AttendOne is
+// compiled with a fixed count (head sizes 32, 64, 80, 96 and 128).
+constexpr int kAttendLanes = 8;
+using AttendVectors = std::integer_sequence<int, 4, 8, 10, 12, 16>;
 
 // ---------------------------------------------------------------------------------------------
 // Greedy token choice: GreedyLanes of native_avx512.h, its 16 lanes as two halves of 8.

@@ -11,7 +11,7 @@ constexpr bool PrefetchL1() { return sizeof(T) == 2 && R >= 6; }
 constexpr int kActivationVectors = 4;
 
 // Lane j of the result = the sum of the lanes of a[j], for 16 vectors.
-inline __m512 Transpose16Sum(__m512* a) {
+__attribute__((always_inline)) inline __m512 Transpose16Sum(__m512* a) {
   __m512 b[8], c[4], d[2];
   for (int k = 0; k < 8; ++k)
     b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
@@ -557,6 +557,13 @@ inline __m512 LoadCache(const uint16_t* p, __mmask16 lanes) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
 }
 
+// The visible keys among s0 .. s0 + 15 (those before hi: the mask ends at S), one bit each.
+inline __mmask16 VisibleKeys(const bool* m, int64_t s0, int64_t hi) {
+  const int64_t n = std::min<int64_t>(16, hi - s0);
+  const __m128i bytes = _mm_maskz_loadu_epi8((__mmask16)(n >= 16 ? 0xffffu : (1u << n) - 1u), m + s0);
+  return _mm_test_epi8_mask(bytes, bytes);
+}
+
 // One query q[Kd] over keys/values [S, Kd] (T: float, or uint16_t for bf16) with mask m[S] ->
 // out[Kd]. `logits` has room for S rounded up to 16. Only the keys and values from the first
 // visible position to the last are read: a decoding step's cache is allocated for the whole
@@ -567,10 +574,15 @@ inline __m512 LoadCache(const uint16_t* p, __mmask16 lanes) {
 // from memory (the weights read between two layers' attention push it out of every cache level),
 // and a (row, head) task of 64 positions is too short for the hardware prefetcher to get ahead.
 // GPT-2 small, bf16 cache, batch 8, 64 visible positions: 175-210 -> 112-117 us per layer.
-template <typename T>
+// N = (Kd + 15) / 16 is a template argument for the common head sizes (AttendVectors; 0: any
+// other, counted at run time), so that the query and the output's sums stay in registers: with a
+// count known only at run time the compiler kept them on the stack, and each multiply-add waited
+// on the store of the one before (GPT-2 small, bf16 cache, batch 8, 64 visible positions, the
+// cache in L3: 33 -> 26 us per layer).
+template <typename T, int N>
 void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out,
                int64_t S, int64_t Kd, float* logits, const T* next_k, const T* next_v) {
-  const int64_t vecs = (Kd + 15) / 16;
+  const int64_t vecs = N > 0 ? N : (Kd + 15) / 16;
   const __mmask16 tail = (Kd % 16) ? (__mmask16)((1u << (Kd % 16)) - 1u) : (__mmask16)0xffff;
   int64_t lo = 0, hi = S;  // the visible keys lie in [lo, hi)
   while (lo < S && !m[lo]) ++lo;
@@ -581,11 +593,11 @@ void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out
   }
   const int64_t first = lo / 16 * 16;  // blocks of 16 keys, aligned as if they started at 0
   const int64_t row_bytes = Kd * sizeof(T);
-  __m512 qv[kMaxHeadDim / 16];
+  __m512 qv[N > 0 ? N : kMaxHeadDim / 16];
   for (int64_t c = 0; c < vecs; ++c)
     qv[c] = _mm512_maskz_loadu_ps(c == vecs - 1 ? tail : (__mmask16)0xffff, q + c * 16);
-  // Logits, 16 keys at a time (keys outside [lo, hi) count as masked).
-  float best = -3.0e38f;
+  // Logits, 16 keys at a time (keys outside [lo, hi) count as masked), and their maximum lane by lane.
+  __m512 best = _mm512_set1_ps(-3.0e38f);
   for (int64_t s0 = first; s0 < hi; s0 += 16) {
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
@@ -599,19 +611,19 @@ void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out
         acc[j] = _mm512_fmadd_ps(qv[c], LoadCache(key + c * 16, c == vecs - 1 ? tail : (__mmask16)0xffff),
                                  acc[j]);
     }
-    _mm512_storeu_ps(logits + s0, Transpose16Sum(acc));
-    for (int j = 0; j < 16 && s0 + j < hi; ++j) {
-      if (m[s0 + j]) best = std::max(best, logits[s0 + j]);  // (m is false below lo)
-    }
+    const __m512 sums = Transpose16Sum(acc);
+    _mm512_storeu_ps(logits + s0, sums);
+    // (m is false below lo.) A maximum is exact, so lane by lane and then across the lanes it is
+    // the one a loop over the keys finds (up to the sign of a zero, which no exp(x - max) sees).
+    best = _mm512_mask_max_ps(best, VisibleKeys(m, s0, hi), sums, best);
   }
   for (int64_t c = 0; c < vecs; ++c) qv[c] = _mm512_setzero_ps();  // now the output accumulator
   // Weights exp(logit - max) on visible keys, 0 elsewhere; their sum. The blocks before `first`
   // would each add zeros: the sums are the same as over all S keys.
   __m512 total = _mm512_setzero_ps();
-  const __m512 top = _mm512_set1_ps(best);
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
   for (int64_t s0 = first; s0 < hi; s0 += 16) {
-    __mmask16 visible = 0;
-    for (int j = 0; j < 16 && s0 + j < hi; ++j) visible |= (__mmask16)((m[s0 + j] ? 1u : 0u) << j);
+    const __mmask16 visible = VisibleKeys(m, s0, hi);
     __m512 p = _mm512_maskz_mov_ps(visible, Exp(_mm512_sub_ps(_mm512_loadu_ps(logits + s0), top)));
     _mm512_storeu_ps(logits + s0, p);
     total = _mm512_add_ps(total, p);
@@ -628,6 +640,11 @@ void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out
   for (int64_t c = 0; c < vecs; ++c)
     _mm512_mask_storeu_ps(out + c * 16, c == vecs - 1 ? tail : (__mmask16)0xffff, _mm512_mul_ps(qv[c], inv));
 }
+
+// Lanes of a vector of the attention's head rows, and the vectors per row for which AttendOne is
+// compiled with a fixed count (head sizes 32, 64, 80, 96, 128 and 256).
+constexpr int kAttendLanes = 16;
+using AttendVectors = std::integer_sequence<int, 2, 4, 5, 6, 8, 16>;
 
 // Rows [v0, v1) of columns [b0, b0 + 16) (or of all B columns, P = 16 / B rows per vector, where
 // B divides 16): one partial per lane, lane l holding column b0 + l % B' (B' = 16 / P) over rows

@@ -640,9 +640,24 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 // (b, n): its keys and values are read once from memory for all G * L queries that use them.
 
 template <typename T>
+using AttendFn = void (*)(const float*, const T*, const T*, const bool*, float*, int64_t, int64_t, float*,
+                          const T*, const T*);
+
+// AttendOne with its vector count fixed where the instruction set's header compiles one for Kd
+// (AttendVectors), else counted at run time.
+template <typename T, int... Ns>
+AttendFn<T> PickAttend(int64_t kd, std::integer_sequence<int, Ns...>) {
+  AttendFn<T> fn = &AttendOne<T, 0>;
+  ((kAttendLanes * (Ns - 1) < kd && kd <= kAttendLanes * Ns ? (fn = &AttendOne<T, Ns>, 0) : 0), ...);
+  return fn;
+}
+
+template <typename T>
 void CacheAttention(ffi::ThreadPool& pool, const AttentionShape& a, const float* qp, const T* kp,
                     const T* vp, const bool* mp, float* op) {
-  ParallelFor(pool, a.B * a.N, [a, qp, kp, vp, mp, op](int64_t t) {
+  const AttendFn<T> attend =
+      PickAttend<T>(a.Kd, AttendVectors{});
+  ParallelFor(pool, a.B * a.N, [a, qp, kp, vp, mp, op, attend](int64_t t) {
     const int64_t b = t / a.N, n = t % a.N, G = a.H / a.N;
     const T* key = kp + (b * a.N + n) * a.S * a.Kd;
     const T* val = vp + (b * a.N + n) * a.S * a.Kd;
@@ -655,8 +670,8 @@ void CacheAttention(ffi::ThreadPool& pool, const AttentionShape& a, const float*
         const int64_t offset = ((b * a.L + l) * a.H + h) * a.Kd;
         const bool* m = mp + ((b * a.Hm + (a.Hm == 1 ? 0 : h)) * a.Lm + (a.Lm == 1 ? 0 : l)) * a.S;
         const bool ahead = !last && l == 0 && g == 0;
-        AttendOne(qp + offset, key, val, m, op + offset, a.S, a.Kd, logits.data(),
-                  ahead ? key + a.S * a.Kd : nullptr, ahead ? val + a.S * a.Kd : nullptr);
+        attend(qp + offset, key, val, m, op + offset, a.S, a.Kd, logits.data(),
+               ahead ? key + a.S * a.Kd : nullptr, ahead ? val + a.S * a.Kd : nullptr);
       }
     }
   });
