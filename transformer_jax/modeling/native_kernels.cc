@@ -174,37 +174,43 @@ int Bf16Path() {
 // Tasks 0..n-1 split into one contiguous range per thread. Each thread runs its own range front
 // to back (so it streams one run of memory), then takes tasks from the back of the others' (so a
 // thread that starts late, or not at all, leaves nothing undone). A range is one atomic word:
-// front in the high half, back in the low half.
+// front in the high half, back in the low half, each on a cache line of its own (on one line,
+// every task a thread took would take the line from the other thread).
 class Ranges {
  public:
-  Ranges(int64_t tasks, int64_t parts) : parts_(parts), ranges_(new std::atomic<uint64_t>[parts]) {
+  Ranges(int64_t tasks, int64_t parts) : parts_(parts), ranges_(new Slot[parts]) {
     for (int64_t p = 0; p < parts; ++p)
-      ranges_[p].store(Pack(tasks * p / parts, tasks * (p + 1) / parts), std::memory_order_relaxed);
+      ranges_[p].r.store(Pack(tasks * p / parts, tasks * (p + 1) / parts), std::memory_order_relaxed);
   }
   int64_t parts() const { return parts_; }
   // The next task of range p from the front, or -1.
   int64_t Front(int64_t p) {
-    uint64_t r = ranges_[p].load(std::memory_order_relaxed);
+    std::atomic<uint64_t>& range = ranges_[p].r;
+    uint64_t r = range.load(std::memory_order_relaxed);
     while (Lo(r) > Hi(r)) {
-      if (ranges_[p].compare_exchange_weak(r, Pack(Hi(r) + 1, Lo(r)), std::memory_order_relaxed)) return Hi(r);
+      if (range.compare_exchange_weak(r, Pack(Hi(r) + 1, Lo(r)), std::memory_order_relaxed)) return Hi(r);
     }
     return -1;
   }
   // A task from the back of range p, or -1.
   int64_t Back(int64_t p) {
-    uint64_t r = ranges_[p].load(std::memory_order_relaxed);
+    std::atomic<uint64_t>& range = ranges_[p].r;
+    uint64_t r = range.load(std::memory_order_relaxed);
     while (Lo(r) > Hi(r)) {
-      if (ranges_[p].compare_exchange_weak(r, Pack(Hi(r), Lo(r) - 1), std::memory_order_relaxed)) return Lo(r) - 1;
+      if (range.compare_exchange_weak(r, Pack(Hi(r), Lo(r) - 1), std::memory_order_relaxed)) return Lo(r) - 1;
     }
     return -1;
   }
 
  private:
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> r;
+  };
   static uint64_t Pack(int64_t front, int64_t back) { return ((uint64_t)front << 32) | (uint64_t)back; }
   static int64_t Hi(uint64_t r) { return (int64_t)(r >> 32); }
   static int64_t Lo(uint64_t r) { return (int64_t)(r & 0xffffffffu); }
   int64_t parts_;
-  std::unique_ptr<std::atomic<uint64_t>[]> ranges_;
+  std::unique_ptr<Slot[]> ranges_;
 };
 
 // Work shared between the calling thread and the pool's threads. Held by shared_ptr: a pool
@@ -231,19 +237,17 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t tasks, Task task) {
   if (tasks >= (int64_t{1} << 31)) std::abort();  // ranges pack two task indices in 64 bits
   const int64_t workers = Workers(pool, tasks);
   auto work = std::make_shared<Work>(tasks, workers);
+  // Each thread counts the tasks it ran and adds them to `done` once, at its end: a count shared
+  // task by task moved its cache line between the cores for every task.
   auto drain = [task](Work& s) {
     const int64_t own = s.arrived.fetch_add(1, std::memory_order_relaxed) % s.ranges.parts();
-    for (int64_t t; (t = s.ranges.Front(own)) >= 0;) {
-      task(t);
-      s.done.fetch_add(1, std::memory_order_release);
-    }
+    int64_t ran = 0;
+    for (int64_t t; (t = s.ranges.Front(own)) >= 0; ++ran) task(t);
     for (int64_t k = 1; k < s.ranges.parts(); ++k) {
       const int64_t other = (own + k) % s.ranges.parts();
-      for (int64_t t; (t = s.ranges.Back(other)) >= 0;) {
-        task(t);
-        s.done.fetch_add(1, std::memory_order_release);
-      }
+      for (int64_t t; (t = s.ranges.Back(other)) >= 0; ++ran) task(t);
     }
+    if (ran > 0) s.done.fetch_add(ran, std::memory_order_release);
   };
   for (int64_t h = 1; h < workers; ++h) pool.Schedule([work, drain] { drain(*work); });
   drain(*work);
