@@ -661,28 +661,41 @@ void GreedyLanes(const float* l, int64_t B, int64_t b0, int64_t P, __mmask16 lan
   auto within = [&](int64_t v) {
     return v + P <= v1 ? lanes : (__mmask16)(lanes & ((1u << ((v1 - v) * Bv)) - 1u));
   };
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i at = _mm512_setzero_si512();
+  // Each lane's maximum. max(x, m) returns m where x is NaN (passed over) and where x equals m
+  // (a zero keeps the sign of the first), so it is the value a search for the first greater one
+  // keeps. Two sets of maxima, vector by vector in turn, halve the chain of dependent operations;
+  // their maximum is the same value (a zero's sign aside, which neither x - max nor the merge sees).
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best_a = neg_inf, best_b = neg_inf;
   __mmask16 nan = 0, seen = 0;  // lanes that met a NaN / a value that is not NaN
-  for (int64_t v = v0; v < v1; v += P) {
+  auto take = [&](int64_t v, __m512& best) __attribute__((always_inline)) {
     const __mmask16 in = within(v);
     const __m512 x = _mm512_maskz_loadu_ps(in, at_row(v));
     const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q) & in;
-    // Greater, or the first number of the lane (a -inf equals the starting maximum).
-    // (Only lanes in use: past the last row the masked load leaves 0, which would beat a negative
-    // maximum and name a row past V.)
-    const __mmask16 more = _mm512_mask_cmp_ps_mask(in, x, best, _CMP_GT_OQ) | (number & (__mmask16)~seen);
     nan |= (__mmask16)(in & ~number);
     seen |= number;
-    best = _mm512_mask_mov_ps(best, more, x);
-    at = _mm512_mask_mov_epi32(at, more, _mm512_add_epi32(lane_row, _mm512_set1_epi32((int32_t)v)));
+    best = _mm512_mask_max_ps(best, number, x, best);
+  };
+  int64_t v = v0;
+  for (; v + P < v1; v += 2 * P) {
+    take(v, best_a);
+    take(v + P, best_b);
   }
+  if (v < v1) take(v, best_a);
+  const __m512 best = _mm512_max_ps(best_b, best_a);
+  // The sums of exp(x - best), and each lane's first row whose value equals its maximum (a lane
+  // of -inf: its first; of NaN: none, and `seen` is false).
+  __m512i at = _mm512_setzero_si512();
+  __mmask16 found = 0;
   __m512 total = _mm512_setzero_ps();
   for (int64_t s0 = v0; s0 < v1; s0 += kGreedyBlock) {
     __m512 block = _mm512_setzero_ps();
     for (int64_t v = s0; v < std::min(v1, s0 + kGreedyBlock); v += P) {
       const __mmask16 in = within(v);
       const __m512 x = _mm512_maskz_loadu_ps(in, at_row(v));
+      const __mmask16 first = _mm512_mask_cmp_ps_mask((__mmask16)(in & ~found), x, best, _CMP_EQ_OQ);
+      at = _mm512_mask_mov_epi32(at, first, _mm512_add_epi32(lane_row, _mm512_set1_epi32((int32_t)v)));
+      found |= first;
       // (Exp clamps at -87: a logit that far below the maximum adds ~1e-38 instead of 0.)
       const __m512 diff = _mm512_sub_ps(x, best);
       // -inf - -inf and inf - inf are NaN, as in the XLA path's exp(logits - max). A NaN x only

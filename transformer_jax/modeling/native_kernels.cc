@@ -874,12 +874,11 @@ ffi::Error GreedyChoiceImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   for (int64_t b = 0; b < B; ++b) {
     GreedyPartial total;
     total.at = (int32_t)(V - 1);  // a column of NaN
-    const int64_t g = P > 1 ? 0 : b / 16;
+    // Column b's lanes: b, b + B, ... (P of them) where a vector holds P rows, else lane b % 16 of
+    // group b / 16; merged in lane order, chunk by chunk.
+    const int64_t g = P > 1 ? 0 : b / 16, first = P > 1 ? b : b % 16, step = P > 1 ? 16 / P : 16;
     for (int64_t c = 0; c < chunks; ++c) {
-      for (int64_t j = 0; j < 16; ++j) {
-        const bool mine = P > 1 ? j % (16 / P) == b : g * 16 + j == b;
-        if (mine) MergeGreedy(total, parts[(g * chunks + c) * 16 + j]);
-      }
+      for (int64_t j = first; j < 16; j += step) MergeGreedy(total, parts[(g * chunks + c) * 16 + j]);
     }
     idx[b] = total.at;
     lt[b] = total.nan ? std::numeric_limits<float>::quiet_NaN() : std::log(total.sum);
