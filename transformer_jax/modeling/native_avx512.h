@@ -564,6 +564,30 @@ inline __mmask16 VisibleKeys(const bool* m, int64_t s0, int64_t hi) {
   return _mm_test_epi8_mask(bytes, bytes);
 }
 
+// The first visible position of m[S] and one past the last ([S, S] where none is), 64 mask bytes
+// at a time: a cache allocated for a long generation is mostly positions not yet written, which a
+// byte-by-byte search from the end walked through in every task.
+inline void VisibleWindow(const bool* m, int64_t S, int64_t& lo, int64_t& hi) {
+  auto bits = [m](int64_t s0, int64_t n) {
+    const __m512i bytes = _mm512_maskz_loadu_epi8(n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1, m + s0);
+    return (uint64_t)_mm512_test_epi8_mask(bytes, bytes);
+  };
+  lo = hi = S;
+  for (int64_t s0 = 0; s0 < S; s0 += 64) {
+    if (const uint64_t b = bits(s0, std::min<int64_t>(64, S - s0))) {
+      lo = s0 + __builtin_ctzll(b);
+      break;
+    }
+  }
+  for (int64_t end = S; end > lo; end -= 64) {
+    const int64_t s0 = std::max(lo, end - 64);
+    if (const uint64_t b = bits(s0, end - s0)) {
+      hi = s0 + 64 - __builtin_clzll(b);
+      break;
+    }
+  }
+}
+
 // One query q[Kd] over keys/values [S, Kd] (T: float, or uint16_t for bf16) with mask m[S] ->
 // out[Kd]. `logits` has room for S rounded up to 16. Only the keys and values from the first
 // visible position to the last are read: a decoding step's cache is allocated for the whole
@@ -584,9 +608,8 @@ void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out
                int64_t S, int64_t Kd, float* logits, const T* next_k, const T* next_v) {
   const int64_t vecs = N > 0 ? N : (Kd + 15) / 16;
   const __mmask16 tail = (Kd % 16) ? (__mmask16)((1u << (Kd % 16)) - 1u) : (__mmask16)0xffff;
-  int64_t lo = 0, hi = S;  // the visible keys lie in [lo, hi)
-  while (lo < S && !m[lo]) ++lo;
-  while (hi > lo && !m[hi - 1]) --hi;
+  int64_t lo, hi;  // the visible keys lie in [lo, hi)
+  VisibleWindow(m, S, lo, hi);
   if (lo == hi) {  // no key is visible: zeros, as on every backend
     for (int64_t d = 0; d < Kd; ++d) out[d] = 0.0f;
     return;
