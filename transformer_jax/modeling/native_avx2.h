@@ -391,6 +391,31 @@ inline __m256 LoadCache(const uint16_t* p, int64_t n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
+// The first visible position of m[S] and one past the last ([S, S] where none is), as in
+// native_avx512.h: 32 mask bytes at a time where they lie within the mask, the rest one by one.
+inline void VisibleWindow(const bool* m, int64_t S, int64_t& lo, int64_t& hi) {
+  auto bits = [m](int64_t s0) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + s0));
+    return ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256()));
+  };
+  lo = 0;
+  for (; lo + 32 <= S; lo += 32) {
+    if (const uint32_t b = bits(lo)) {
+      lo += __builtin_ctz(b);
+      break;
+    }
+  }
+  while (lo < S && !m[lo]) ++lo;
+  hi = S;
+  for (; hi - 32 >= lo; hi -= 32) {
+    if (const uint32_t b = bits(hi - 32)) {
+      hi -= __builtin_clz(b);
+      return;
+    }
+  }
+  while (hi > lo && !m[hi - 1]) --hi;
+}
+
 // One query over keys/values [S, Kd] with mask m[S] -> out[Kd], as AttendOne in native_avx512.h
 // (the visible window only, the same prefetches, N = (Kd + 7) / 8 as a template argument for the
 // common head sizes, 0 for any other), in blocks of 8 keys.
@@ -399,9 +424,8 @@ void AttendOne(const float* q, const T* k, const T* v, const bool* m, float* out
                int64_t S, int64_t Kd, float* logits, const T* next_k, const T* next_v) {
   const int64_t vecs = N > 0 ? N : (Kd + 7) / 8;
   auto width = [Kd](int64_t c) { return std::min<int64_t>(8, Kd - c * 8); };
-  int64_t lo = 0, hi = S;
-  while (lo < S && !m[lo]) ++lo;
-  while (hi > lo && !m[hi - 1]) --hi;
+  int64_t lo, hi;
+  VisibleWindow(m, S, lo, hi);
   if (lo == hi) {
     for (int64_t d = 0; d < Kd; ++d) out[d] = 0.0f;
     return;
