@@ -659,8 +659,7 @@ AttendFn<T> PickAttend(int64_t kd, std::integer_sequence<int, Ns...>) {
 template <typename T>
 void CacheAttention(ffi::ThreadPool& pool, const AttentionShape& a, const float* qp, const T* kp,
                     const T* vp, const bool* mp, float* op) {
-  const AttendFn<T> attend =
-      PickAttend<T>(a.Kd, AttendVectors{});
+  const AttendFn<T> attend = PickAttend<T>(a.Kd, AttendVectors{});
   ParallelFor(pool, a.B * a.N, [a, qp, kp, vp, mp, op, attend](int64_t t) {
     const int64_t b = t / a.N, n = t % a.N, G = a.H / a.N;
     const T* key = kp + (b * a.N + n) * a.S * a.Kd;
