@@ -465,12 +465,20 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
   for (int k = 0; k < S * T * R; ++k) acc[k] = _mm512_setzero_ps();
   const uint16_t* tile = w + o * I;  // tile t's block follows at 16 * I elements each
   const int64_t pairs = I / 2;
+  // Each tile's run is prefetched into L1 kPackedPrefetchBytes512 ahead. Near its end the prefetch
+  // goes on at the same tile of the next group (T tiles on: the thread's next task), not into the
+  // next tile, which this group's next run already reads: so no run of the next task starts cold.
+  // (At 8 rows on AMD Zen 5, a packed product over 189 MB from memory read 0.84-0.89 of a plain
+  // sum's rate, alternated in one process, against 0.76-0.83 with 2 KB ahead and no hand-over.)
+  const char* ahead = reinterpret_cast<const char*>(tile) + kPackedPrefetchBytes512;
+  const char* handed = ahead + (T - 1) * 32 * I;  // a run is 32 I bytes: 64 per pair
+  const int64_t turn = pairs - kPackedPrefetchBytes512 / 64;
   auto step = [&](int64_t p, __m512* sums) __attribute__((always_inline)) {
     __m512bh a[T];
+    const char* prefetch = (p < turn ? ahead : handed) + 64 * p;
     for (int t = 0; t < T; ++t) {
-      const uint16_t* line = tile + t * 16 * I + 32 * p;
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kPackedPrefetchBytes, _MM_HINT_T0);
-      a[t] = (__m512bh)_mm512_loadu_si512(line);
+      _mm_prefetch(prefetch + t * 32 * I, _MM_HINT_T0);
+      a[t] = (__m512bh)_mm512_loadu_si512(tile + t * 16 * I + 32 * p);
     }
     for (int r = 0; r < R; ++r) {
       int32_t pair;

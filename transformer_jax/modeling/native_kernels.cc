@@ -62,8 +62,11 @@ constexpr int64_t kPrefetchL2Units = 8;
 constexpr int64_t kBlockBytes = 24 * 1024;
 // Output rows per unit of work handed out to a thread (a multiple of the row groups, 2 and 3).
 constexpr int64_t kRowsPerTask = 48;
-// How far ahead along each tile's run of a packed weight (tj_packed_matmul) the L1 prefetches reach.
+// How far ahead along each tile's run of a packed weight (tj_packed_matmul) the L1 prefetches reach:
+// with AVX2 (one tile at a time, one run), and with AVX-512, whose three runs side by side carry
+// their prefetches on into the next group of tiles (native_avx512.h).
 constexpr int64_t kPackedPrefetchBytes = 2048;
+constexpr int64_t kPackedPrefetchBytes512 = 3072;
 
 // How bf16 products run: 0 not yet decided, else a Bf16Path. Decided on the first bf16 product
 // by Bf16Calibrate (or set by tj_set_bf16_products, for tests and measurements).
