@@ -455,7 +455,7 @@ constexpr std::array<int32_t, 16 * T * R> PackedOutputOrder() {
   return order;
 }
 
-template <int R, int T>
+template <int R, int T, bool Once = true>
 inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O,
                         int64_t r0) {
   // Independent sums enough to keep the dot products' latency hidden: at few accumulators, S sets
@@ -470,6 +470,10 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
   // next tile, which this group's next run already reads: so no run of the next task starts cold.
   // (At 8 rows on AMD Zen 5, a packed product over 189 MB from memory read 0.84-0.89 of a plain
   // sum's rate, alternated in one process, against 0.76-0.83 with 2 KB ahead and no hand-over.)
+  // `Once` (a decoding step, which reads each weight once): the prefetches are non-temporal, so the
+  // weight streaming through does not push out of L2 and L3 what the step reads again: the KV cache,
+  // the activations, the logits. A prefill (PackedChunks) reads a group's tiles once per chunk of
+  // rows, from L2, and keeps plain prefetches.
   const char* ahead = reinterpret_cast<const char*>(tile) + kPackedPrefetchBytes512;
   const char* handed = ahead + (T - 1) * 32 * I;  // a run is 32 I bytes: 64 per pair
   const int64_t turn = pairs - kPackedPrefetchBytes512 / 64;
@@ -477,7 +481,11 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
     __m512bh a[T];
     const char* prefetch = (p < turn ? ahead : handed) + 64 * p;
     for (int t = 0; t < T; ++t) {
-      _mm_prefetch(prefetch + t * 32 * I, _MM_HINT_T0);
+      if constexpr (Once) {
+        _mm_prefetch(prefetch + t * 32 * I, _MM_HINT_NTA);
+      } else {
+        _mm_prefetch(prefetch + t * 32 * I, _MM_HINT_T0);
+      }
       a[t] = (__m512bh)_mm512_loadu_si512(tile + t * 16 * I + 32 * p);
     }
     for (int r = 0; r < R; ++r) {

@@ -502,7 +502,7 @@ template <int T, int N = kPackedChunk - 1>
 void PackedChunkTail(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O, int64_t r0,
                      int n) {
   if constexpr (N > 0) {
-    if (n == N) return PackedTiles<N, T>(w, x + r0 * I, y, I, o, O, r0);
+    if (n == N) return PackedTiles<N, T, false>(w, x + r0 * I, y, I, o, O, r0);
     PackedChunkTail<T, N - 1>(w, x, y, I, o, O, r0, n);
   }
 }
@@ -513,7 +513,8 @@ void PackedChunks(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int
   if constexpr (T > 0) {
     if (tiles != T) return PackedChunks<T - 1>(w, x, y, I, o, O, R, tiles);
     int64_t r0 = 0;
-    for (; r0 + kPackedChunk <= R; r0 += kPackedChunk) PackedTiles<kPackedChunk, T>(w, x + r0 * I, y, I, o, O, r0);
+    for (; r0 + kPackedChunk <= R; r0 += kPackedChunk)
+      PackedTiles<kPackedChunk, T, false>(w, x + r0 * I, y, I, o, O, r0);
     if (r0 < R) PackedChunkTail<T>(w, x, y, I, o, O, r0, (int)(R - r0));
   }
 }
