@@ -148,7 +148,8 @@ inline int64_t PaddedWiden(int64_t n) { return (n + kWidenRun - 1) / kWidenRun *
 template <int R>
 constexpr int PackedTileCount() { return 1; }
 
-template <int R, int T, bool Once = true>  // Once: see native_avx512.h (not measured here: L1 as before)
+// Once: as in native_avx512.h; unused here (AVX2 keeps its plain prefetches: not measured on an AVX2 host).
+template <int R, int T, bool Once = true>
 inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O,
                         int64_t r0) {
   static_assert(T == 1, "one tile at a time");
