@@ -101,7 +101,7 @@ inline void StoreSums(__m512* acc, float* y, int64_t o, bool first) {
 // step, do not push the KV cache and the activations out of L2 and L3. Whole GPT-2-small steps on
 // AMD Zen 5, the two hints alternated in one process (medians of 8-10 rounds, ms): bf16 batch 8
 // 6.78 against 7.04, batch 1 4.76 against 5.06; float32 batch 8 14.21 against 14.54. (The column
-// kernels below were slower with it: float32 `in_out` batch 8 14.54 against 14.20 ms.)
+// kernel below prefetches in the order it reads instead: ColBlock.)
 template <int RT, int R0, int R, int OR, typename T, bool kPrefetch>
 inline void RowPass(const T* w, const T* x, float* y, int64_t I, int64_t o, int64_t i0, int64_t i1,
                     bool first, const char* near, const char* far) {
@@ -313,11 +313,37 @@ __attribute__((noinline)) void ColBlock(const T* w, const float* x, float* part,
   for (int r = 0; r < RN; ++r)
     for (int v = 0; v < V; ++v)
       acc[r * V + v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m[v], part + (R0 + r) * O + c0 + 16 * v);
-  const char* p = ahead;
+  // float32 weights: each line is prefetched non-temporally kColPrefetchReads reads ahead, in the
+  // order the blocks read them (down this block's rows, then the next block's, then the next
+  // task's: the thread's next), so that the weights, read once, do not push the KV cache and the
+  // activations out of L2 and L3 (a float32 GPT-2-small step on AMD Zen 5, alternated in one process
+  // with the prefetch of the next task's run into L2, medians of 8 rounds: batch 8 14.06 against
+  // 14.85 ms, batch 1 11.81 against 13.12). NTA along the next task's run instead, 128 KB ahead, was
+  // slower: the lines left L1 before they were read. Widened bf16 weights keep that L2 prefetch.
+  constexpr bool kInOrder = sizeof(T) == 4;
+  const bool in_order = kInOrder && ahead != nullptr;
+  const int64_t stride = O * (int64_t)sizeof(T), width = 16 * V * (int64_t)sizeof(T), rows = i1 - i0;
+  int64_t next_row = 0, next_col = 0, lo = i0, hi = i1;  // the line kColPrefetchReads reads on
+  if (in_order) {
+    next_col = c0 * (int64_t)sizeof(T) + kColPrefetchReads / rows * width;
+    next_row = i0 + kColPrefetchReads % rows;
+    for (; next_col >= stride; next_col -= stride) lo += rows, hi += rows, next_row += rows;
+  }
+  const char* base = reinterpret_cast<const char*>(w);
+  const char* p = kInOrder ? nullptr : ahead;
   for (int64_t i = i0; i < i1; ++i) {
     const T* row = w + i * O + c0;
     __m512 a[V];
     for (int v = 0; v < V; ++v) a[v] = LoadWeights(row + 16 * v, m[v], Whole);
+    if (in_order) {
+      const char* line = base + next_row * stride + next_col;
+      for (int v = 0; v < V; ++v) _mm_prefetch(line + 64 * v, _MM_HINT_NTA);
+      if (++next_row == hi) {
+        next_row = lo;
+        next_col += width;
+        if (next_col >= stride) next_col = 0, lo = hi, hi += rows, next_row = lo;
+      }
+    }
     if (p) {
       for (int v = 0; v < V; ++v) _mm_prefetch(p + v * 16 * (int64_t)sizeof(T), _MM_HINT_T1);
       p += V * 16 * (int64_t)sizeof(T);

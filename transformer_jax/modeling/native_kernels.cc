@@ -67,6 +67,9 @@ constexpr int64_t kRowsPerTask = 48;
 // their prefetches on into the next group of tiles (native_avx512.h).
 constexpr int64_t kPackedPrefetchBytes = 2048;
 constexpr int64_t kPackedPrefetchBytes512 = 3072;
+// How many weight reads (rows of a block of columns) ahead the AVX-512 column kernel (float32
+// weights, tj_cols_matmul) prefetches, in the order it reads them: 16 and 48 were slower than 32.
+constexpr int64_t kColPrefetchReads = 32;
 
 // How bf16 products run: 0 not yet decided, else a Bf16Path. Decided on the first bf16 product
 // by Bf16Calibrate (or set by tj_set_bf16_products, for tests and measurements).
