@@ -303,7 +303,7 @@ inline __m512 LoadWeights(const uint16_t* p, __mmask16 lanes, bool whole) {
 // One block of columns [c0, c0 + 16 V) (fewer at the end: Whole = false) over input rows [i0, i1),
 // activation rows R0 .. R0+RN-1 of x (float32 [R, I]), into part [R, O], written if `first`. Kept
 // out of line: inlined into its caller's loop, GCC kept the accumulators in memory.
-template <int R0, int RN, typename T, bool Whole>
+template <int R0, int RN, typename T, bool Whole, bool Once>
 __attribute__((noinline)) void ColBlock(const T* w, const float* x, float* part, int64_t I, int64_t O, int64_t c0,
                                         int64_t i0, int64_t i1, bool first, const char*& ahead) {
   constexpr int V = ColVectors<RN>();
@@ -319,8 +319,9 @@ __attribute__((noinline)) void ColBlock(const T* w, const float* x, float* part,
   // activations out of L2 and L3 (a float32 GPT-2-small step on AMD Zen 5, alternated in one process
   // with the prefetch of the next task's run into L2, medians of 8 rounds: batch 8 14.06 against
   // 14.85 ms, batch 1 11.81 against 13.12). NTA along the next task's run instead, 128 KB ahead, was
-  // slower: the lines left L1 before they were read. Widened bf16 weights keep that L2 prefetch.
-  constexpr bool kInOrder = sizeof(T) == 4;
+  // slower: the lines left L1 before they were read. Widened bf16 weights keep that L2 prefetch, as
+  // do more than kColPassRows rows (`Once` false), whose second pass reads the task's run again.
+  constexpr bool kInOrder = sizeof(T) == 4 && Once;
   const bool in_order = kInOrder && ahead != nullptr;
   const int64_t stride = O * (int64_t)sizeof(T), width = 16 * V * (int64_t)sizeof(T), rows = i1 - i0;
   int64_t next_row = 0, next_col = 0, lo = i0, hi = i1;  // the line kColPrefetchReads reads on
@@ -427,7 +428,7 @@ __attribute__((noinline)) void ColBlockDot(const uint16_t* w, const uint16_t* x,
 
 // All column blocks of input rows [i0, i1) for activation rows R0 .. R0+RN-1; the prefetches
 // (from `ahead`, one line per line read) only where `ahead` is set.
-template <int R0, int RN, typename T, bool Dot>
+template <int R0, int RN, typename T, bool Dot, bool Once>
 void ColPass(const T* w, const void* x, float* part, int64_t I, int64_t O, int64_t i0, int64_t i1, bool first,
              const char* ahead) {
   if constexpr (Dot) {
@@ -440,8 +441,8 @@ void ColPass(const T* w, const void* x, float* part, int64_t I, int64_t O, int64
     constexpr int64_t kBlock = 16 * ColVectors<RN>();
     const auto* xf = static_cast<const float*>(x);
     int64_t c0 = 0;
-    for (; c0 + kBlock <= O; c0 += kBlock) ColBlock<R0, RN, T, true>(w, xf, part, I, O, c0, i0, i1, first, ahead);
-    if (c0 < O) ColBlock<R0, RN, T, false>(w, xf, part, I, O, c0, i0, i1, first, ahead);
+    for (; c0 + kBlock <= O; c0 += kBlock) ColBlock<R0, RN, T, true, Once>(w, xf, part, I, O, c0, i0, i1, first, ahead);
+    if (c0 < O) ColBlock<R0, RN, T, false, Once>(w, xf, part, I, O, c0, i0, i1, first, ahead);
   }
 }
 
@@ -451,10 +452,10 @@ template <int R, typename T, bool Dot>
 void ColsRange(const T* w, const void* x, float* part, int64_t I, int64_t O, int64_t i0, int64_t i1, bool first,
                const char* ahead) {
   if constexpr (R <= kColPassRows) {
-    ColPass<0, R, T, Dot>(w, x, part, I, O, i0, i1, first, ahead);
+    ColPass<0, R, T, Dot, true>(w, x, part, I, O, i0, i1, first, ahead);
   } else {
-    ColPass<0, R / 2, T, Dot>(w, x, part, I, O, i0, i1, first, ahead);
-    ColPass<R / 2, R - R / 2, T, Dot>(w, x, part, I, O, i0, i1, first, nullptr);
+    ColPass<0, R / 2, T, Dot, false>(w, x, part, I, O, i0, i1, first, ahead);
+    ColPass<R / 2, R - R / 2, T, Dot, false>(w, x, part, I, O, i0, i1, first, nullptr);
   }
 }
 
