@@ -249,13 +249,16 @@ __attribute__((no_sanitize("thread"))) static void ReferenceDot(const float* w, 
   *mag = m;
 }
 
-// A bf16 weight w [O, I] in the packed layout: rows 0 .. O16 - 1 in tiles of 16, each [I / 2, 16, 2];
-// the rest (every row where I is odd) as they are.
+// A bf16 weight w [O, I] in the packed layout: rows 0 .. O16 - 1 in tiles of 16, in groups of three
+// tiles (the last group: the one or two left over), a group of g tiles stored [I / 2, g, 16, 2]; the
+// rest (every row where I is odd) as they are.
 static void PackWeights(const float* wf, uint16_t* w, int64_t O, int64_t I) {
-  const int64_t O16 = I % 2 == 0 ? O / 16 * 16 : 0;
-  for (int64_t o = 0; o < O; ++o)
+  const int64_t O16 = I % 2 == 0 ? O / 16 * 16 : 0, tiles = O16 / 16;
+  for (int64_t o = 0; o < O; ++o) {
+    const int64_t group = o / 48, tile = (o / 16) % 3, g = std::min<int64_t>(3, tiles - 3 * group);
     for (int64_t i = 0; i < I; ++i)
-      w[o < O16 ? (o / 16) * 16 * I + (i / 2) * 32 + (o % 16) * 2 + i % 2 : o * I + i] = ToBf16(wf[o * I + i]);
+      w[o < O16 ? group * 48 * I + ((i / 2) * g + tile) * 32 + (o % 16) * 2 + i % 2 : o * I + i] = ToBf16(wf[o * I + i]);
+  }
 }
 
 // The weight products: tj_rows_matmul ("matmul": x [R, I] times w [O, I] -> y [O, R]) and
@@ -895,7 +898,7 @@ static void Sweep(std::vector<Case>& cs) {
       for (auto [I, O] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {0, 0}, {17, 0}})
         cs.push_back({"cols", {{"dtype", dt}, {"path", path}, {"R", R}, {"I", I}, {"O", O}, {"thr", thr()}, {"data", 0}, {"alloc", 0}}});
     }
-  // --- products of packed bf16 weights: tiles of 16 rows (1, 2 or 3 side by side), rows after them ---
+  // --- products of packed bf16 weights: groups of 1, 2 or 3 tiles of 16 rows, rows after them ---
   for (int64_t R = 1; R <= 16; ++R) {
     for (int64_t I : {1, 2, 3, 8, 30, 31, 64, 98, 770})
       for (int64_t O : {1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 80, 97, 113, 145})

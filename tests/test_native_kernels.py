@@ -222,17 +222,23 @@ def test_rows_matmul_refuses_what_it_cannot_take():
         native.rows_matmul(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.float32))
 
 
-@pytest.mark.parametrize("out,inp", [(48, 8), (50, 6), (15, 8), (33, 7), (1, 2)])
-def test_pack_kernel_orders_tiles_of_16_rows_by_input_pairs(out, inp):
+@pytest.mark.parametrize("out,inp", [(48, 8), (50, 6), (15, 8), (33, 7), (1, 2), (80, 6), (112, 4)])
+def test_pack_kernel_orders_groups_of_tiles_by_input_pairs(out, inp):
+    # Tiles of 16 rows in groups of three (the last group: what is left), a group of g tiles
+    # stored [inp / 2, g, 16, 2]; then the rows after the tiles as they are.
     w = np.arange(out * inp, dtype=np.float32).reshape(out, inp)
     packed = native.pack_kernel(w)
     tiled = native.packed_rows(out, inp)
     assert tiled == (out // 16 * 16 if inp % 2 == 0 else 0) and packed.shape == w.shape
+    assert native.PACK_TILE == 16 and native.PACK_GROUP == 3
+    tiles = tiled // 16
     flat = packed.reshape(-1)
     for o in range(out):
         for i in range(inp):
-            if o < tiled:  # tile o // 16, pair i // 2, row o % 16, element i % 2
-                at = (o // 16) * 16 * inp + (i // 2) * 32 + (o % 16) * 2 + i % 2
+            if o < tiled:  # group o // 48 of g tiles; pair i // 2, tile in group, row o % 16, element i % 2
+                group, tile = divmod(o // 16, 3)
+                g = min(3, tiles - 3 * group)
+                at = group * 48 * inp + ((i // 2) * g + tile) * 32 + (o % 16) * 2 + i % 2
             else:  # the rows after the tiles, as they are
                 at = o * inp + i
             assert flat[at] == w[o, i]

@@ -16,19 +16,20 @@ from transformer_jax.modeling.matmul import contract_packed, contract_transposed
 
 def _gather_rows(table, ids, packed: bool):
     """table[ids] (rows along axis 0); of a table stored packed (`native.pack_kernel`: rows in
-    tiles of 16, each [D / 2, 16, 2]), gathered from the tiles' view."""
+    groups of tiles of 16, each group [D / 2, tiles, 16, 2]), gathered from the groups' views."""
     V, D = table.shape
     tiled = native.packed_rows(V, D) if packed else 0
     if tiled == 0:  # (an odd width is stored as it is)
         return jnp.take(table, ids, axis=0)
-    inside = ids < tiled
+    rows = jnp.take(table[tiled:], jnp.clip(ids - tiled, 0, V - tiled - 1), axis=0) if tiled < V else None
     tile = native.PACK_TILE
-    view = table[:tiled].reshape(tiled // tile, D // 2, tile, 2)
-    rows = view[jnp.where(inside, ids // tile, 0), :, jnp.where(inside, ids % tile, 0), :]
-    rows = rows.reshape(ids.shape + (D,))
-    if tiled < V:
-        rest = jnp.take(table[tiled:], jnp.clip(ids - tiled, 0, V - tiled - 1), axis=0)
-        rows = jnp.where(inside[..., None], rows, rest)
+    for first, view in native.packed_group_views(table):
+        groups, _, tiles = view.shape[:3]
+        local = ids - first
+        inside = (local >= 0) & (local < groups * tiles * tile)
+        local = jnp.where(inside, local, 0)
+        found = view[local // (tiles * tile), :, local // tile % tiles, local % tile, :].reshape(ids.shape + (D,))
+        rows = found if rows is None else jnp.where(inside[..., None], found, rows)
     return rows
 
 

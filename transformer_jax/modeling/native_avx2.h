@@ -143,19 +143,17 @@ inline int64_t PaddedWiden(int64_t n) { return (n + kWidenRun - 1) / kWidenRun *
 
 // tj_packed_matmul (see native_kernels.cc) without bf16 arithmetic: each 32-byte half of a tile's
 // line (one pair of inputs for 8 outputs) widened exactly to float32, its first elements and its
-// second, each multiplied by the activation row's element broadcast. One tile at a time: its 2 R
-// accumulators fill the 16 registers.
-template <int R>
-constexpr int PackedTileCount() { return 1; }
+// second, each multiplied by the activation row's element broadcast. One tile of the group (stored
+// as in native_avx512.h: the group's tiles take their 64-byte lines in turn) at a time: its 2 R
+// accumulators fill the 16 registers. The first tile's pass prefetches the whole group, so the
+// others read it from cache.
+constexpr int kPackedPassRows = 16;
 
 // Once: as in native_avx512.h; unused here (AVX2 keeps its plain prefetches: not measured on an AVX2 host).
 template <int R, int T, bool Once = true>
 inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O,
-                        int64_t r0) {
-  static_assert(T == 1, "one tile at a time");
-  __m256 acc[2 * R];
-  for (int k = 0; k < 2 * R; ++k) acc[k] = _mm256_setzero_ps();
-  const uint16_t* tile = w + o * I;
+                        int64_t r0, int64_t Rt = R) {
+  const uint16_t* group = w + o * I;
   const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
   auto widen = [](uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -163,25 +161,33 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
     std::memcpy(&f, &bits, sizeof(f));
     return f;
   };
-  for (int64_t p = 0; p < I / 2; ++p) {
-    const uint16_t* line = tile + 32 * p;
-    _mm_prefetch(reinterpret_cast<const char*>(line) + kPackedPrefetchBytes, _MM_HINT_T0);
-    __m256 first[2], second[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
-      first[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      second[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+  for (int t = 0; t < T; ++t) {
+    __m256 acc[2 * R];
+    for (int k = 0; k < 2 * R; ++k) acc[k] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < I / 2; ++p) {
+      const uint16_t* line = group + 32 * (T * p + t);
+      if (t == 0)
+        for (int u = 0; u < T; ++u)
+          _mm_prefetch(reinterpret_cast<const char*>(line + 32 * u) + T * kPackedPrefetchBytes, _MM_HINT_T0);
+      __m256 first[2], second[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
+        first[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        second[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 b0 = _mm256_set1_ps(widen(x[r * I + 2 * p])), b1 = _mm256_set1_ps(widen(x[r * I + 2 * p + 1]));
+        for (int h = 0; h < 2; ++h)
+          acc[2 * r + h] = _mm256_fmadd_ps(second[h], b1, _mm256_fmadd_ps(first[h], b0, acc[2 * r + h]));
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256 b0 = _mm256_set1_ps(widen(x[r * I + 2 * p])), b1 = _mm256_set1_ps(widen(x[r * I + 2 * p + 1]));
-      for (int h = 0; h < 2; ++h)
-        acc[2 * r + h] = _mm256_fmadd_ps(second[h], b1, _mm256_fmadd_ps(first[h], b0, acc[2 * r + h]));
-    }
+    alignas(32) float sums[2 * R * 8];
+    for (int k = 0; k < 2 * R; ++k) _mm256_store_ps(sums + 8 * k, acc[k]);
+    const int64_t ot = o + 16 * t;
+    for (int j = 0; j < 16; ++j)  // y [O, Rt] from row r0, or from row r0 of y [rows, O] where O >= 0
+      for (int r = 0; r < R; ++r)
+        y[O < 0 ? (ot + j) * Rt + r0 + r : (r0 + r) * O + ot + j] = sums[(2 * r + j / 8) * 8 + j % 8];
   }
-  alignas(32) float sums[2 * R * 8];
-  for (int k = 0; k < 2 * R; ++k) _mm256_store_ps(sums + 8 * k, acc[k]);
-  for (int j = 0; j < 16; ++j)  // y [O, R], or from row r0 of y [rows, O] where O >= 0
-    for (int r = 0; r < R; ++r) y[O < 0 ? (o + j) * R + r : (r0 + r) * O + o + j] = sums[(2 * r + j / 8) * 8 + j % 8];
 }
 
 // 16 bf16 from p, of which the first n (1..16) are read and the rest are zero.

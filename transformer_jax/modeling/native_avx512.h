@@ -460,20 +460,16 @@ void ColsRange(const T* w, const void* x, float* part, int64_t I, int64_t O, int
 }
 
 // tj_packed_matmul (see native_kernels.cc): the outputs o .. o + 16 T - 1 of R activation rows,
-// from T tiles side by side. A tile is 16 weight rows stored as [I / 2, 16, 2]: each 64-byte line
-// holds one pair of inputs for all 16 outputs, so one bf16 dot product against the pair of an
-// activation row, broadcast, adds to 16 outputs at once. The accumulators are the outputs
-// themselves (no sums across lanes at the end), and each step reads one line per tile and one
-// 4-byte pair per activation row, where RowPass reads a 64-byte activation vector per row.
-// Tiles read side by side: three (up to 24 accumulators) from 3 to 8 rows, fewer above; one at 1-2
-// rows, where the sums are few and the arithmetic light, so that the weight streams as one run
-// (AMD Zen 5, a GPT-2-small step's products from memory on two threads: at 1 row, eight tiles at
-// a time took 1.17-1.31x tj_rows_matmul's time, one tile 0.98-1.01x; at 4 rows six tiles 1.02-1.10x,
-// three 0.91-0.97x).
-template <int R>
-constexpr int PackedTileCount() {
-  return R <= 2 ? 1 : (R <= 8 ? 3 : (R <= 12 ? 2 : 1));
-}
+// from one group of T tiles (native.py, PACK_GROUP). A tile is 16 weight rows; a group of T tiles
+// is stored [I / 2, T, 16, 2]: each 64-byte line holds one pair of inputs for all 16 outputs of a
+// tile, and the group's tiles take their lines in turn, pair by pair, so that the group is one run
+// of memory. One bf16 dot product against the pair of an activation row, broadcast, adds to 16
+// outputs at once. The accumulators are the outputs themselves (no sums across lanes at the end),
+// and each step reads T lines and one 4-byte pair per activation row, where RowPass reads a
+// 64-byte activation vector per row. Up to kPackedPassRows rows at a time: three tiles of 8 rows
+// are 24 accumulators; more rows (9-16 in a decoding step, a prefill's) go through a group in
+// passes (native_kernels.cc).
+constexpr int kPackedPassRows = 8;
 
 // Where output-major element f of a group's [16 T, R] outputs lies among its sums (sum k = tile
 // k / R, row k % R, 16 outputs each): computed at compile time, as the table the store gathers by.
@@ -487,38 +483,34 @@ constexpr std::array<int32_t, 16 * T * R> PackedOutputOrder() {
   return order;
 }
 
+// Rows r0 .. r0 + R - 1 of the group's outputs: into y [O, Rt] (a decoding step's product, where
+// O < 0), or into y [rows, O].
 template <int R, int T, bool Once = true>
 inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O,
-                        int64_t r0) {
+                        int64_t r0, int64_t Rt = R) {
   // Independent sums enough to keep the dot products' latency hidden: at few accumulators, S sets
   // taken in turn, pair by pair.
   constexpr int S = T * R >= 8 ? 1 : (T * R >= 4 ? 2 : 4);
   __m512 acc[S * T * R];
   for (int k = 0; k < S * T * R; ++k) acc[k] = _mm512_setzero_ps();
-  const uint16_t* tile = w + o * I;  // tile t's block follows at 16 * I elements each
+  const uint16_t* group = w + o * I;  // T lines (64 bytes each) per pair of inputs
   const int64_t pairs = I / 2;
-  // Each tile's run is prefetched into L1 kPackedPrefetchBytes512 ahead. Near its end the prefetch
-  // goes on at the same tile of the next group (T tiles on: the thread's next task), not into the
-  // next tile, which this group's next run already reads: so no run of the next task starts cold.
-  // (At 8 rows on AMD Zen 5, a packed product over 189 MB from memory read 0.84-0.89 of a plain
-  // sum's rate, alternated in one process, against 0.76-0.83 with 2 KB ahead and no hand-over.)
-  // `Once` (a decoding step, which reads each weight once): the prefetches are non-temporal, so the
-  // weight streaming through does not push out of L2 and L3 what the step reads again: the KV cache,
-  // the activations, the logits. A prefill (PackedChunks) reads a group's tiles once per chunk of
-  // rows, from L2, and keeps plain prefetches.
-  const char* ahead = reinterpret_cast<const char*>(tile) + kPackedPrefetchBytes512;
-  const char* handed = ahead + (T - 1) * 32 * I;  // a run is 32 I bytes: 64 per pair
-  const int64_t turn = pairs - kPackedPrefetchBytes512 / 64;
+  // The group's run is prefetched into L1 kPackedPrefetchBytes512 per tile ahead, and on past its
+  // end into the next group: the thread's next task. `Once` (a decoding step, which reads each
+  // weight once): the prefetches are non-temporal, so the weight streaming through does not push
+  // out of L2 and L3 what the step reads again: the KV cache, the activations, the logits. A
+  // prefill (PackedChunks) reads a group once per chunk of rows, from L2, and keeps plain
+  // prefetches, as do a decoding step's passes over more than kPackedPassRows rows.
+  const char* ahead = reinterpret_cast<const char*>(group) + T * kPackedPrefetchBytes512;
   auto step = [&](int64_t p, __m512* sums) __attribute__((always_inline)) {
     __m512bh a[T];
-    const char* prefetch = (p < turn ? ahead : handed) + 64 * p;
     for (int t = 0; t < T; ++t) {
       if constexpr (Once) {
-        _mm_prefetch(prefetch + t * 32 * I, _MM_HINT_NTA);
+        _mm_prefetch(ahead + 64 * (T * p + t), _MM_HINT_NTA);
       } else {
-        _mm_prefetch(prefetch + t * 32 * I, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64 * (T * p + t), _MM_HINT_T0);
       }
-      a[t] = (__m512bh)_mm512_loadu_si512(tile + t * 16 * I + 32 * p);
+      a[t] = (__m512bh)_mm512_loadu_si512(group + 32 * (T * p + t));
     }
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -533,13 +525,18 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
   for (; p < pairs; ++p) step(p, acc);
   for (int k = 1; k < S; ++k)
     for (int j = 0; j < T * R; ++j) acc[j] = _mm512_add_ps(acc[j], acc[k * T * R + j]);
-  if (O < 0) {  // y [O, R]: outputs o .. o + 16 T - 1 are 16 T R consecutive floats, output-major
+  if (O < 0) {  // y [O, Rt]
     alignas(64) float sums[T * R * 16];
     for (int k = 0; k < T * R; ++k) _mm512_store_ps(sums + 16 * k, acc[k]);
-    static constexpr std::array<int32_t, 16 * T * R> kOrder = PackedOutputOrder<R, T>();
-    float* out = y + o * R;
-    for (int v = 0; v < T * R; ++v)
-      _mm512_storeu_ps(out + 16 * v, _mm512_i32gather_ps(_mm512_loadu_si512(kOrder.data() + 16 * v), sums, 4));
+    if (Rt == R) {  // outputs o .. o + 16 T - 1 are 16 T R consecutive floats, output-major
+      static constexpr std::array<int32_t, 16 * T * R> kOrder = PackedOutputOrder<R, T>();
+      float* out = y + o * R;
+      for (int v = 0; v < T * R; ++v)
+        _mm512_storeu_ps(out + 16 * v, _mm512_i32gather_ps(_mm512_loadu_si512(kOrder.data() + 16 * v), sums, 4));
+    } else {  // a pass over some of the rows
+      for (int local = 0; local < 16 * T; ++local)
+        for (int r = 0; r < R; ++r) y[(o + local) * Rt + r0 + r] = sums[((local / 16) * R + r) * 16 + local % 16];
+    }
   } else {  // y [rows, O], these R rows from row r0: each sum is 16 consecutive outputs of a row
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + r) * O + o + 16 * t, acc[t * R + r]);

@@ -62,9 +62,9 @@ constexpr int64_t kPrefetchL2Units = 8;
 constexpr int64_t kBlockBytes = 24 * 1024;
 // Output rows per unit of work handed out to a thread (a multiple of the row groups, 2 and 3).
 constexpr int64_t kRowsPerTask = 48;
-// How far ahead along each tile's run of a packed weight (tj_packed_matmul) the L1 prefetches reach:
-// with AVX2 (one tile at a time, one run), and with AVX-512, whose three runs side by side carry
-// their prefetches on into the next group of tiles (native_avx512.h).
+// How far ahead along a packed weight's groups of tiles (tj_packed_matmul) the L1 prefetches reach,
+// per tile of the group (a group of three: three times as far): with AVX2 and with AVX-512, whose
+// prefetches go on past a group's end into the next group, the thread's next task (native_avx512.h).
 constexpr int64_t kPackedPrefetchBytes = 2048;
 constexpr int64_t kPackedPrefetchBytes512 = 3072;
 // How many weight reads (rows of a block of columns) ahead the AVX-512 column kernel (float32
@@ -432,16 +432,21 @@ ffi::Error ColsMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // ---------------------------------------------------------------------------------------------
 // tj_packed_matmul: y[o, r] = sum_i w[o, i] * x[r, i], as tj_rows_matmul, for a bf16 weight [O, I]
 // stored packed (`kernel_layout='packed'`, native.pack_kernel): where I is even, its first O16 =
-// 16 * floor(O / 16) rows as tiles of 16 rows, tile t stored [I / 2, 16, 2] (element (p, j, k) is
-// w[16 t + j, 2 p + k]), then the other O - O16 rows as they are (where I is odd, every row as it
-// is). x bf16 [R, I] -> y float32 [O, R] for R <= 16 (a decoding step), [R, O] above (a prefill).
+// 16 * floor(O / 16) rows as tiles of 16 rows, in groups of kPackGroup tiles (the last group holds
+// the one or two left over), a group of T tiles from tile g stored [I / 2, T, 16, 2] (element
+// (p, t, j, k) is w[16 (g + t) + j, 2 p + k]), then the other O - O16 rows as they are (where I is
+// odd, every row as it is). x bf16 [R, I] -> y float32 [O, R] for R <= 16 (a decoding step), [R, O]
+// above (a prefill).
 //
-// A task is one group of tiles side by side (PackedTileCount), read as one run per tile; the rows after the tiles are the last task.
+// A task is one group of tiles, read as one run; the rows after the tiles are the last task.
 // Measured on AMD Zen 5 (two threads, bf16): one [1536, 768] weight from cache, 100 calls in a
 // chain, 1.44x tj_rows_matmul's rate at 8 rows and 2.0x at 16; a GPT-2-small step's 73 weight
 // products from memory, alternated with tj_rows_matmul's in one process, 0.88-0.89 of its time at
-// 8 rows, 0.91-0.97 at 4, 0.98-1.01 at 1 (the host reading 50 GB/s). A single thread's loop of
-// the same dot products over a weight in L1 ran at 0.96 of the core's peak, RowPass's at 0.70.
+// 8 rows, 0.91-0.97 at 4, 0.98-1.01 at 1 (the host reading 50 GB/s), with each tile stored whole
+// (three runs read side by side; see native.py, PACK_GROUP, for what one run gained). A single
+// thread's loop of the same dot products over a weight in L1 ran at 0.96 of the core's peak,
+// RowPass's at 0.70.
+constexpr int kPackGroup = 3;
 
 inline int64_t PackedRows(int64_t O, int64_t I) { return I % 2 == 0 ? O / 16 * 16 : 0; }
 
@@ -465,25 +470,42 @@ inline void PackedPlainRows(const uint16_t* w, const uint16_t* x, float* y, int6
   }
 }
 
-// A group of `tiles` tiles (1 .. T) at output o, all R rows: into y [O, R] (a decoding step's
-// product), or where O >= 0 into y [R, O] (tj_packed_dense's sums before its epilogue).
-template <int R, int T>
-void PackedGroup(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int tiles,
-                 int64_t O = -1) {
+inline int64_t PackedGroups(int64_t O16) { return (O16 / 16 + kPackGroup - 1) / kPackGroup; }
+
+// Rows r0 .. r0 + R - 1 (x from row r0) through the group of `tiles` tiles (1 .. T) at output o:
+// into y [O, Rt] (a decoding step's product, O < 0), or into y [rows, O] (tj_packed_dense's sums
+// before its epilogue, a prefill's chunks).
+template <int R, int T, bool Once = true>
+void PackedGroup(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int tiles, int64_t O,
+                 int64_t r0 = 0, int64_t Rt = R) {
   if constexpr (T > 0) {
-    if (tiles == T) return PackedTiles<R, T>(w, x, y, I, o, O, 0);
-    PackedGroup<R, T - 1>(w, x, y, I, o, tiles, O);
+    if (tiles == T) return PackedTiles<R, T, Once>(w, x, y, I, o, O, r0, Rt);
+    PackedGroup<R, T - 1, Once>(w, x, y, I, o, tiles, O, r0, Rt);
+  }
+}
+
+// A decoding step's R rows through one group: in one pass (non-temporal prefetches: the weight is
+// read once), or above kPackedPassRows in two, the second reading the group from cache.
+template <int R>
+void PackedGroupRows(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int tiles,
+                     int64_t O) {
+  if constexpr (R <= kPackedPassRows) {
+    PackedGroup<R, kPackGroup>(w, x, y, I, o, tiles, O);
+  } else {
+    constexpr int kFirst = kPackedPassRows, kRest = R - kPackedPassRows;
+    static_assert(kRest <= kPackedPassRows, "two passes");
+    PackedGroup<kFirst, kPackGroup, false>(w, x, y, I, o, tiles, O, 0, R);
+    PackedGroup<kRest, kPackGroup, false>(w, x + kFirst * I, y, I, o, tiles, O, kFirst, R);
   }
 }
 
 template <int R>
 void PackedRange(ffi::ThreadPool& pool, const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t O) {
-  constexpr int T = PackedTileCount<R>();
-  const int64_t O16 = PackedRows(O, I), groups = (O16 / 16 + T - 1) / T;
+  const int64_t O16 = PackedRows(O, I), groups = PackedGroups(O16);
   ParallelFor(pool, groups + (O16 < O ? 1 : 0), [=](int64_t g) {
     if (g == groups) return PackedPlainRows(w, x, y, R, I, O16, O, false);
-    const int64_t o = g * 16 * T;
-    PackedGroup<R, T>(w, x, y, I, o, (int)std::min<int64_t>(T, (O16 - o) / 16));
+    const int64_t o = g * 16 * kPackGroup;
+    PackedGroupRows<R>(w, x, y, I, o, (int)std::min<int64_t>(kPackGroup, (O16 - o) / 16), -1);
   });
 }
 
@@ -524,12 +546,11 @@ void PackedChunks(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int
 
 void PackedManyRows(ffi::ThreadPool& pool, const uint16_t* w, const uint16_t* x, float* y, int64_t R, int64_t I,
                     int64_t O) {
-  constexpr int T = PackedTileCount<kPackedChunk>();
-  const int64_t O16 = PackedRows(O, I), groups = (O16 / 16 + T - 1) / T;
+  const int64_t O16 = PackedRows(O, I), groups = PackedGroups(O16);
   ParallelFor(pool, groups + (O16 < O ? 1 : 0), [=](int64_t g) {
     if (g == groups) return PackedPlainRows(w, x, y, R, I, O16, O, true);
-    const int64_t o = g * 16 * T;
-    PackedChunks<T>(w, x, y, I, o, O, R, (int)std::min<int64_t>(T, (O16 - o) / 16));
+    const int64_t o = g * 16 * kPackGroup;
+    PackedChunks<kPackGroup>(w, x, y, I, o, O, R, (int)std::min<int64_t>(kPackGroup, (O16 - o) / 16));
   });
 }
 
@@ -555,16 +576,15 @@ ActivationFn PickActivation(int act) {
 template <int R>
 void PackedDenseRange(ffi::ThreadPool& pool, const uint16_t* w, const uint16_t* x, float* scratch, const float* bias,
                       void* out, int64_t I, int64_t O, ActivationFn epilogue) {
-  constexpr int T = PackedTileCount<R>();
-  const int64_t O16 = PackedRows(O, I), groups = (O16 / 16 + T - 1) / T;
+  const int64_t O16 = PackedRows(O, I), groups = PackedGroups(O16);
   ParallelFor(pool, groups + (O16 < O ? 1 : 0), [=](int64_t g) {
     if (g == groups) {
       PackedPlainRows(w, x, scratch, R, I, O16, O, true);
       return epilogue(scratch, bias, out, O, R, O16, O, true);
     }
-    const int64_t o = g * 16 * T;
-    const int tiles = (int)std::min<int64_t>(T, (O16 - o) / 16);
-    PackedGroup<R, T>(w, x, scratch, I, o, tiles, O);
+    const int64_t o = g * 16 * kPackGroup;
+    const int tiles = (int)std::min<int64_t>(kPackGroup, (O16 - o) / 16);
+    PackedGroupRows<R>(w, x, scratch, I, o, tiles, O);
     epilogue(scratch, bias, out, O, R, o, o + 16 * tiles, true);
   });
 }
