@@ -539,3 +539,28 @@ def test_position_saved_by_another_worker_count_is_an_error(tmp_path):
     with pytest.raises(DataError, match=r"step 10 .*dataset.num_workers=2, and this run has "
                                         r"dataset.num_workers=3.*resume_data_position=False"):
         _check_data_state(str(tmp_path), 10, Pipeline(3))
+
+
+@pytest.mark.parametrize("layout", ["packed", "out_in"])
+def test_packed_kernels_of_the_earlier_order_are_refused(tmp_path, layout):
+    """Manifests record the packed order (`PACKED_ORDER`). A step written for kernel_layout='packed'
+    before the order changed (no record: order 1) would restore its values in the wrong places, so
+    it is refused with a message that says how to bring it over; other layouts never depended on
+    it and restore as before."""
+    from configs import tiny as tiny_config_module
+    from transformer_jax.config import PACKED_ORDER, ModelConfig
+
+    model = ModelConfig.from_dict(dict(tiny_config_module.get_config().model)).replace(kernel_layout=layout)
+    workdir = str(tmp_path)
+    path = _save_tiny(workdir, 2, model_config=model)
+    manifest = integrity.read_manifest(ckpt(workdir), 2)
+    assert manifest["packed_order"] == PACKED_ORDER == 2
+    assert integrity.verify(ckpt(workdir), 2, model).status == "ok"
+    del manifest["packed_order"]  # as the earlier versions wrote it
+    write(os.path.join(path, integrity.MANIFEST_NAME), json.dumps(manifest))
+    if layout == "out_in":
+        assert integrity.verify(ckpt(workdir), 2, model).status == "ok"
+        return
+    with pytest.raises(integrity.CheckpointConfigMismatchError,
+                       match=r"packed_order=1; this version reads order 2.*convert_params"):
+        integrity.verify(ckpt(workdir), 2, model)

@@ -21,6 +21,9 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "concat")
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked", "flash")
 REMAT_POLICIES = ("none", "dots_saveable", "full")
 KERNEL_LAYOUTS = ("in_out", "out_in", "packed")
+# The order of 'packed' kernels' elements (modeling/native.py, `pack_kernel`), recorded with each
+# checkpoint: 1 stored each tile of 16 rows whole (before 2026-12-06); 2 interleaves groups of three.
+PACKED_ORDER = 2
 CPU_KERNELS = ("auto", "native", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 
-from transformer_jax.config import ConfigError, ModelConfig, first_line
+from transformer_jax.config import PACKED_ORDER, ConfigError, ModelConfig, first_line
 from transformer_jax.data.errors import DataError
 
 MANIFEST_NAME = "integrity.json"
@@ -105,6 +105,7 @@ def write_manifest(directory: str, step: int, model_config: ModelConfig | None) 
         "step": step,
         "written": time.time(),
         "model_config": model_config.to_dict() if model_config is not None else None,
+        "packed_order": PACKED_ORDER,
         "files": files,
     }
     target = os.path.join(path, MANIFEST_NAME)
@@ -146,6 +147,14 @@ def check_model_config(directory: str, step: int, manifest: dict | None, model_c
         raise CheckpointConfigMismatchError(
             f"Checkpoint step {step} in {directory} records a model config this version cannot read ({e})."
         ) from e
+    if saved.kernel_layout == "packed" and manifest.get("packed_order") != PACKED_ORDER:
+        raise CheckpointConfigMismatchError(
+            f"Checkpoint step {step} in {directory} stores its kernels packed (kernel_layout='packed') "
+            f"in the order of an earlier version ({where} records packed_order="
+            f"{manifest.get('packed_order', 1)}; this version reads order {PACKED_ORDER}, groups of "
+            "three tiles interleaved): its values would be read in the wrong places. Restore it "
+            "with the version that wrote it, convert its params there to kernel_layout='out_in' "
+            "(tj.params.convert_params), and load those here.")
     _compare(directory, step, saved, model_config, f"recorded in {where}")
 
 
