@@ -368,9 +368,9 @@ def _check_product(name, layout, x, w, in_axis):
 # lines in turn, pair by pair. The kernel reads a group's tiles side by side (a decoding step's
 # sums of three tiles share each broadcast activation), so each task reads one run of memory: with
 # each tile stored whole, a task read three runs at once, which streamed slower (AMD Zen 5, two
-# threads, alternated in one process: GPT-2-small's 50257-row head at 8 rows 1.74 against 1.53 ms,
-# a [3072, 768] weight 112 against 103 us). The same shape as the weight: only the order of its
-# elements changes.
+# threads, the two orders alternated in one process, 8 rows: GPT-2-small's 50257-row head 1.54
+# against 1.74 ms, a [3072, 768] weight 107 against 112 us). The same shape as the weight: only the
+# order of its elements changes. Checkpoints record the order (config.PACKED_ORDER).
 PACK_TILE = 16
 PACK_GROUP = 3
 
