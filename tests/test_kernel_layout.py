@@ -244,8 +244,8 @@ def test_greedy_generation_is_the_same_in_both_layouts():
                                      dict(fused_qkv=True, tie_output=False, vocab_size=1000)])
 def test_packed_layout_stores_out_in_values_in_tiles(variant):
     # 'packed' holds out_in's values in out_in's shapes, each kernel's [out, in] matrix (and each
-    # token table) in tiles of 16 rows x 2 inputs; a vocabulary of no multiple of 16 keeps its last
-    # rows as they are. Lookups of every token, and the initialisation, agree with out_in's.
+    # token table) in tiles of 16 rows x 2 inputs, three to a group; a vocabulary of no multiple of
+    # 16 keeps its last rows as they are. Lookups of every token, and the initialisation, agree with out_in's.
     config = _lm(**variant)
     _, params, _ = _model_and_params(config)
     out_in, packed = config.replace(kernel_layout="out_in"), config.replace(kernel_layout="packed")

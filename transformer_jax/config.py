@@ -81,8 +81,9 @@ class ModelConfig:
     remat: str = "none"  # rematerialisation policy for each block
     # Projection kernels stored inputs first ([D, F], Flax's order) or outputs first ([F, D],
     # PyTorch's); 'out_in' decodes faster on CPU. 'packed': out_in's shapes, each kernel's [out, in]
-    # matrix (and each token embedding table's) stored in tiles of 16 outputs x 2 inputs, the order
-    # in which the bf16 CPU decoding kernel reads it fastest (modeling/native.py, `pack_kernel`);
+    # matrix (and each token embedding table's) stored in tiles of 16 outputs x 2 inputs, three tiles
+    # interleaved line by line, the order in which the bf16 CPU decoding kernel reads it fastest
+    # (modeling/native.py, `pack_kernel`; checkpoints record it, PACKED_ORDER);
     # other products read it through a reshaped view, slower. tj.params.convert_params converts.
     kernel_layout: str = "in_out"
     # Self-attention's query, key and value kernels stored as one, `qkv` [d_model, kv_heads,

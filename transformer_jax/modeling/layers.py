@@ -28,7 +28,8 @@ def _gather_rows(table, ids, packed: bool):
         local = ids - first
         inside = (local >= 0) & (local < groups * tiles * tile)
         local = jnp.where(inside, local, 0)
-        found = view[local // (tiles * tile), :, local // tile % tiles, local % tile, :].reshape(ids.shape + (D,))
+        found = view[local // (tiles * tile), :, local // tile % tiles, local % tile, :]
+        found = found.reshape(ids.shape + (D,))
         rows = found if rows is None else jnp.where(inside[..., None], found, rows)
     return rows
 

@@ -303,8 +303,9 @@ def contract_packed(x, w_p, n_in: int = 1, *, cpu_kernels: str = "xla"):
     the shape [out..., in...] of an output-axes-first weight, its [out, in] matrix stored as
     `native.pack_kernel` orders it. A bfloat16 product of 1 to native.PACKED_MAX_ROWS rows on CPU
     (decoding steps and prefills), where `native.use_native(cpu_kernels)`, runs on the package's
-    kernel (`native.packed_matmul`); any other, as one product over the tiles' [out / 16, in / 2,
-    16, 2] view (`native.packed_matmul_xla`, differentiated by JAX as usual)."""
+    kernel (`native.packed_matmul`); any other, as one product per run of groups of tiles over its
+    [groups, in / 2, tiles, 16, 2] view (`native.packed_matmul_xla`, differentiated by JAX as
+    usual)."""
     x2, w2, lead, out_shape = _as_matrices("contract_packed", "w_p", x, w_p, n_in)
     if native.packed_fits(x2.shape[0], x.dtype) and native.use_native(cpu_kernels):
         y = lax.platform_dependent(x2, w2, cpu=native.packed_matmul, default=native.packed_matmul_xla)

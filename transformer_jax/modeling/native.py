@@ -7,8 +7,8 @@ XLA FFI.
   this one reads each thread's weight rows front to back with software prefetches and streams at
   about the rate of a plain sum. bf16 runs as bf16 dot products or widened to float32 FMAs,
   whichever is faster on this CPU (`bf16_products`).
-- `packed_matmul(x, w)`: the same for a bf16 weight stored in tiles of 16 rows
-  (``kernel_layout='packed'``, `pack_kernel`), whose dot products each add to 16 outputs; and
+- `packed_matmul(x, w)`: the same for a bf16 weight stored in tiles of 16 rows, three tiles to a
+  group (``kernel_layout='packed'``, `pack_kernel`), whose dot products each add to 16 outputs; and
   `packed_dense(x, w, bias, activation, dtype)`, that product with `bias_activation`'s bias,
   rounding and activation in the same call.
 - `cols_matmul(x, w)`: the same for a weight stored input-major, w [I, O] (the default

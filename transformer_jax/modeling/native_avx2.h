@@ -151,7 +151,7 @@ inline int64_t PaddedWiden(int64_t n) { return (n + kWidenRun - 1) / kWidenRun *
 // later passes, reading the group from cache, prefetch the next group (the thread's next task) into
 // L2 in turn, so that the memory is read throughout. With the AVX2 build on an AMD Zen 5 host, against
 // tiles stored whole and read one at a time (single products, alternate processes): 0.76-0.96 of the
-// time at 1-2 rows, 0.95-1.05 at 8, but 1.1-1.4 at 4 rows, where one tile's run had streamed from
+// time at 1-2 rows, 0.97-1.07 at 8, but up to 1.4 at 4 rows, where one tile's run had streamed from
 // memory at close to a plain sum's rate. Passes of two rows over all three tiles were slower at 8
 // rows (each pass widens the weights again).
 constexpr int kPackedPassRows = 16;
