@@ -143,26 +143,21 @@ inline int64_t PaddedWiden(int64_t n) { return (n + kWidenRun - 1) / kWidenRun *
 
 // tj_packed_matmul (see native_kernels.cc) without bf16 arithmetic: each 32-byte half of a tile's
 // line (one pair of inputs for 8 outputs) widened exactly to float32, its first elements and its
-// second, each multiplied by the activation row's element broadcast. A group (stored as in
-// native_avx512.h: its tiles take their 64-byte lines in turn) is read in passes of kTiles tiles,
-// 2 R kTiles accumulators: at 1-2 rows all its tiles in one pass, so that the weight streams as one
-// run; from 3 rows one tile a pass, the arithmetic then outweighing the reads. The first pass
-// prefetches the group ahead of it (the first group of a thread's run comes from memory), and the
-// later passes, reading the group from cache, prefetch the next group (the thread's next task) into
-// L2 in turn, so that the memory is read throughout. With the AVX2 build on an AMD Zen 5 host, against
-// tiles stored whole and read one at a time (single products, alternate processes): 0.76-0.96 of the
-// time at 1-2 rows, 0.97-1.07 at 8, but up to 1.4 at 4 rows, where one tile's run had streamed from
-// memory at close to a plain sum's rate. Passes of two rows over all three tiles were slower at 8
-// rows (each pass widens the weights again).
-constexpr int kPackedPassRows = 16;
+// second, each multiplied by the activation row's element broadcast. A group's tiles (stored as in
+// native_avx512.h: they take their 64-byte lines in turn) are read side by side, as one run, up to
+// kPackedPassRows rows at a time: 2 x 3 R accumulators, more than the 16 registers above 2 rows, but
+// with the AVX2 build on an AMD Zen 5 host, against tiles stored whole and read one at a time
+// (single products, alternate processes), 0.73-1.05 of the time at 1-2 rows, 0.86-1.10 at 4,
+// 0.93-1.06 at 6-8; 1.10-1.18 at 12 rows, in two passes that both widen the weights (one pass of 12
+// rows, its sums spilled from the registers, was slower still). One tile a pass (the group read
+// three times, twice from cache) took up to 1.4x at 4 rows.
+constexpr int kPackedPassRows = 8;
 
 // Once: as in native_avx512.h; unused here (AVX2 keeps its plain prefetches: not measured on an AVX2 host).
 template <int R, int T, bool Once = true>
 inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t I, int64_t o, int64_t O,
                         int64_t r0, int64_t Rt = R) {
-  constexpr int kTiles = R <= 2 ? T : 1, kGroup = 3;
   const uint16_t* group = w + o * I;
-  const uint16_t* next = group + 16 * T * I;
   const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
   auto widen = [](uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -170,42 +165,34 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
     std::memcpy(&f, &bits, sizeof(f));
     return f;
   };
-  for (int t0 = 0; t0 < T; t0 += kTiles) {
-    __m256 acc[2 * R * kTiles];
-    for (int k = 0; k < 2 * R * kTiles; ++k) acc[k] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < I / 2; ++p) {
-      if (t0 == 0) {
-        for (int u = 0; u < T; ++u)
-          _mm_prefetch(reinterpret_cast<const char*>(group + 32 * (T * p + u)) + T * kPackedPrefetchBytes,
-                       _MM_HINT_T0);
-      } else {  // the next group's lines (of up to kGroup tiles), shared out among the later passes
-        for (int u = t0 - 1; u < kGroup; u += T - 1) _mm_prefetch(reinterpret_cast<const char*>(next + 32 * (kGroup * p + u)), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(group + 32 * (T * p + t0)) + T * kPackedPrefetchBytes, _MM_HINT_T0);
+  __m256 acc[2 * R * T];
+  for (int k = 0; k < 2 * R * T; ++k) acc[k] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < I / 2; ++p) {
+    for (int u = 0; u < T; ++u)
+      _mm_prefetch(reinterpret_cast<const char*>(group + 32 * (T * p + u)) + T * kPackedPrefetchBytes, _MM_HINT_T0);
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* line = group + 32 * (T * p + t);
+      __m256 first[2], second[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
+        first[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        second[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
       }
-      for (int t = 0; t < kTiles; ++t) {
-        const uint16_t* line = group + 32 * (T * p + t0 + t);
-        __m256 first[2], second[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
-          first[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-          second[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m256 b0 = _mm256_set1_ps(widen(x[r * I + 2 * p])), b1 = _mm256_set1_ps(widen(x[r * I + 2 * p + 1]));
-          __m256* a = acc + 2 * (t * R + r);
-          for (int h = 0; h < 2; ++h) a[h] = _mm256_fmadd_ps(second[h], b1, _mm256_fmadd_ps(first[h], b0, a[h]));
-        }
+      for (int r = 0; r < R; ++r) {
+        const __m256 b0 = _mm256_set1_ps(widen(x[r * I + 2 * p])), b1 = _mm256_set1_ps(widen(x[r * I + 2 * p + 1]));
+        __m256* a = acc + 2 * (t * R + r);
+        for (int h = 0; h < 2; ++h) a[h] = _mm256_fmadd_ps(second[h], b1, _mm256_fmadd_ps(first[h], b0, a[h]));
       }
     }
-    alignas(32) float sums[2 * R * kTiles * 8];
-    for (int k = 0; k < 2 * R * kTiles; ++k) _mm256_store_ps(sums + 8 * k, acc[k]);
-    for (int t = 0; t < kTiles; ++t) {
-      const int64_t ot = o + 16 * (t0 + t);
-      const float* s = sums + 16 * R * t;
-      for (int j = 0; j < 16; ++j)  // y [O, Rt] from row r0, or from row r0 of y [rows, O] where O >= 0
-        for (int r = 0; r < R; ++r)
-          y[O < 0 ? (ot + j) * Rt + r0 + r : (r0 + r) * O + ot + j] = s[(2 * r + j / 8) * 8 + j % 8];
-    }
+  }
+  alignas(32) float sums[2 * R * T * 8];
+  for (int k = 0; k < 2 * R * T; ++k) _mm256_store_ps(sums + 8 * k, acc[k]);
+  for (int t = 0; t < T; ++t) {
+    const int64_t ot = o + 16 * t;
+    const float* s = sums + 16 * R * t;
+    for (int j = 0; j < 16; ++j)  // y [O, Rt] from row r0, or from row r0 of y [rows, O] where O >= 0
+      for (int r = 0; r < R; ++r)
+        y[O < 0 ? (ot + j) * Rt + r0 + r : (r0 + r) * O + ot + j] = s[(2 * r + j / 8) * 8 + j % 8];
   }
 }
 
