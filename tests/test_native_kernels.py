@@ -497,14 +497,12 @@ def test_cache_step_attention_equals_the_writes_then_the_attention(q_dtype, cach
     k_want, v_want = native.cache_write(k_cache, k, index), native.cache_write(v_cache, v, index)
     np.testing.assert_array_equal(np.asarray(k_new, np.float32), np.asarray(k_want, np.float32))
     np.testing.assert_array_equal(np.asarray(v_new, np.float32), np.asarray(v_want, np.float32))
-    separate = native.cache_attention(q.astype(wide), k_want.astype(wide), v_want.astype(wide), mask)
-    separate = separate.astype(wide)
+    separate = native.cache_attention(q.astype(wide), k_want.astype(wide), v_want.astype(wide), mask).astype(wide)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(separate, np.float32))
     assert not np.any(np.asarray(out[0], np.float32))
     plain = attention._plain_cache_step(q, k, v, k_cache, v_cache, index, mask)
     tol = 1e-2 if wide == jnp.bfloat16 else 2e-6
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain[0], np.float32), rtol=0,
-                               atol=tol)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain[0], np.float32), rtol=0, atol=tol)
     # The caller's caches, not donated, are left as they were; donated, the same result in place.
     np.testing.assert_array_equal(np.asarray(k_cache, np.float32), before)
     donated = jax.jit(native.cache_step_attention, donate_argnums=(3, 4))(
@@ -544,8 +542,7 @@ def test_a_cached_model_call_stays_differentiable_through_the_fused_step():
         return jnp.sum(jnp.sin(logits))
 
     got = jax.jit(jax.grad(loss), static_argnums=1)(params, model)
-    xla_only = tj.TransformerLM(config.replace(cpu_kernels="xla"))
-    want = jax.jit(jax.grad(loss), static_argnums=1)(params, xla_only)
+    want = jax.jit(jax.grad(loss), static_argnums=1)(params, tj.TransformerLM(config.replace(cpu_kernels="xla")))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     hlo = jax.jit(loss, static_argnums=1).lower(params, model).as_text()

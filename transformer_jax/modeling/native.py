@@ -783,7 +783,7 @@ def cache_step_attention(q, k, v, k_cache, v_cache, index, mask):
     B, L, H, K = q.shape
     if (k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k.shape != v.shape
             or k.shape != (B, L, k_cache.shape[1], K) or k_cache.shape[0] != B or k_cache.shape[3] != K
-            or k_cache.shape[2] < L or H % max(k_cache.shape[1], 1)):
+            or L > k_cache.shape[2] or H % max(k_cache.shape[1], 1)):
         raise ValueError(f"cache_step_attention: expected q [B, L, H, K], new k and v [B, L, N, K] and "
                          f"caches [B, N, S, K] with L <= S and N dividing H, got q {q.shape}, k {k.shape}, "
                          f"v {v.shape}, caches {k_cache.shape} and {v_cache.shape}")
