@@ -3,7 +3,7 @@
 // tests/test_native_kernels.py for each instruction set the CPU runs.
 //
 // It calls the FFI implementation functions (RowsMatmulImpl, ColsMatmulImpl, CacheAttentionImpl,
-// CacheWriteImpl, CacheStepAttentionImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl, PackedDenseImpl, TrainAttentionFwdImpl,
+// CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl, PackedDenseImpl, TrainAttentionFwdImpl,
 // TrainAttentionBwdImpl, MaterializeImpl, LayerNormImpl) directly, through an XLA_FFI_Api whose
 // thread pool is threads of its own (so ParallelFor runs as in XLA, threads taking each other's
 // ranges), on buffers allocated with exactly the bytes their shapes need, and compares every result
@@ -310,71 +310,6 @@ static void TestProduct(const std::string& kernel, const Params& p) {
 
 // ------------------------------------------------------------------------------------------------
 // tj_cache_attention. kt 0 f32 / 1 bf16 cache; hm/lm 0 -> mask axis 1, 1 -> full; mask pattern.
-// rows masks of S keys, each of pattern `mask` (6: one of 0-5 at random per row).
-static void FillMask(bool* m, int64_t rows, int64_t S, int64_t mask, std::mt19937_64& rng) {
-  std::uniform_int_distribution<int64_t> pos(0, S > 0 ? S - 1 : 0);
-  for (int64_t row = 0; row < rows; ++row) {
-    int64_t pat = mask == 6 ? (int64_t)(rng() % 6) : mask;
-    bool* mr = m + row * S;
-    int64_t a = pos(rng), b2 = pos(rng);
-    for (int64_t s = 0; s < S; ++s) {
-      bool on = true;
-      switch (pat) {
-        case 0: on = true; break;
-        case 1: on = (rng() & 1) != 0; break;
-        case 2: on = s >= a; break;          // left padding
-        case 3: on = s <= a; break;          // unwritten tail
-        case 4: on = false; break;           // fully masked
-        case 5: on = s == a; break;          // single position
-        case 7: on = s >= std::min(a, b2) && s <= std::max(a, b2) && (rng() % 4 != 0); break;
-      }
-      mr[s] = on;
-    }
-  }
-}
-
-// Each row's first cache position to write (mode idxm), and where JAX's dynamic_update_slice
-// takes it to be.
-static void FillIndex(int32_t* idx, int64_t B, int64_t S, int64_t L, int64_t idxm, std::mt19937_64& rng) {
-  for (int64_t b = 0; b < B; ++b) {
-    switch (idxm) {
-      case 0: idx[b] = 0; break;
-      case 1: idx[b] = (int32_t)(rng() % (S + 1)); break;                 // 0..S (S clamps)
-      case 2: idx[b] = -(int32_t)(rng() % 5) - 1; break;                   // negative
-      case 3: idx[b] = (int32_t)(S + rng() % 100); break;                   // past the end
-      case 4: idx[b] = (b & 1) ? std::numeric_limits<int32_t>::max() : std::numeric_limits<int32_t>::min(); break;
-      case 5: idx[b] = (int32_t)(S - L); break;
-    }
-  }
-}
-static int64_t RefStart(int32_t index, int64_t S, int64_t L) {
-  const int64_t wrapped = index < 0 ? (int64_t)index + S : (int64_t)index;  // as JAX takes it
-  return std::min<int64_t>(std::max<int64_t>(wrapped, 0), S - L);
-}
-
-// Attention of one query row qr [Kd] over keys/values [S, Kd] under mask mr, in double: o [Kd].
-static void ReferenceAttend(const float* qr, const float* k, const float* v, const bool* mr, int64_t S,
-                            int64_t Kd, double* o) {
-  std::vector<double> lg(S);
-  double mx = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) {
-    if (!mr[s]) continue;
-    double d = 0;
-    for (int64_t c = 0; c < Kd; ++c) d += (double)qr[c] * k[s * Kd + c];
-    lg[s] = d;
-    mx = std::max(mx, d);
-  }
-  for (int64_t c = 0; c < Kd; ++c) o[c] = 0;
-  double tot = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    if (!mr[s]) continue;
-    double w = std::exp(lg[s] - mx);
-    tot += w;
-    for (int64_t c = 0; c < Kd; ++c) o[c] += w * v[s * Kd + c];
-  }
-  for (int64_t c = 0; c < Kd; ++c) o[c] = tot > 0 ? o[c] / tot : 0.0;
-}
-
 static void TestAttention(const Params& p) {
   const int64_t kt = p.at("kt"), B = p.at("B"), L = p.at("L"), H = p.at("H"), N = p.at("N"), S = p.at("S");
   const int64_t Kd = p.at("Kd"), Hm = p.at("hm") ? H : 1, Lm = p.at("lm") ? L : 1, mask = p.at("mask");
@@ -400,7 +335,25 @@ static void TestAttention(const Params& p) {
     }
   }
   bool* m = (bool*)ma.p;
-  FillMask(m, B * Hm * Lm, S, mask, rng);
+  std::uniform_int_distribution<int64_t> pos(0, S > 0 ? S - 1 : 0);
+  for (int64_t row = 0; row < B * Hm * Lm; ++row) {
+    int64_t pat = mask == 6 ? (int64_t)(rng() % 6) : mask;
+    bool* mr = m + row * S;
+    int64_t a = pos(rng), b2 = pos(rng);
+    for (int64_t s = 0; s < S; ++s) {
+      bool on = true;
+      switch (pat) {
+        case 0: on = true; break;
+        case 1: on = (rng() & 1) != 0; break;
+        case 2: on = s >= a; break;          // left padding
+        case 3: on = s <= a; break;          // unwritten tail
+        case 4: on = false; break;           // fully masked
+        case 5: on = s == a; break;          // single position
+        case 7: on = s >= std::min(a, b2) && s <= std::max(a, b2) && (rng() % 4 != 0); break;
+      }
+      mr[s] = on;
+    }
+  }
   float* out = (float*)oa.p;
   for (int64_t i = 0; i < B * L * H * Kd; ++i) out[i] = std::numeric_limits<float>::quiet_NaN();
   const XLA_FFI_DataType t = kt ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
@@ -413,17 +366,32 @@ static void TestAttention(const Params& p) {
   const int64_t G = H / N;
   double worst = 0;
   std::string where;
-  std::vector<double> acc(Kd);
+  std::vector<double> lg(S), acc(Kd);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t l = 0; l < L; ++l)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t n = h / G;
         const bool* mr = m + ((b * Hm + (Hm == 1 ? 0 : h)) * Lm + (Lm == 1 ? 0 : l)) * S;
         const float* qr = &q[((b * L + l) * H + h) * Kd];
-        ReferenceAttend(qr, k.data() + (b * N + n) * S * Kd, v.data() + (b * N + n) * S * Kd, mr, S, Kd, acc.data());
+        double mx = -INFINITY;
+        for (int64_t s = 0; s < S; ++s) {
+          if (!mr[s]) continue;
+          double d = 0;
+          for (int64_t c = 0; c < Kd; ++c) d += (double)qr[c] * k[((b * N + n) * S + s) * Kd + c];
+          lg[s] = d;
+          mx = std::max(mx, d);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        double tot = 0;
+        for (int64_t s = 0; s < S; ++s) {
+          if (!mr[s]) continue;
+          double w = std::exp(lg[s] - mx);
+          tot += w;
+          for (int64_t c = 0; c < Kd; ++c) acc[c] += w * v[((b * N + n) * S + s) * Kd + c];
+        }
         const float* o = out + ((b * L + l) * H + h) * Kd;
         for (int64_t c = 0; c < Kd; ++c) {
-          const double ref = acc[c];
+          const double ref = tot > 0 ? acc[c] / tot : 0.0;
           double err = std::fabs(o[c] - ref);
           if (std::isnan(o[c])) err = INFINITY;
           if (err > 5e-5 && err > worst) {
@@ -589,12 +557,22 @@ static void TestCacheWrite(const Params& p) {
   for (size_t i = 0; i < cbytes; ++i) ((unsigned char*)ca.p)[i] = (unsigned char)rng();
   for (size_t i = 0; i < ubytes; ++i) ((unsigned char*)ua.p)[i] = (unsigned char)rng();
   int32_t* idx = (int32_t*)ia.p;
-  FillIndex(idx, B, S, L, idxm, rng);
+  for (int64_t b = 0; b < B; ++b) {
+    switch (idxm) {
+      case 0: idx[b] = 0; break;
+      case 1: idx[b] = (int32_t)(rng() % (S + 1)); break;                 // 0..S (S clamps)
+      case 2: idx[b] = -(int32_t)(rng() % 5) - 1; break;                   // negative
+      case 3: idx[b] = (int32_t)(S + rng() % 100); break;                   // past the end
+      case 4: idx[b] = (b & 1) ? std::numeric_limits<int32_t>::max() : std::numeric_limits<int32_t>::min(); break;
+      case 5: idx[b] = (int32_t)(S - L); break;
+    }
+  }
   std::vector<unsigned char> ref(cbytes);
   if (cbytes) memcpy(ref.data(), ca.p, cbytes);
   const size_t row = es * Kd;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = RefStart(idx[b], S, L);
+    const int64_t wrapped = idx[b] < 0 ? (int64_t)idx[b] + S : (int64_t)idx[b];  // as JAX takes it
+    const int64_t start = std::min<int64_t>(std::max<int64_t>(wrapped, 0), S - L);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t l = 0; l < L; ++l)
         memcpy(&ref[(((b * N + n) * S) + start + l) * row], (char*)ua.p + (((b * L + l) * N) + n) * row, row);
@@ -608,113 +586,6 @@ static void TestCacheWrite(const Params& p) {
                                 ffi::AnyBuffer(&ob.b));
   if (e.failure()) return Fail("cachewrite", p, "returned error: %s", e.message().c_str());
   CheckBytes("cachewrite", p, outp, ref);
-}
-
-// ------------------------------------------------------------------------------------------------
-// tj_cache_step_attention: qt / ct the queries' and the caches' dtype (0 float32, 1 bf16); idx as
-// cachewrite's, mask as attention's; alias 1 = the outputs are the caches' buffers. Both caches
-// must equal the written references byte for byte, and the output (bf16 where both dtypes are)
-// the double-precision attention over them, of the queries widened and scaled in float32.
-static void TestCacheStep(const Params& p) {
-  const int64_t qt = p.at("qt"), ct = p.at("ct"), B = p.at("B"), L = p.at("L"), H = p.at("H"), N = p.at("N");
-  const int64_t S = p.at("S"), Kd = p.at("Kd"), Hm = p.at("hm") ? H : 1, Lm = p.at("lm") ? L : 1;
-  const int64_t mask = p.at("mask"), idxm = p.at("idx"), alias = p.at("alias"), thr = p.at("thr");
-  const int64_t alloc = p.at("alloc");
-  std::mt19937_64 rng(Seed("cachestep", p));
-  std::uniform_real_distribution<float> real(-1.0f, 1.0f);
-  const size_t qs = qt ? 2 : 4, cs = ct ? 2 : 4, os = qt && ct ? 2 : 4;
-  const size_t cbytes = cs * B * N * S * Kd, nbytes = cs * B * L * N * Kd;
-  Alloc qa(qs * B * L * H * Kd, alloc), kna(nbytes, alloc), vna(nbytes, alloc), kca(cbytes, alloc),
-      vca(cbytes, alloc), ia(4 * B, alloc), ma(B * Hm * Lm * S, alloc), oa(os * B * L * H * Kd, alloc);
-  Alloc koa(alias ? 0 : cbytes, alloc), voa(alias ? 0 : cbytes, alloc);
-  // Values as the kernel reads them (bf16 ones exactly), kept as floats for the reference.
-  auto fill = [&](void* dst, std::vector<float>& vals, bool bf16, float scale) {
-    for (size_t i = 0; i < vals.size(); ++i) {
-      const float x = real(rng) * scale;
-      vals[i] = bf16 ? RoundBf16(x) : x;
-      if (bf16) ((uint16_t*)dst)[i] = ToBf16(x);
-      else ((float*)dst)[i] = x;
-    }
-  };
-  std::vector<float> q(B * L * H * Kd), kn(B * L * N * Kd), vn(B * L * N * Kd), k(B * N * S * Kd), v(B * N * S * Kd);
-  fill(qa.p, q, qt, 3.0f);
-  fill(kna.p, kn, ct, 1.0f);
-  fill(vna.p, vn, ct, 1.0f);
-  fill(kca.p, k, ct, 1.0f);
-  fill(vca.p, v, ct, 1.0f);
-  int32_t* idx = (int32_t*)ia.p;
-  FillIndex(idx, B, S, L, idxm, rng);
-  bool* m = (bool*)ma.p;
-  FillMask(m, B * Hm * Lm, S, mask, rng);
-  // The references: the caches after the writes, as bytes and as floats.
-  std::vector<unsigned char> kref(cbytes), vref(cbytes);
-  if (cbytes) {
-    memcpy(kref.data(), kca.p, cbytes);
-    memcpy(vref.data(), vca.p, cbytes);
-  }
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = RefStart(idx[b], S, L);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t to = ((b * N + n) * S + start + l) * Kd, from = ((b * L + l) * N + n) * Kd;
-        memcpy(&kref[to * cs], (char*)kna.p + from * cs, cs * Kd);
-        memcpy(&vref[to * cs], (char*)vna.p + from * cs, cs * Kd);
-        std::copy(&kn[from], &kn[from] + Kd, &k[to]);
-        std::copy(&vn[from], &vn[from] + Kd, &v[to]);
-      }
-  }
-  void* kout = alias ? kca.p : koa.p;
-  void* vout = alias ? vca.p : voa.p;
-  if (!alias && cbytes) {
-    memset(kout, 0xAB, cbytes);
-    memset(vout, 0xCD, cbytes);
-  }
-  for (int64_t i = 0; i < B * L * H * Kd; ++i) {
-    if (os == 2) ((uint16_t*)oa.p)[i] = 0x7fc1;  // NaN
-    else ((float*)oa.p)[i] = std::numeric_limits<float>::quiet_NaN();
-  }
-  const XLA_FFI_DataType qtype = qt ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
-  const XLA_FFI_DataType ctype = ct ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
-  const XLA_FFI_DataType otype = os == 2 ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F32;
-  Buf qb(qtype, qa.p, {B, L, H, Kd}), knb(ctype, kna.p, {B, L, N, Kd}), vnb(ctype, vna.p, {B, L, N, Kd}),
-      kcb(ctype, kca.p, {B, N, S, Kd}), vcb(ctype, vca.p, {B, N, S, Kd}), ib(XLA_FFI_DataType_S32, ia.p, {B}),
-      mb(XLA_FFI_DataType_PRED, ma.p, {B, Hm, Lm, S}), ob(otype, oa.p, {B, L, H, Kd}),
-      kob(ctype, kout, {B, N, S, Kd}), vob(ctype, vout, {B, N, S, Kd});
-  ffi::Error e = CacheStepAttentionImpl(MakePool(thr), ffi::AnyBuffer(&qb.b), ffi::AnyBuffer(&knb.b),
-                                        ffi::AnyBuffer(&vnb.b), ffi::AnyBuffer(&kcb.b), ffi::AnyBuffer(&vcb.b),
-                                        ffi::Buffer<ffi::S32>(&ib.b), ffi::Buffer<ffi::PRED>(&mb.b),
-                                        ffi::AnyBuffer(&ob.b), ffi::AnyBuffer(&kob.b), ffi::AnyBuffer(&vob.b));
-  if (e.failure()) return Fail("cachestep", p, "returned error: %s", e.message().c_str());
-  CheckBytes("cachestep", p, kout, kref);
-  CheckBytes("cachestep", p, vout, vref);
-  const int64_t G = H / N;
-  const float scale = 1.0f / std::sqrt((float)Kd);
-  double worst = 0;
-  std::string where;
-  std::vector<float> qr(Kd);
-  std::vector<double> ref(Kd);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t n = h / G, at = ((b * L + l) * H + h) * Kd;
-        const bool* mr = m + ((b * Hm + (Hm == 1 ? 0 : h)) * Lm + (Lm == 1 ? 0 : l)) * S;
-        for (int64_t c = 0; c < Kd; ++c) qr[c] = q[at + c] * scale;
-        ReferenceAttend(qr.data(), k.data() + (b * N + n) * S * Kd, v.data() + (b * N + n) * S * Kd, mr, S, Kd,
-                        ref.data());
-        for (int64_t c = 0; c < Kd; ++c) {
-          const float o = os == 2 ? FromBf16(((uint16_t*)oa.p)[at + c]) : ((float*)oa.p)[at + c];
-          // bf16: the float result rounded, half a unit in the 8th bit at most.
-          const double allowed = 5e-5 + (os == 2 ? std::fabs(ref[c]) / 256.0 : 0.0);
-          double err = std::fabs(o - ref[c]);
-          if (std::isnan(o)) err = INFINITY;
-          if (err > allowed && err > worst) {
-            worst = err;
-            where = "b=" + std::to_string(b) + " l=" + std::to_string(l) + " h=" + std::to_string(h) +
-                    " d=" + std::to_string(c);
-          }
-        }
-      }
-  if (worst > 0) Fail("cachestep", p, "max abs error %.6g at %s", worst, where.c_str());
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1112,20 +983,6 @@ static void Sweep(std::vector<Case>& cs) {
             cs.push_back({"cachewrite", {{"ct", ct}, {"B", B}, {"N", N}, {"S", S}, {"L", L}, {"Kd", Kd}, {"idx", idx},
                                          {"alias", (int64_t)(k % 4 != 0)}, {"alloc", (k / 2) % 3}}});
           }
-  // --- a decoding step's cache writes and attention in one call ---
-  for (int64_t qt = 0; qt < 2; ++qt)
-    for (int64_t ct = 0; ct < 2; ++ct)
-      for (int64_t Kd : {1, 17, 64, 80, 128, 256})
-        for (int64_t S : {1, 2, 5, 17, 64})
-          for (int64_t L : {1, 2, 3}) {
-            if (L > S) continue;
-            auto bs = bshapes[k % bshapes.size()];
-            ++k;
-            cs.push_back({"cachestep", {{"qt", qt}, {"ct", ct}, {"B", bs[0]}, {"L", L}, {"H", bs[2]}, {"N", bs[3]},
-                                        {"S", S}, {"Kd", Kd}, {"hm", (k / 2) % 2}, {"lm", (k / 3) % 2},
-                                        {"mask", k % 8}, {"idx", k % 6}, {"alias", (int64_t)(k % 4 != 0)},
-                                        {"thr", thr()}, {"alloc", (k / 5) % 3}}});
-          }
   // --- cache reorder ---
   for (int64_t es : {1, 2, 4})
     for (int64_t R : {1, 2, 3, 4, 8, 12, 16})
@@ -1185,7 +1042,6 @@ static void RunCase(const Case& c) {
   else if (c.kernel == "trainattn") TestTrainAttention(c.p);
   else if (c.kernel == "materialize") TestMaterialize(c.p);
   else if (c.kernel == "cachewrite") TestCacheWrite(c.p);
-  else if (c.kernel == "cachestep") TestCacheStep(c.p);
   else if (c.kernel == "cachereorder") TestCacheReorder(c.p);
   else if (c.kernel == "greedy") TestGreedy(c.p);
   else if (c.kernel == "biasact") TestBiasAct(c.p);

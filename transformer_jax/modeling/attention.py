@@ -405,53 +405,6 @@ def _native_cache_write_jvp(primals, tangents):
     return _native_cache_write(*primals), native.cache_write_xla(d_cache, d_new, index)
 
 
-def _plain_cache_step(q, k, v, k_cache, v_cache, index, mask):
-    """What `native.cache_step_attention` computes, in XLA ops."""
-    k_cache, v_cache = native.cache_write_xla(k_cache, k, index), native.cache_write_xla(v_cache, v, index)
-    wide = jnp.promote_types(q.dtype, k_cache.dtype)
-    out = _plain_cache_attention(q.astype(wide), k_cache.astype(wide), v_cache.astype(wide), mask)
-    return out.astype(wide), k_cache, v_cache
-
-
-@jax.custom_jvp
-def _cache_step_attention(q, k, v, k_cache, v_cache, index, mask):
-    """A decoding step's cache writes and attention: the native kernel on the CPU, XLA's ops
-    elsewhere; the derivatives are the XLA path's."""
-    return jax.lax.platform_dependent(q, k, v, k_cache, v_cache, index, mask,
-                                      cpu=native.cache_step_attention, default=_plain_cache_step)
-
-
-@_cache_step_attention.defjvp
-def _cache_step_attention_jvp(primals, tangents):
-    index, mask = primals[5:]
-    tangent = jax.jvp(lambda *a: _plain_cache_step(*a, index, mask), primals[:5], tangents[:5])[1]
-    return _cache_step_attention(*primals), tangent
-
-
-def native_cache_step(q, k, v, cache, index, mask, *, impl="auto", cpu_kernels="xla"):
-    """A self-attention decoding step in one native CPU call, where one applies: the new keys and
-    values k, v [B, L, N, K] written into cache {'k', 'v'} [B, N, S, K] at each row's index [B]
-    (as `MultiHeadAttention` writes them), then attention of q [B, L, H, K] over the whole cache
-    under mask (as `dot_product_attention` with kv_layout 'BNSK'). It applies where that attention
-    would run `native.cache_attention` (impl resolving to 'xla', no attention weights or dropout,
-    `native.use_native(cpu_kernels)`) and the caches are float32 or bfloat16. Returns
-    (out [B, L, H, K] in the wider of q's and the cache's dtypes, updated cache), or None where it
-    does not apply."""
-    k_cache, v_cache = cache["k"], cache["v"]
-    _check_inputs(q, k_cache, v_cache, mask, "BNSK")
-    dense = _materialize(mask)
-    if not (native.use_native(cpu_kernels) and native.cache_step_attention_fits(q, k_cache, v_cache, dense)
-            and k.shape == v.shape and k.shape[1] <= k_cache.shape[2]):
-        return None
-    chosen = resolve_impl(impl, q_length=q.shape[1], kv_length=k_cache.shape[2], mask=mask, dtype=q.dtype,
-                          head_dim=q.shape[-1])
-    if chosen != "xla":
-        return None
-    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (q.shape[0],))
-    out, k_cache, v_cache = _cache_step_attention(q, k, v, k_cache, v_cache, index, dense)
-    return out, {"k": k_cache, "v": v_cache}
-
-
 def dot_product_attention(
     q, k, v, mask=None, *, impl="auto", dropout_rate=0.0, dropout_rng=None,
     deterministic=True, return_weights=False, kv_layout="BSNK", cpu_kernels="xla",
@@ -809,19 +762,7 @@ class MultiHeadAttention(nn.Module):
         if self.rope_theta is not None:
             q = apply_rope(q, q_positions, self.rope_theta)
         kv_layout = "BSNK" if precomputed_kv is None else "BNSK"
-        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
-        want_weights = self.is_mutable_collection("intermediates")
-        dropout_rng = None
-        if not deterministic and self.attention_dropout_rate > 0.0:
-            dropout_rng = self.make_rng("dropout")
         if cache is not None:
-            # On the CPU kernels, the writes and the attention in one call where it applies.
-            step = None if want_weights or dropout_rng is not None else native_cache_step(
-                q, k, v, cache, cache_index, mask, impl=self.attention_impl, cpu_kernels=self.cpu_kernels)
-            if step is not None:
-                out, cache = step
-                out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
-                return self.out(out), cache
             # [B, L, N, K] -> [B, N, L, K], written at each row's own position along S_max: a
             # bf16 cache on the CPU kernels in place (XLA:CPU would convert all of it), else by XLA.
             if native.use_native(self.cpu_kernels) and cache["k"].dtype == jnp.bfloat16:
@@ -830,6 +771,12 @@ class MultiHeadAttention(nn.Module):
                 write = native.cache_write_xla
             k, v = write(cache["k"], k, cache_index), write(cache["v"], v, cache_index)
             cache, kv_layout = {"k": k, "v": v}, "BNSK"
+        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+
+        want_weights = self.is_mutable_collection("intermediates")
+        dropout_rng = None
+        if not deterministic and self.attention_dropout_rate > 0.0:
+            dropout_rng = self.make_rng("dropout")
         if cache is None and precomputed_kv is None:  # a cache is read in its own dtype (see
             k, v = k.astype(self.dtype), v.astype(self.dtype)  # cache.cache_dtype)
         out, probs = dot_product_attention(

@@ -18,9 +18,6 @@ XLA FFI.
   runs these small batched products on one core.
 - `cache_write(cache, new, index)`: a step's keys or values written into the cache in place;
   XLA:CPU converts a whole bfloat16 cache to float32 and back to write it.
-- `cache_step_attention(q, k, v, k_cache, v_cache, index, mask)`: a decoding step's
-  self-attention in one call: both `cache_write`s, then `cache_attention` with the queries' scaling
-  and the output's rounding (four calls a layer fewer).
 - `cache_reorder(cache, rows, counts)`: beam search's reordering of the cache in place, copying
   only the filled positions of the rows whose parent changed; XLA gathers the whole cache.
 - `greedy_choice(logits_t)`: each column's first maximum and log-sum-exp over vocabulary-major
@@ -79,7 +76,6 @@ _TARGETS = {"transformer_jax_rows_matmul": "TjRowsMatmul",
             "transformer_jax_packed_dense": "TjPackedDense",
             "transformer_jax_cache_attention": "TjCacheAttention",
             "transformer_jax_cache_write": "TjCacheWrite",
-            "transformer_jax_cache_step_attention": "TjCacheStepAttention",
             "transformer_jax_cache_reorder": "TjCacheReorder",
             "transformer_jax_greedy_choice": "TjGreedyChoice",
             "transformer_jax_bias_activation": "TjBiasActivation",
@@ -588,18 +584,6 @@ def attention_fits(q, k, v, mask) -> bool:
             and (mask is None or (hasattr(mask, "dtype") and mask.dtype == jnp.bool_)))
 
 
-def _kernel_mask(mask, B: int, H: int, L: int, S: int):
-    """A bool mask broadcastable to [B, H, L, S] (or None: every key) as the attention kernels take
-    it: batch and key axes in full; a head or query axis of 1 stays broadcast (the kernels read it
-    so)."""
-    if mask is None:
-        mask = jnp.ones((B, 1, 1, S), jnp.bool_)
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    heads = 1 if mask.shape[1] == 1 else H
-    queries = 1 if mask.shape[2] == 1 else L
-    return jnp.broadcast_to(mask, (B, heads, queries, S))
-
-
 def cache_attention(q, k, v, mask):
     """Attention of q [B, L, H, K] over a heads-first cache k, v [B, N, S, K] (float32 or
     bfloat16, one dtype; N divides H), mask bool broadcastable to [B, H, L, S] or None -> float32
@@ -609,7 +593,13 @@ def cache_attention(q, k, v, mask):
     B, L, H, K = q.shape
     S = k.shape[2]
     _check_available()
-    mask = _kernel_mask(mask, B, H, L, S)
+    if mask is None:
+        mask = jnp.ones((B, 1, 1, S), jnp.bool_)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    # Batch and key axes in full; a head or query axis of 1 stays broadcast (the kernel reads it so).
+    heads = 1 if mask.shape[1] == 1 else H
+    queries = 1 if mask.shape[2] == 1 else L
+    mask = jnp.broadcast_to(mask, (B, heads, queries, S))
     q = q.astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
     if k.dtype not in CACHE_DTYPES or v.dtype != k.dtype:
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
@@ -764,41 +754,6 @@ def cache_write(cache, new, index):
     return jax.ffi.ffi_call("transformer_jax_cache_write", out, input_output_aliases={0: 0},
                             vmap_method=VMAP)(
         cache, new.astype(cache.dtype), index)
-
-
-def cache_step_attention_fits(q, k_cache, v_cache, mask) -> bool:
-    """Whether `cache_step_attention` takes these: `attention_fits` over the caches, float32 or
-    bfloat16 queries."""
-    return q.dtype in CACHE_DTYPES and attention_fits(q, k_cache, v_cache, mask)
-
-
-def cache_step_attention(q, k, v, k_cache, v_cache, index, mask):
-    """A decoding step's self-attention over its KV cache in one call: the new keys and values
-    k, v [B, L, N, K] written into k_cache, v_cache [B, N, S, K] as `cache_write` writes them, then
-    `cache_attention(q, k_cache, v_cache, mask)` (q [B, L, H, K] float32 or bfloat16, scaled by
-    1 / sqrt(K) inside). Returns (out [B, L, H, K] in the wider of q's and the caches' dtypes,
-    k_cache, v_cache), the caches in their own buffers where XLA can give them. Not differentiable:
-    the model's path is `attention._cache_step_attention`. Call only where `available()` is True,
-    on the CPU."""
-    B, L, H, K = q.shape
-    if (k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k.shape != v.shape
-            or k.shape != (B, L, k_cache.shape[1], K) or k_cache.shape[0] != B or k_cache.shape[3] != K
-            or L > k_cache.shape[2] or H % max(k_cache.shape[1], 1)):
-        raise ValueError(f"cache_step_attention: expected q [B, L, H, K], new k and v [B, L, N, K] and "
-                         f"caches [B, N, S, K] with L <= S and N dividing H, got q {q.shape}, k {k.shape}, "
-                         f"v {v.shape}, caches {k_cache.shape} and {v_cache.shape}")
-    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype or q.dtype not in CACHE_DTYPES:
-        raise TypeError(f"cache_step_attention: float32 or bfloat16 queries and caches (one dtype for "
-                        f"both caches), not {q.dtype}, {k_cache.dtype} and {v_cache.dtype}")
-    _check_available()
-    mask = _kernel_mask(mask, B, H, L, k_cache.shape[2])
-    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (B,))
-    out_dtype = jnp.promote_types(q.dtype, k_cache.dtype)
-    shapes = (jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-              jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-    return tuple(jax.ffi.ffi_call("transformer_jax_cache_step_attention", shapes,
-                                  input_output_aliases={3: 1, 4: 2}, vmap_method=VMAP)(
-        q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, index, mask))
 
 
 def cache_reorder_xla(cache, rows, counts):

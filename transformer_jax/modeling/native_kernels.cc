@@ -88,14 +88,6 @@ inline void PrefetchRows(const void* p, int64_t rows, int64_t row_bytes) {
   for (int64_t b = 0; b < rows * row_bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
 }
 
-// float32 -> bfloat16 bits, round to nearest even; a NaN stays a quiet NaN.
-inline uint16_t Bf16Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // What one task finds for one column over its rows: the first maximum (best, at), whether it met
 // a number (seen) or a NaN, and sum = sum of exp(x - best) over its rows (NaN where x - best is:
 // inf - inf, or -inf - -inf for a column of -inf).
@@ -754,13 +746,6 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 // elements are written. XLA:CPU writes a bfloat16 cache by converting all of it to float32 and
 // back, every layer, every step.
 
-// Row b's first written position: index (plus S if negative) brought into [0, S - L], as JAX's
-// dynamic_update_slice takes it.
-inline int64_t WriteStart(int32_t index, int64_t S, int64_t L) {
-  const int64_t wrapped = index < 0 ? (int64_t)index + S : (int64_t)index;
-  return std::min<int64_t>(std::max<int64_t>(wrapped, 0), S - L);
-}
-
 ffi::Error CacheWriteImpl(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buffer<ffi::S32> index,
                           ffi::Result<ffi::AnyBuffer> out) {
   auto cd = cache.dimensions(), ud = update.dimensions(), id = index.dimensions();
@@ -779,144 +764,11 @@ ffi::Error CacheWriteImpl(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buff
   const int32_t* idx = index.typed_data();
   const size_t row = bytes * Kd;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = WriteStart(idx[b], S, L);
+    const int64_t wrapped = idx[b] < 0 ? (int64_t)idx[b] + S : (int64_t)idx[b];  // as JAX takes it
+    const int64_t start = std::min<int64_t>(std::max<int64_t>(wrapped, 0), S - L);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t l = 0; l < L; ++l)
         std::memcpy(dst + (((b * N + n) * S) + start + l) * row, src + (((b * L + l) * N) + n) * row, row);
-  }
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------------------------
-// tj_cache_step_attention: a decoding step's self-attention over its KV cache in one call:
-// tj_cache_write's update of both caches, then tj_cache_attention over them.
-//
-// q [B, L, H, Kd] float32 or bfloat16, not yet scaled: each query row is widened and multiplied
-// by 1 / sqrt(Kd) in float32 here, as XLA computes native.cache_attention's q / sqrt(Kd) (it turns
-// a division by a constant into a product with its reciprocal);
-// new_k, new_v [B, L, N, Kd] in the caches' dtype; k_cache, v_cache [B, N, S, Kd] (float32 or
-// bfloat16), outputs 1 and 2 (aliased to the inputs in native.py: only the new rows are written);
-// index [B] as tj_cache_write's; mask as tj_cache_attention's -> out [B, L, H, Kd], bfloat16
-// (rounded to nearest even, as XLA's convert) where q and the caches both are, else float32. The
-// sums are tj_cache_attention's. Task (b, n) writes its own rows of both caches before it reads
-// them, and no task reads another's. Per layer of a decoding step this replaces four calls: the
-// two cache writes and XLA's scaling of the queries and rounding of the output.
-
-inline float WidenOne(float x) { return x; }
-inline float WidenOne(uint16_t x) {
-  const uint32_t u = (uint32_t)x << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void StoreOne(float v, float* out) { *out = v; }
-inline void StoreOne(float v, uint16_t* out) { *out = Bf16Bits(v); }
-
-template <typename Q, typename T, typename O>
-void CacheStepAttention(ffi::ThreadPool& pool, const AttentionShape& a, const Q* qp, const T* kn, const T* vn,
-                        T* kc, T* vc, const int32_t* idx, const bool* mp, O* op) {
-  const AttendFn<T> attend = PickAttend<T>(a.Kd, AttendVectors{});
-  const float scale = 1.0f / std::sqrt((float)a.Kd);
-  ParallelFor(pool, a.B * a.N, [a, qp, kn, vn, kc, vc, idx, mp, op, attend, scale](int64_t t) {
-    const int64_t b = t / a.N, n = t % a.N, G = a.H / a.N;
-    T* key = kc + (b * a.N + n) * a.S * a.Kd;
-    T* val = vc + (b * a.N + n) * a.S * a.Kd;
-    const int64_t start = WriteStart(idx[b], a.S, a.L);
-    for (int64_t l = 0; l < a.L; ++l) {
-      const int64_t from = ((b * a.L + l) * a.N + n) * a.Kd;
-      std::memcpy(key + (start + l) * a.Kd, kn + from, sizeof(T) * a.Kd);
-      std::memcpy(val + (start + l) * a.Kd, vn + from, sizeof(T) * a.Kd);
-    }
-    thread_local std::vector<float> logits, rows;
-    logits.resize((a.S + 15) / 16 * 16);
-    rows.resize(2 * a.Kd);
-    float* query = rows.data();
-    float* result = rows.data() + a.Kd;
-    const bool last = t + 1 == a.B * a.N;
-    for (int64_t l = 0; l < a.L; ++l) {
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = n * G + g;
-        const int64_t offset = ((b * a.L + l) * a.H + h) * a.Kd;
-        const bool* m = mp + ((b * a.Hm + (a.Hm == 1 ? 0 : h)) * a.Lm + (a.Lm == 1 ? 0 : l)) * a.S;
-        const bool ahead = !last && l == 0 && g == 0;
-        for (int64_t d = 0; d < a.Kd; ++d) query[d] = WidenOne(qp[offset + d]) * scale;
-        attend(query, key, val, m, result, a.S, a.Kd, logits.data(),
-               ahead ? key + a.S * a.Kd : nullptr, ahead ? val + a.S * a.Kd : nullptr);
-        for (int64_t d = 0; d < a.Kd; ++d) StoreOne(result[d], op + offset + d);
-      }
-    }
-  });
-}
-
-template <typename Q, typename T>
-void CacheStepAttentionTyped(ffi::ThreadPool& pool, const AttentionShape& a, const void* q, ffi::AnyBuffer& kn,
-                             ffi::AnyBuffer& vn, ffi::AnyBuffer& kc, ffi::AnyBuffer& vc, const int32_t* idx,
-                             const bool* mp, void* out, bool bf16_out) {
-  const Q* qp = static_cast<const Q*>(q);
-  const T* knp = static_cast<const T*>(kn.untyped_data());
-  const T* vnp = static_cast<const T*>(vn.untyped_data());
-  T* kcp = static_cast<T*>(kc.untyped_data());
-  T* vcp = static_cast<T*>(vc.untyped_data());
-  if (bf16_out)
-    CacheStepAttention(pool, a, qp, knp, vnp, kcp, vcp, idx, mp, static_cast<uint16_t*>(out));
-  else
-    CacheStepAttention(pool, a, qp, knp, vnp, kcp, vcp, idx, mp, static_cast<float*>(out));
-}
-
-ffi::Error CacheStepAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
-                                  ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> index,
-                                  ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> out,
-                                  ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
-  auto qd = q.dimensions(), nd = new_k.dimensions(), cd = k_cache.dimensions(), md = mask.dimensions();
-  if (qd.size() != 4 || nd.size() != 4 || cd.size() != 4 || md.size() != 4 || index.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument("tj_cache_step_attention: expected 4-axis q, new k/v, caches and mask, "
-                                       "and index [B]");
-  AttentionShape a{qd[0], qd[1], qd[2], cd[1], cd[2], qd[3], md[1], md[2]};
-  auto same = [](auto x, auto y) {
-    if (x.size() != y.size()) return false;
-    for (size_t i = 0; i < x.size(); ++i)
-      if (x[i] != y[i]) return false;
-    return true;
-  };
-  if (cd[0] != a.B || cd[3] != a.Kd || a.N == 0 || a.H % a.N != 0 || md[0] != a.B || md[3] != a.S ||
-      (a.Hm != 1 && a.Hm != a.H) || (a.Lm != 1 && a.Lm != a.L) || a.Kd > kMaxHeadDim || a.Kd < 1 ||
-      nd[0] != a.B || nd[1] != a.L || nd[2] != a.N || nd[3] != a.Kd || a.L > a.S ||
-      index.dimensions()[0] != a.B || !same(new_v.dimensions(), nd) || !same(v_cache.dimensions(), cd) ||
-      !same(out->dimensions(), qd) || !same(k_out->dimensions(), cd) || !same(v_out->dimensions(), cd))
-    return ffi::Error::InvalidArgument("tj_cache_step_attention: shapes do not fit");
-  const ffi::DataType ct = k_cache.element_type(), qt = q.element_type();
-  if ((ct != ffi::DataType::F32 && ct != ffi::DataType::BF16) || v_cache.element_type() != ct ||
-      new_k.element_type() != ct || new_v.element_type() != ct || k_out->element_type() != ct ||
-      v_out->element_type() != ct)
-    return ffi::Error::InvalidArgument("tj_cache_step_attention: caches and new entries of one dtype, "
-                                       "float32 or bfloat16");
-  const bool bf16_out = qt == ffi::DataType::BF16 && ct == ffi::DataType::BF16;
-  if ((qt != ffi::DataType::F32 && qt != ffi::DataType::BF16) ||
-      out->element_type() != (bf16_out ? ffi::DataType::BF16 : ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("tj_cache_step_attention: float32 or bfloat16 queries; the output in "
-                                       "the wider of their dtype and the caches'");
-  // Aliased, the outputs are the caches; should XLA ever hand over other buffers, copy them first.
-  const size_t cache_bytes = ffi::ByteWidth(ct) * a.B * a.N * a.S * a.Kd;
-  if (k_out->untyped_data() != k_cache.untyped_data() && cache_bytes)
-    std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), cache_bytes);
-  if (v_out->untyped_data() != v_cache.untyped_data() && cache_bytes)
-    std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), cache_bytes);
-  ffi::AnyBuffer& kc = *k_out;
-  ffi::AnyBuffer& vc = *v_out;
-  const int32_t* idx = index.typed_data();
-  const bool* mp = mask.typed_data();
-  void* op = out->untyped_data();
-  const bool q16 = qt == ffi::DataType::BF16;
-  if (ct == ffi::DataType::BF16) {
-    if (q16)
-      CacheStepAttentionTyped<uint16_t, uint16_t>(pool, a, q.untyped_data(), new_k, new_v, kc, vc, idx, mp, op, bf16_out);
-    else
-      CacheStepAttentionTyped<float, uint16_t>(pool, a, q.untyped_data(), new_k, new_v, kc, vc, idx, mp, op, bf16_out);
-  } else {
-    if (q16)
-      CacheStepAttentionTyped<uint16_t, float>(pool, a, q.untyped_data(), new_k, new_v, kc, vc, idx, mp, op, bf16_out);
-    else
-      CacheStepAttentionTyped<float, float>(pool, a, q.untyped_data(), new_k, new_v, kc, vc, idx, mp, op, bf16_out);
   }
   return ffi::Error::Success();
 }
@@ -1114,6 +966,14 @@ inline float SumLanes16(const float* acc) {
   for (int width = kNormLanes / 2; width >= 1; width /= 2)
     for (int k = 0; k < width; ++k) t[k] += t[k + width];
   return t[0];
+}
+
+// float32 -> bfloat16 bits, round to nearest even; a NaN stays a quiet NaN.
+inline uint16_t Bf16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 template <bool Rms>
@@ -1558,20 +1418,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjCacheWrite, CacheWriteImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TjCacheStepAttention, CacheStepAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjCacheReorder, CacheReorderImpl,
