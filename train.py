@@ -75,6 +75,18 @@ def _define_config_flag() -> None:
 _define_config_flag()
 
 
+def _flag_problem(error: BaseException) -> str:
+    """absl's message for a bad flag value; for a list of files that does not parse as a tuple
+    (`--config.dataset.train_files=a.tsv,b.tsv`), the form that does, in place of ml_collections'
+    advice to quote it as one path."""
+    files = re.match(r"flag --config\.((?:\w+\.)*\w+_files)=(.*?): Error while parsing string", str(error))
+    if files:
+        field, value = files.groups()
+        return (f"--config.{field}={value} is not a tuple of paths: give several files as a Python tuple, "
+                f"e.g. --config.{field}=\"('a.tsv', 'b.tsv')\" (quoted for the shell), one file as its path")
+    return str(error)
+
+
 def _parse_flags(argv):
     """absl's flag parsing, with one 'error: ...' line and status 2 for a bad flag or value (absl
     alone prints 'FATAL Flags parsing error' and exits 1) and for the errors ml_collections
@@ -84,7 +96,7 @@ def _parse_flags(argv):
         flags.FLAGS.config.keys()  # a file that failed to load raises only when read
         return argv
     except flags.Error as e:  # an unknown flag, or a value of the wrong type (--config.x=abc)
-        print(f"error: {e} (--helpshort lists the flags)", file=sys.stderr, flush=True)
+        print(f"error: {_flag_problem(e)} (--helpshort lists the flags)", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception as e:  # noqa: BLE001 - anything from the user's config file: no traceback
         print(f"error: {_config_problem(e)}", file=sys.stderr, flush=True)

@@ -465,6 +465,31 @@ def test_a_tokenizer_of_another_model_in_the_workdir_is_refused(capsys, tmp_path
     assert f"{tmp_path / 'tokenizer.model'} has {config.vocab_size + 40} pieces" in err, err
 
 
+def test_a_tokenizer_of_another_model_with_no_more_pieces_is_refused(capsys, tmp_path):
+    """Another run's tokenizer.model of no larger a vocabulary: its ids fit the model's table, so
+    only the SHA-256 that training recorded in tokenizer.json tells it apart; the command printed
+    nonsense with exit status 0."""
+    import hashlib
+
+    from transformer_jax.data import Tokenizer
+    from transformer_jax.data.tokenizer import TokenizerSettings
+    from transformer_jax.training import restore_for_inference
+
+    config, _, own = _tiny_workdir(str(tmp_path))
+    record = tmp_path / "tokenizer.json"
+    record.write_text(json.dumps({"model_sha256": hashlib.sha256(own.model_proto).hexdigest()}))
+    assert restore_for_inference(str(tmp_path)).tokenizer.vocab_size == own.vocab_size  # its own
+    other = Tokenizer.train(["a quiet river ran past the old mill at dawn, then on"] * 50,
+                            TokenizerSettings(vocab_size=own.vocab_size))
+    assert other.vocab_size == own.vocab_size <= config.vocab_size and other.model_proto != own.model_proto
+    other.save(str(tmp_path / "tokenizer.model"))
+    err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=the engineer")
+    assert (f"{tmp_path / 'tokenizer.model'} is not the tokenizer recorded in {record} (sha256 "
+            f"differs)") in err, err
+    own.save(str(tmp_path / "tokenizer.model"))  # put back: generates again
+    assert restore_for_inference(str(tmp_path)).step >= 0
+
+
 def test_real_process_exits_2_without_traceback():
     directory = gpt2_checkpoint("gpt2_a")
     proc = subprocess.run(

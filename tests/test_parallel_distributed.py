@@ -54,6 +54,18 @@ def test_single_process_is_a_no_op(monkeypatch):
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
     assert parallel.initialize() is False
     assert parallel.initialize(num_processes=1) is False
+    assert parallel.initialize(num_processes=1, process_id=0) is False
+    # One process has index 0: any other is refused, as it is for more processes.
+    from transformer_jax.config import ConfigError
+
+    for index, message in ((7, r"--process_id \(\$JAX_PROCESS_ID\)=7 must be below num_processes=1 "
+                                r"\(processes are numbered 0 to 0\)"),
+                           (-1, r"--process_id \(\$JAX_PROCESS_ID\)=-1 must be >= 0")):
+        with pytest.raises(ConfigError, match=message):
+            parallel.initialize(num_processes=1, process_id=index)
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    with pytest.raises(ConfigError, match="=3 must be below num_processes=1"):
+        parallel.initialize(num_processes=1)
     assert parallel.is_primary()
     parallel.sync_global("single process barrier")  # returns at once
 

@@ -838,6 +838,12 @@ def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_a
              "error: --process_id ($JAX_PROCESS_ID)=5 must be below num_processes=2"),
             (["--num_processes=0", "--process_id=0", "--coordinator_address=localhost:1"],
              "error: --num_processes ($JAX_NUM_PROCESSES)=0 must be >= 1"),
+            (["--num_processes=1", "--process_id=7"],
+             "error: --process_id ($JAX_PROCESS_ID)=7 must be below num_processes=1"),
+            # Paths with a comma between them do not parse as ml_collections' tuple: the form that does.
+            (["--config.dataset.train_files=/x/p.tsv,/x/q.tsv"],
+             "error: --config.dataset.train_files=/x/p.tsv,/x/q.tsv is not a tuple of paths: give several "
+             "files as a Python tuple, e.g. --config.dataset.train_files=\"('a.tsv', 'b.tsv')\""),
             (["--process_id=1"], "error: several processes need --coordinator_address "
                                  "($JAX_COORDINATOR_ADDRESS), --num_processes ($JAX_NUM_PROCESSES) as well")):
         proc = run(f"--workdir={workdir}", *flags)

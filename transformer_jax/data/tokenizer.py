@@ -286,6 +286,20 @@ def _matching_model(workdir: str, metadata: dict) -> Tokenizer | None:
     return tok if stored.get("model_sha256") == digest else None
 
 
+def recorded_model_differs(workdir: str | os.PathLike, tok: Tokenizer) -> str | None:
+    """The path of ``workdir/tokenizer.json`` when the SHA-256 recorded there (as training wrote it
+    with the tokenizer) is not ``tok``'s, else None (the same, or nothing readable recorded)."""
+    meta_path = os.path.join(workdir, METADATA_FILENAME)
+    try:
+        with open(meta_path) as f:
+            recorded = json.load(f).get("model_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if recorded is None or recorded == hashlib.sha256(tok.model_proto).hexdigest():
+        return None
+    return meta_path
+
+
 def _has_checkpoints(workdir: str | os.PathLike) -> bool:
     """Whether ``workdir/checkpoints`` holds a committed training step.
 

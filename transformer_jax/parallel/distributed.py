@@ -74,7 +74,7 @@ def resolve_arguments(
 def _check_arguments(address, count, index, cluster) -> None:
     """Settings JAX would refuse only after a wait, or with a traceback, as a ConfigError that
     names the flag and its environment variable. On a detected cluster JAX fills in what is left
-    out, so only the values given are checked there."""
+    out, so only the values given are checked there (and for one process, which needs none)."""
     names = {"coordinator_address": ENV_COORDINATOR, "num_processes": ENV_NUM_PROCESSES,
              "process_id": ENV_PROCESS_ID}
     said = lambda key: f"--{key} (${names[key]})"
@@ -130,7 +130,8 @@ def initialize(
     cluster = detect_cluster()
     if not explicit and not (auto or (auto is None and cluster)):
         return False
-    if explicit and count == 1:
+    if explicit and count == 1:  # nothing to connect; a --process_id of 1 or more is still a mistake
+        _check_arguments(address, count, index, cluster=True)
         return False
     if explicit:
         _check_arguments(address, count, index, cluster)

@@ -34,6 +34,7 @@ from absl import logging
 from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig, first_line
 from transformer_jax.data import DataError, Tokenizer, checkpoint_args
+from transformer_jax.data.tokenizer import recorded_model_differs
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
 from transformer_jax.training.state import TrainState
@@ -570,6 +571,10 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} pieces, more than the model's "
                          f"vocab_size={model_config.vocab_size}: it is not the tokenizer this model was "
                          f"trained with")
+    recorded = recorded_model_differs(workdir, tokenizer)
+    if recorded:  # another run's of no larger vocabulary: its ids fit, and mean other pieces
+        raise ValueError(f"{tokenizer_path} is not the tokenizer recorded in {recorded} (sha256 differs): "
+                         f"it is not the tokenizer this model was trained with; put back the run's own")
     return InferenceBundle(model_config, params, tokenizer, config, int(step))
 
 
