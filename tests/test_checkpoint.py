@@ -192,11 +192,24 @@ def test_a_stop_between_logging_steps_logs_the_steps_before_it(data_dir, tmp_pat
     dropped, and the resume starts after them), and the resumed run logs 7-8 at step 8. The figures
     returned at the stop say which step their evaluation is of (4, not the stop's 6)."""
     from transformer_jax.training import checkpoint as ckpt_lib
+    from transformer_jax.training import metrics
 
     workdir = str(tmp_path / "w")
     monkeypatch.setattr(ckpt_lib.PreemptionFlag, "reached", lambda self, manager, step: step == 6)
+    # "checkpoint saved." only once the step has committed: it was printed while the background
+    # save ran, and a SIGKILL right after it (a scheduler's grace period ending) lost the step.
+    committed_at_message = []
+    real_message = metrics.MetricsLogger.message
+
+    def message(self, text):
+        if text.startswith("Stopped by"):
+            committed_at_message.append(Checkpointer(workdir, read_only=True).all_steps())
+        real_message(self, text)
+
+    monkeypatch.setattr(metrics.MetricsLogger, "message", message)
     final = train_and_evaluate(tiny_config(data_dir, log_every_steps=4, eval_every_steps=4), workdir)
     monkeypatch.undo()
+    assert committed_at_message and committed_at_message[0][-1] == 6, committed_at_message
     assert final["step"] == 6 and final["eval_step"] == 4 and "eval_loss" in final
     assert sorted(train_losses(workdir)) == [4, 6] and Checkpointer(workdir).latest_step() == 6
     train_and_evaluate(tiny_config(data_dir, log_every_steps=4, num_train_steps=8), workdir)

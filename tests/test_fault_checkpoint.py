@@ -292,7 +292,16 @@ def test_intact_checkpoint_of_another_optimizer_is_a_config_error_not_corruption
         assert json.load(f)["optimizer"]["grad_clip_norm"] == 0.0
 
 
-def test_disk_full_mid_save_keeps_earlier_checkpoints(workdir, data_dir, monkeypatch):
+# A full disk as Python reports it, and as tensorstore does (orbax raises its error as a ValueError;
+# it was a traceback per array in flight, and the partial write stayed on the full disk).
+FULL_DISK = [OSError(errno.ENOSPC, "No space left on device"),
+             ValueError("RESOURCE_EXHAUSTED: Error writing \"opt_state.0.mu\" in OCDBT database at local "
+                        "file \"/w/checkpoints/15.orbax-checkpoint-tmp/train/d/x\": [RESOURCE_EXHAUSTED: "
+                        "Error writing local file ...: No space left on device [os_error_code='28']]")]
+
+
+@pytest.mark.parametrize("error", FULL_DISK, ids=["OSError", "tensorstore"])
+def test_disk_full_mid_save_keeps_earlier_checkpoints(workdir, data_dir, monkeypatch, error):
     real_save = ocp.CheckpointManager.save
 
     def full_disk(self, step, *args, **kwargs):  # a partial write, then ENOSPC
@@ -300,7 +309,7 @@ def test_disk_full_mid_save_keeps_earlier_checkpoints(workdir, data_dir, monkeyp
         os.makedirs(os.path.join(partial, "params"))
         with open(os.path.join(partial, "params", "data"), "wb") as f:
             f.write(b"\0" * 100)
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise error
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
     expected = r"step 15 .*disk is full.*partial write was deleted; checkpoints \[5, 10\] are intact"
@@ -346,6 +355,28 @@ def test_async_write_failure_is_reported(workdir, data_dir, monkeypatch):
     monkeypatch.undo()
     assert all(integrity.verify(ckpt(workdir), s).status == "ok" for s in (5, 10))
     assert restore_for_inference(workdir).step == 10
+
+
+def test_a_failed_background_write_is_named_by_its_own_step(workdir, data_dir, monkeypatch):
+    """orbax raises a background write's error from the next save's call: the error named that
+    later step and said no partial write was left, while the failed step's stayed on the disk."""
+    from orbax.checkpoint._src.path import atomicity
+
+    real = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def fail_step_15(self):  # the commit (rename) of step 15's background write fails
+        if os.path.basename(str(self.get_final())) == "15":
+            raise OSError(errno.EACCES, "Permission denied")
+        return await real(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail_step_15)
+    # (the workdir holds steps 5 and 10: the run resumes from 10, saves 15, then 20)
+    expected = r"step 15 .*permission denied.*partial write was deleted; checkpoints \[5, 10\] are intact"
+    with pytest.raises(integrity.CheckpointWriteError, match=expected):
+        train_and_evaluate(tiny_config(data_dir, num_train_steps=20), workdir)
+    assert not [n for n in os.listdir(ckpt(workdir)) if "tmp" in n]
+    monkeypatch.undo()
+    assert Checkpointer(workdir).all_steps() == [5, 10] and restore_for_inference(workdir).step == 10
 
 
 def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):

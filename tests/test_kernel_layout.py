@@ -368,11 +368,16 @@ def on_a_mesh(config, *path):
     return expected, got, spec
 
 
-def test_out_in_layout_on_a_mesh_equals_one_device():
-    expected, got, out_spec = on_a_mesh(_lm(kernel_layout="out_in"), "feed_forward", "wi", "kernel")
-    # wi is [mlp, embed] in this layout: its first axis is the tensor-parallel one.
+@pytest.mark.parametrize("layout", ["out_in", "packed"])
+def test_out_in_and_packed_layouts_on_a_mesh_equal_one_device(layout):
+    expected, got, out_spec = on_a_mesh(_lm(kernel_layout=layout), "feed_forward", "wi", "kernel")
+    # wi is [mlp, embed] in these layouts: its first axis is the tensor-parallel one.
     assert out_spec[0] is not None and "tensor" in str(out_spec[0])
     _close(got, expected, 1e-5)
+    # The query projection too ([heads, kv, embed]: heads over tensor, embed over fsdp), where
+    # XLA's partitioner once computed the product over the packed view wrongly (by up to 2.6).
+    _, _, q_spec = on_a_mesh(_lm(kernel_layout=layout), "self_attention", "query", "kernel")
+    assert "tensor" in str(q_spec[0]) and "fsdp" in str(q_spec[-1]), q_spec
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="about XLA:CPU's matmul kernels")

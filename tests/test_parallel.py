@@ -249,6 +249,31 @@ def test_jitted_init_places_params_by_the_rules(reference):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), params, ref_params)
 
 
+def test_a_model_whose_axes_the_mesh_does_not_divide_initialises_as_the_readme_shows():
+    """The README's sharded init (unboxed inside the jit) with one key/value head and an unpadded
+    vocabulary of 61 on a tensor axis of 2: those axes are replicated, with a warning, and the
+    logits are one device's. Unboxed outside the jit, flax constrained them by the raw rules and
+    raised an IndivisibleError."""
+    import transformer_jax as tj
+
+    config = tj.presets.tiny(num_encoder_layers=0, vocab_size=61, num_kv_heads=1, norm="pre")
+    model = tj.TransformerLM(config)
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 61
+    boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    mesh = parallel.create_mesh(data=1, fsdp=1, tensor=2, devices=jax.devices()[:2])
+    with parallel.sharding_context(mesh):
+        init = jax.jit(lambda key, x: nn.unbox(model.init(key, x)),
+                       out_shardings=parallel.logical_to_sharding(boxed, mesh))
+        params = init(jax.random.key(0), tokens)["params"]
+        logits = jax.jit(model.apply)({"params": params}, tokens)
+    layer = params["decoder"]["layer_0"]["self_attention"]
+    assert layer["key"]["kernel"].sharding.spec[1] is None  # its one head: replicated
+    assert layer["query"]["kernel"].sharding.spec[1] == "tensor"  # four heads: split
+    assert params["embed"]["embedding"].sharding.spec[0] is None  # 61 rows: replicated
+    single = model.apply({"params": jax.device_get(params)}, tokens)
+    np.testing.assert_allclose(logits, single, rtol=1e-5, atol=1e-5)
+
+
 def test_rules_module_has_no_mesh_axes_outside_the_table():
     used = {axis for _, axes in rules_lib.DEFAULT_RULES for axis in np.atleast_1d(axes) if axis}
     assert used <= set(parallel.MESH_AXES)

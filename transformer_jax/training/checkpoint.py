@@ -258,8 +258,11 @@ class Checkpointer:
             metrics = None  # kept as a checkpoint without metrics
         try:
             saved = self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=force)
-        except OSError as e:
-            raise integrity.write_error(e, step, self.directory, self._sealed_steps()) from e
+        except Exception as e:  # a file-system error, whatever raised it; any other as it is
+            failure = self._write_error(e, step)
+            if failure is e:
+                raise
+            raise failure from e
         if saved:
             logging.info("Saving checkpoint %d to %s", step, self.directory)
             self._unsealed.append(step)
@@ -267,6 +270,25 @@ class Checkpointer:
 
     def _sealed_steps(self) -> list[int]:
         return [s for s in self.all_steps() if s not in self._unsealed]
+
+    def _write_error(self, error: Exception, step: int | None) -> Exception:
+        """The error to raise for a save that failed: a file-system failure (a full disk, lost
+        permissions) as `integrity.write_error` for the save it belongs to, else `error` itself.
+        orbax writes in the background and raises a failed write's error from the next call
+        (`save` of a later step, or the wait), so the failed save is the oldest one started here
+        that has not committed; the partial writes of those after it are deleted too."""
+        cause = integrity.os_error_of(error)
+        if cause is None:
+            return error
+        committed = set(self.manager.all_steps())
+        failed = [s for s in self._unsealed if s not in committed]
+        failed += [step] if step is not None and step not in failed else []
+        if not failed:
+            return error
+        for later in failed[1:]:
+            with contextlib.suppress(OSError):
+                integrity.remove_partial_save(self.directory, later)
+        return integrity.write_error(cause, failed[0], self.directory, self._sealed_steps())
 
     def seal(self, block: bool = False) -> None:
         """Writes the integrity manifest of every committed save (cheap to call after each step)."""
@@ -288,8 +310,11 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
             self.manager.check_for_errors()
-        except OSError as e:
-            raise integrity.write_error(e, self._unsealed[-1], self.directory, self._sealed_steps()) from e
+        except Exception as e:  # as in save
+            failure = self._write_error(e, None)
+            if failure is e:
+                raise
+            raise failure from e
         committed = set(self.manager.all_steps())
         for step in self._unsealed:
             if parallel.is_primary() and integrity.is_local(self.directory) and step in committed:

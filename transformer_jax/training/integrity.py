@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -311,6 +312,25 @@ def remove_partial_save(directory: str, step: int) -> list[str]:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_OS_ERROR_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+                  "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES}
+
+
+def os_error_of(error: BaseException) -> OSError | None:
+    """The file-system error behind a failed checkpoint write, or None for any other failure: an
+    OSError as it is; tensorstore's, which orbax raises as a ValueError ('RESOURCE_EXHAUSTED:
+    Error writing ... No space left on device [os_error_code=28]'), as the OSError it reports."""
+    if isinstance(error, OSError):
+        return error
+    text = str(error)
+    code = _OS_ERROR_CODE.search(text)
+    number = int(code.group(1)) if code else next((n for t, n in _OS_ERROR_TEXT.items() if t in text), None)
+    if number is None:
+        return None
+    return OSError(number, first_line(error))
 
 
 def write_error(error: OSError, step: int, directory: str, kept: list[int]) -> CheckpointWriteError:

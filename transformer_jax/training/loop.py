@@ -400,6 +400,9 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
             if stop:
                 if history:  # the steps since the last line: the resume starts after them
                     summary = log_window(done)
+                # The save runs in the background: "saved" only once it has committed (a scheduler's
+                # SIGKILL at the end of its grace period may follow the line at once).
+                checkpointer.wait()
                 log.message(f"Stopped by {preemption.signal_name or 'SIGTERM'} after step {done}; "
                             "checkpoint saved.")
                 break
