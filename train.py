@@ -137,7 +137,11 @@ def main(argv):
     except KeyboardInterrupt:  # a second Ctrl-C (the first saves a checkpoint and stops)
         print("interrupted: stopped without saving; the run resumes from its latest checkpoint",
               file=sys.stderr, flush=True)
-        sys.exit(130)
+        sys.stdout.flush()
+        # Leave at once: a checkpoint write in progress would go on in its threads while the
+        # interpreter shuts down under them, each printing a traceback (~550 lines). What it
+        # leaves (a partial step) the next run's start removes.
+        os._exit(130)
     except USER_ERRORS as e:  # a problem with the config, the data or the workdir: no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         if jax.process_count() > 1:

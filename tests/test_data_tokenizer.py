@@ -49,6 +49,22 @@ def test_bad_input_does_not_crash(tok):
     assert tok.decode([5, 99999, -1, tk.EOS_ID, tk.PAD_ID]) == tok.decode([5])
 
 
+def test_a_full_disk_while_saving_is_one_error_naming_the_file(tok, tmp_path, monkeypatch):
+    """It was an OSError traceback (train.py exit status 1) where a workdir problem is one
+    'error:' line: now a DataError naming the file, and no temporary file or partial file left."""
+    import errno
+    import os
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    path = tmp_path / "tokenizer.model"
+    with pytest.raises(DataError, match=f"Could not write {path}: No space left on device. Free space"):
+        tok.save(str(path))
+    assert os.listdir(tmp_path) == []
+
+
 def test_save_load_pickle(tok, tmp_path):
     import pickle
 

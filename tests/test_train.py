@@ -810,6 +810,30 @@ runpy.run_path(sys.argv.pop(1), run_name="__main__")
 """
 
 
+def test_a_second_ctrl_c_leaves_at_once_with_one_line(tmp_path):
+    """The second Ctrl-C while a checkpoint write ran in its threads: status 130 and one line. The
+    threads went on while the interpreter shut down under them, each printing a traceback (~550
+    lines after the message); here one such thread, which fails after the interrupt."""
+    interrupted = _FAKE_TRAINING.replace(
+        '    return {"step": config.num_train_steps, "loss": 0.25}\n',
+        '    import threading, time\n'
+        '    def writer():\n'
+        '        time.sleep(1.0)\n'
+        '        raise RuntimeError("Event loop is closed")\n'
+        '    threading.Thread(target=writer).start()\n'
+        '    raise KeyboardInterrupt\n')
+    assert interrupted != _FAKE_TRAINING
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    proc = subprocess.run(
+        [sys.executable, "-c", interrupted, os.path.join(REPO, "train.py"),
+         "--config=" + os.path.join(REPO, "configs", "tiny.py"), f"--workdir={tmp_path / 'w'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    last = "interrupted: stopped without saving; the run resumes from its latest checkpoint"
+    assert proc.stderr.strip().splitlines()[-1] == last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "called " in proc.stdout
+
+
 def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_arguments(tmp_path):
     """train.py with train_and_evaluate replaced (no training): the --workdir given, the config with
     its --config.* overrides and the --profile_* flags reach it, the final metrics are printed and

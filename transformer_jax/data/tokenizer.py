@@ -249,20 +249,25 @@ def _training_sentences(texts: Iterable[str], settings: TokenizerSettings) -> It
 
 
 def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Writes ``data`` to a temporary file beside ``path`` and renames it into place."""
+    """Writes ``data`` to a temporary file beside ``path`` and renames it into place; a file-system
+    failure (a full disk, no permission) is a DataError naming the file, with nothing left behind."""
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+    tmp = None
     try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError):
+            raise DataError(f"Could not write {path}: {e.strerror or e}. Free space (or fix permissions) "
+                            f"and rerun") from e
         raise
 
 
