@@ -3,6 +3,7 @@ without its manifest, a checkpoint of another model, a full disk and an unwritab
 caught with a message saying what is wrong and how to proceed; nothing is loaded silently."""
 
 import errno
+import gc
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import time
 import types
+import warnings
 
 import orbax.checkpoint as ocp
 import pytest
@@ -145,23 +147,35 @@ def test_unsealed_steps_that_are_not_what_they_say_fall_back(workdir, data_dir, 
     assert integrity.verify(ckpt(workdir), 10).status == "ok"  # written again, by this run
 
 
-def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys, monkeypatch):
-    """No manifest (killed between orbax's commit and the manifest) and a file cut short. The one
+@pytest.mark.parametrize("keep", ["half", "10 bytes"])
+def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys, caplog, monkeypatch, keep):
+    """No manifest (killed between orbax's commit and the manifest) and files cut short. The one
     warning is all the user sees: orbax's abandoned reads of the other arrays, which end on a closed
-    event loop, printed ~80 "Exception ignored ... Event loop is closed" tracebacks around it."""
+    event loop, printed ~80 "Exception ignored ... Event loop is closed" tracebacks around it; cut
+    to 10 bytes, the reads that failed printed 64 "Exception ignored in: <coroutine object
+    _read_array_index_and_device_put>" tracebacks as they were collected, and asyncio logged two
+    "exception was never retrieved" errors."""
     os.remove(os.path.join(ckpt(workdir), "10", integrity.MANIFEST_NAME))
     assert integrity.verify(ckpt(workdir), 10).status == "unsealed"
     params = os.path.join(ckpt(workdir), "10", "params")
     for root, _, names in os.walk(params):  # every array data file (orbax alone misses some cuts)
         for name in names:
             if os.path.basename(root) == "d":
-                cut_short(os.path.join(root, name))
+                if keep == "half":
+                    cut_short(os.path.join(root, name))
+                else:
+                    os.truncate(os.path.join(root, name), 10)
     reported = []
     monkeypatch.setattr(sys, "unraisablehook", reported.append)
-    assert restore_for_inference(workdir).step == 5
-    time.sleep(0.3)  # the abandoned reads end within milliseconds of the failure
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("default")
+        assert restore_for_inference(workdir).step == 5
+        time.sleep(0.3)  # the abandoned reads end within milliseconds of the failure
+        gc.collect()  # and their coroutines, never awaited, report their errors when collected
     assert "orbax could not restore it" in capsys.readouterr().err
     assert [str(u.exc_value) for u in reported] == []
+    assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert not [str(w.message) for w in warned if "never awaited" in str(w.message)]
     # Any other unraisable exception still reaches the hook installed before.
     sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"),
                                              exc_traceback=None, object=None))

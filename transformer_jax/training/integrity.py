@@ -24,12 +24,14 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import re
 import socket
 import sys
 import time
+import types
 
 from transformer_jax.config import PACKED_ORDER, ConfigError, ModelConfig, first_line
 from transformer_jax.data.errors import DataError
@@ -361,7 +363,13 @@ def _is_abandoned_read(unraisable) -> bool:
     When a restore fails part-way (a file cut short), orbax's event loop is closed while
     tensorstore still has reads of the other arrays in flight; as each of them ends, tensorstore's
     own thread posts its result to that closed loop and Python reports an "Exception ignored"
-    traceback, ~80 of them for the tiny test model, around the one clear warning."""
+    traceback, ~80 of them for the tiny test model, around the one clear warning. Reads that did
+    fail, of the other arrays, are reported as their coroutines (never awaited once the restore
+    had failed) are collected, often as the process ends: "Exception ignored in: <coroutine object
+    _read_array_index_and_device_put>", 64 of them for the tiny model."""
+    if (inspect.iscoroutine(unraisable.object)
+            and getattr(unraisable.object, "__name__", "") == "_read_array_index_and_device_put"):
+        return True
     tb = unraisable.exc_traceback
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
@@ -370,12 +378,40 @@ def _is_abandoned_read(unraisable) -> bool:
             and tb is not None and tb.tb_frame.f_code.co_name == "_check_closed")
 
 
+def _is_abandoned_read_record(record) -> bool:
+    """asyncio's report of a read `_is_abandoned_read` describes, whose task or future nobody
+    awaited once the restore had failed ("Task exception was never retrieved")."""
+    error = record.exc_info[1] if record.exc_info else None
+    return (record.getMessage().startswith(("Task exception was never retrieved",
+                                            "Future exception was never retrieved"))
+            and error is not None and ("while reading array index" in str(error)
+                                       or "Error reading" in str(error)))
+
+
+def _quiet_abandoned_read_reports() -> None:
+    """From the first restore on, for the rest of the process: asyncio's log records and Python's
+    'never awaited' warnings of a failed restore's abandoned reads, which may come before the
+    failure reaches `quiet_abandoned_reads` (installed once; the unraisable reports are its hook's)."""
+    import logging as pylogging
+    import warnings
+
+    log = pylogging.getLogger("asyncio")
+    if not any(getattr(f, "drops_abandoned_reads", False) for f in log.filters):
+        drop = types.SimpleNamespace(filter=lambda record: not _is_abandoned_read_record(record),
+                                     drops_abandoned_reads=True)
+        log.addFilter(drop)
+    warnings.filterwarnings("ignore", category=RuntimeWarning,
+                            message="coroutine '_read_array_index_and_device_put' was never awaited")
+
+
 @contextlib.contextmanager
 def quiet_abandoned_reads():
-    """Drops the reports of `_is_abandoned_read` while an orbax restore runs, and, once one has
-    failed, for the rest of the process (its abandoned reads end after it has returned). Every
-    other unraisable exception goes to the hook that was installed before. One left in place by an
+    """Drops the reports of `_is_abandoned_read` (and `_quiet_abandoned_read_reports`') while an
+    orbax restore runs, and, once one has failed, for the rest of the process (its abandoned reads
+    end after it has returned). Every other unraisable exception goes to the hook that was
+    installed before. One left in place by an
     earlier failed restore serves the later ones too, so failures do not stack hooks."""
+    _quiet_abandoned_read_reports()
     previous = sys.unraisablehook
     if getattr(previous, "drops_abandoned_reads", False):
         yield
