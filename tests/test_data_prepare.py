@@ -5,8 +5,9 @@ import threading
 import time
 
 import jax
+import pytest
 
-from transformer_jax.data import builders
+from transformer_jax.data import DataError, builders
 
 
 def _builder(data_dir):
@@ -46,6 +47,17 @@ def test_waiting_times_out_with_a_clear_message(tmp_path, monkeypatch):
         assert "shared by all hosts" in str(e)
     else:
         raise AssertionError("expected a TimeoutError")
+
+
+def test_a_data_dir_that_cannot_be_written_is_one_error_naming_it(tmp_path):
+    """A dataset.data_dir that is a file (or read-only, or on a full disk) was a 45-line traceback
+    from TFDS's download manager and exit status 1; now a DataError, one line from train.py."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(DataError, match=rf"Cannot prepare dataset enfr_builtin in {blocker}/.* "
+                                        r"\(dataset.data_dir\): Not a directory .*choose another "
+                                        r"--config.dataset.data_dir"):
+        builders.prepare(_builder(str(blocker)))
 
 
 def test_built_in_and_file_builders_leave_no_temporary_directories(tmp_path, monkeypatch):

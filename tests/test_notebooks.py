@@ -79,6 +79,32 @@ def test_the_colab_install_asks_for_the_jax_this_library_needs_with_its_accelera
                            f'"jax{{accel}}{jax_range}"'], (path.name, install)
 
 
+def test_every_module_a_notebook_imports_is_installed_by_the_documented_extras():
+    """The notebooks import matplotlib, which the library's install left out: run locally after
+    `pip install -e .`, 01 failed at its plot, after minutes of training. Every top-level module
+    a notebook imports is the standard library's, the package's, or named by pyproject.toml's
+    dependencies or its `notebooks` extra."""
+    import re
+    import sys
+    import tomllib
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    named = project["dependencies"] + project["optional-dependencies"]["notebooks"]
+    installed = {re.split(r"[<>=\[ ]", d)[0].replace("-", "_").lower() for d in named}
+    # Modules the named distributions bring with them (jax's numpy and jaxlib, orbax-checkpoint's
+    # orbax, Jupyter's IPython).
+    installed |= {"jaxlib", "numpy", "orbax", "ipython"}
+    for path in NOTEBOOKS:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code":
+                continue
+            for module in re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", cell.source, flags=re.M):
+                if module in sys.stdlib_module_names or module == "transformer_jax":
+                    continue
+                assert module.lower() in installed, (path.name, module)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path: pathlib.Path, workdir: pathlib.Path, monkeypatch):

@@ -406,12 +406,21 @@ def prepare(builder: tfds.core.DatasetBuilder, wait_timeout_s: float = 1800.0) -
     try:
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(try_download_gcs=False))
-    except FileExistsError:
+    except FileExistsError as e:
         # Another job finished preparing the same directory first: use its files.
         if not builder.data_path.exists():
-            raise
+            raise _unwritable(builder, e) from e
         builder.info.read_from_directory(builder.data_dir)
+    except OSError as e:  # a data_dir that is a file, read-only, or on a full disk
+        raise _unwritable(builder, e) from e
     return builder
+
+
+def _unwritable(builder, error: OSError) -> DataError:
+    """A DataError naming dataset.data_dir for a build that could not write there."""
+    return DataError(f"Cannot prepare dataset {builder.name} in {builder.data_dir} (dataset.data_dir): "
+                     f"{error.strerror or error} ({getattr(error, 'filename', None) or builder.data_dir}); "
+                     f"choose another --config.dataset.data_dir (or make this one writable, with space free)")
 
 
 def builtin_builder(name: str, data_dir: str, config: str | None = None,
