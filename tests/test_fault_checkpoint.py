@@ -393,6 +393,28 @@ def test_a_failed_background_write_is_named_by_its_own_step(workdir, data_dir, m
     assert Checkpointer(workdir).all_steps() == [5, 10] and restore_for_inference(workdir).step == 10
 
 
+def test_a_failed_background_write_after_a_pruned_step_names_its_own_step(tmp_path, monkeypatch):
+    """With max_to_keep=1 orbax prunes step 15 as step 16's save starts; 16's background write then
+    fails. The error named the pruned step 15 (and deleted 16's partial write as a later one's)."""
+    from orbax.checkpoint._src.path import atomicity
+
+    real = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def fail_step_16(self):
+        if os.path.basename(str(self.get_final())) == "16":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail_step_16)
+    checkpointer = Checkpointer(str(tmp_path), max_to_keep=1)
+    checkpointer.save(_tiny_state(15))
+    checkpointer.save(_tiny_state(16))
+    expected = r"step 16 .*disk is full.*partial write was deleted"
+    with pytest.raises(integrity.CheckpointWriteError, match=expected):
+        checkpointer.wait()
+    assert not [n for n in os.listdir(ckpt(str(tmp_path))) if "tmp" in n]
+
+
 def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

@@ -265,7 +265,10 @@ class Checkpointer:
             raise failure from e
         if saved:
             logging.info("Saving checkpoint %d to %s", step, self.directory)
-            self._unsealed.append(step)
+            # orbax has finished the earlier saves before starting this one: those it no longer
+            # lists, it pruned (max_to_keep, keep-best), and no manifest or failure is theirs.
+            listed = set(self.manager.all_steps())
+            self._unsealed = [s for s in self._unsealed if s in listed] + [step]
         return saved
 
     def _sealed_steps(self) -> list[int]:
@@ -280,6 +283,7 @@ class Checkpointer:
         cause = integrity.os_error_of(error)
         if cause is None:
             return error
+        integrity.quiet_failed_write()
         committed = set(self.manager.all_steps())
         failed = [s for s in self._unsealed if s not in committed]
         failed += [step] if step is not None and step not in failed else []

@@ -379,13 +379,14 @@ def _is_abandoned_read(unraisable) -> bool:
 
 
 def _is_abandoned_read_record(record) -> bool:
-    """asyncio's report of a read `_is_abandoned_read` describes, whose task or future nobody
-    awaited once the restore had failed ("Task exception was never retrieved")."""
+    """asyncio's report of a read `_is_abandoned_read` describes (or of a write abandoned as a
+    checkpoint write failed), whose task or future nobody awaited once the restore or save had
+    failed ("Task exception was never retrieved")."""
     error = record.exc_info[1] if record.exc_info else None
     return (record.getMessage().startswith(("Task exception was never retrieved",
                                             "Future exception was never retrieved"))
-            and error is not None and ("while reading array index" in str(error)
-                                       or "Error reading" in str(error)))
+            and error is not None and any(text in str(error) for text in (
+                "while reading array index", "Error reading", "Error writing")))
 
 
 def _quiet_abandoned_read_reports() -> None:
@@ -408,8 +409,8 @@ def _quiet_abandoned_read_reports() -> None:
 def quiet_abandoned_reads():
     """Drops the reports of `_is_abandoned_read` (and `_quiet_abandoned_read_reports`') while an
     orbax restore runs, and, once one has failed, for the rest of the process (its abandoned reads
-    end after it has returned). Every other unraisable exception goes to the hook that was
-    installed before. One left in place by an
+    end after it has returned; the asyncio records and warnings from the first restore on). Every
+    other unraisable exception goes to the hook that was installed before. One left in place by an
     earlier failed restore serves the later ones too, so failures do not stack hooks."""
     _quiet_abandoned_read_reports()
     previous = sys.unraisablehook
@@ -430,6 +431,15 @@ def quiet_abandoned_reads():
     else:
         if sys.unraisablehook is hook:
             sys.unraisablehook = previous
+
+
+def quiet_failed_write() -> None:
+    """After a checkpoint write failed (a full disk): for the rest of the process, drops the
+    reports of tensorstore's abandoned writes, which end on orbax's closed event loop as the
+    abandoned reads of `quiet_abandoned_reads` do (~75 "Event loop is closed" tracebacks before
+    the one error line, on a real full disk)."""
+    with contextlib.suppress(RuntimeError), quiet_abandoned_reads():
+        raise RuntimeError("a failed checkpoint write")  # leaves the hook in place, as a failure does
 
 
 class StepNumberMismatchError(Exception):
