@@ -12,7 +12,6 @@ import sys
 import tempfile
 import time
 import types
-import warnings
 
 import orbax.checkpoint as ocp
 import pytest
@@ -152,9 +151,10 @@ def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys, caplog,
     """No manifest (killed between orbax's commit and the manifest) and files cut short. The one
     warning is all the user sees: orbax's abandoned reads of the other arrays, which end on a closed
     event loop, printed ~80 "Exception ignored ... Event loop is closed" tracebacks around it; cut
-    to 10 bytes, the reads that failed printed 64 "Exception ignored in: <coroutine object
-    _read_array_index_and_device_put>" tracebacks as they were collected, and asyncio logged two
-    "exception was never retrieved" errors."""
+    to 10 bytes, asyncio logged "exception was never retrieved" errors of the reads that failed.
+    (Their coroutines' "Exception ignored" reports and "never awaited" warnings, which the same
+    change drops, came at the end of a `generate` process on a workdir of train.py's; neither this
+    process nor a child one restoring this workdir showed them.)"""
     os.remove(os.path.join(ckpt(workdir), "10", integrity.MANIFEST_NAME))
     assert integrity.verify(ckpt(workdir), 10).status == "unsealed"
     params = os.path.join(ckpt(workdir), "10", "params")
@@ -167,15 +167,12 @@ def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys, caplog,
                     os.truncate(os.path.join(root, name), 10)
     reported = []
     monkeypatch.setattr(sys, "unraisablehook", reported.append)
-    with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("default")
-        assert restore_for_inference(workdir).step == 5
-        time.sleep(0.3)  # the abandoned reads end within milliseconds of the failure
-        gc.collect()  # and their coroutines, never awaited, report their errors when collected
+    assert restore_for_inference(workdir).step == 5
+    time.sleep(0.3)  # the abandoned reads end within milliseconds of the failure
+    gc.collect()  # and their coroutines, never awaited, report their errors when collected
     assert "orbax could not restore it" in capsys.readouterr().err
     assert [str(u.exc_value) for u in reported] == []
     assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
-    assert not [str(w.message) for w in warned if "never awaited" in str(w.message)]
     # Any other unraisable exception still reaches the hook installed before.
     sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"),
                                              exc_traceback=None, object=None))
@@ -354,14 +351,24 @@ def test_disk_full_while_logging_is_one_error_naming_the_file(workdir, data_dir,
     assert integrity.verify(ckpt(workdir), 10).status == "ok"
 
 
-def test_async_write_failure_is_reported(workdir, data_dir, monkeypatch):
-    """The write fails in orbax's background thread: the error surfaces, earlier steps stay good."""
+def fail_commit(monkeypatch, error, step=None):
+    """Makes the commit (the rename) of orbax's background write of `step` (None: of every step
+    and item) raise `error`."""
     from orbax.checkpoint._src.path import atomicity
 
-    async def fail(self):  # the commit (rename) of the background write fails
-        raise OSError(errno.ENOSPC, "No space left on device")
+    real = atomicity.AtomicRenameTemporaryPath.finalize
 
-    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
+    async def finalize(self):
+        if step is None or os.path.basename(str(self.get_final())) == str(step):
+            raise error
+        return await real(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+
+
+def test_async_write_failure_is_reported(workdir, data_dir, monkeypatch):
+    """The write fails in orbax's background thread: the error surfaces, earlier steps stay good."""
+    fail_commit(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     expected = r"step 15 .*disk is full.*partial write was deleted; checkpoints \[5, 10\] are intact"
     with pytest.raises(integrity.CheckpointWriteError, match=expected):
         train_and_evaluate(tiny_config(data_dir, num_train_steps=15), workdir)
@@ -374,16 +381,7 @@ def test_async_write_failure_is_reported(workdir, data_dir, monkeypatch):
 def test_a_failed_background_write_is_named_by_its_own_step(workdir, data_dir, monkeypatch):
     """orbax raises a background write's error from the next save's call: the error named that
     later step and said no partial write was left, while the failed step's stayed on the disk."""
-    from orbax.checkpoint._src.path import atomicity
-
-    real = atomicity.AtomicRenameTemporaryPath.finalize
-
-    async def fail_step_15(self):  # the commit (rename) of step 15's background write fails
-        if os.path.basename(str(self.get_final())) == "15":
-            raise OSError(errno.EACCES, "Permission denied")
-        return await real(self)
-
-    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail_step_15)
+    fail_commit(monkeypatch, OSError(errno.EACCES, "Permission denied"), step=15)
     # (the workdir holds steps 5 and 10: the run resumes from 10, saves 15, then 20)
     expected = r"step 15 .*permission denied.*partial write was deleted; checkpoints \[5, 10\] are intact"
     with pytest.raises(integrity.CheckpointWriteError, match=expected):
@@ -396,16 +394,7 @@ def test_a_failed_background_write_is_named_by_its_own_step(workdir, data_dir, m
 def test_a_failed_background_write_after_a_pruned_step_names_its_own_step(tmp_path, monkeypatch):
     """With max_to_keep=1 orbax prunes step 15 as step 16's save starts; 16's background write then
     fails. The error named the pruned step 15 (and deleted 16's partial write as a later one's)."""
-    from orbax.checkpoint._src.path import atomicity
-
-    real = atomicity.AtomicRenameTemporaryPath.finalize
-
-    async def fail_step_16(self):
-        if os.path.basename(str(self.get_final())) == "16":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return await real(self)
-
-    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail_step_16)
+    fail_commit(monkeypatch, OSError(errno.ENOSPC, "No space left on device"), step=16)
     checkpointer = Checkpointer(str(tmp_path), max_to_keep=1)
     checkpointer.save(_tiny_state(15))
     checkpointer.save(_tiny_state(16))

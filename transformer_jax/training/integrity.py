@@ -397,26 +397,22 @@ def _quiet_abandoned_read_reports() -> None:
     import warnings
 
     log = pylogging.getLogger("asyncio")
-    if not any(getattr(f, "drops_abandoned_reads", False) for f in log.filters):
-        drop = types.SimpleNamespace(filter=lambda record: not _is_abandoned_read_record(record),
-                                     drops_abandoned_reads=True)
-        log.addFilter(drop)
+    if any(getattr(f, "drops_abandoned_reads", False) for f in log.filters):
+        return  # (adding a warnings filter again would reset the record of warnings shown)
+    log.addFilter(types.SimpleNamespace(filter=lambda record: not _is_abandoned_read_record(record),
+                                        drops_abandoned_reads=True))
     warnings.filterwarnings("ignore", category=RuntimeWarning,
                             message="coroutine '_read_array_index_and_device_put' was never awaited")
 
 
-@contextlib.contextmanager
-def quiet_abandoned_reads():
-    """Drops the reports of `_is_abandoned_read` (and `_quiet_abandoned_read_reports`') while an
-    orbax restore runs, and, once one has failed, for the rest of the process (its abandoned reads
-    end after it has returned; the asyncio records and warnings from the first restore on). Every
-    other unraisable exception goes to the hook that was installed before. One left in place by an
-    earlier failed restore serves the later ones too, so failures do not stack hooks."""
+def _drop_abandoned_reports():
+    """Puts in place the hook that drops `_is_abandoned_read`'s reports (and the asyncio records
+    and warnings of `_quiet_abandoned_read_reports`): (hook it replaced, hook), or None where one
+    is in place already (left by an earlier failure), so failures do not stack hooks."""
     _quiet_abandoned_read_reports()
     previous = sys.unraisablehook
     if getattr(previous, "drops_abandoned_reads", False):
-        yield
-        return
+        return None
 
     def hook(unraisable):
         if not _is_abandoned_read(unraisable):
@@ -424,6 +420,20 @@ def quiet_abandoned_reads():
 
     hook.drops_abandoned_reads = True
     sys.unraisablehook = hook
+    return previous, hook
+
+
+@contextlib.contextmanager
+def quiet_abandoned_reads():
+    """Drops the reports of `_is_abandoned_read` while an orbax restore runs, and, once one has
+    failed, for the rest of the process (its abandoned reads end after it has returned; the
+    asyncio records and warnings from the first restore on). Every other unraisable exception goes
+    to the hook that was installed before (`_drop_abandoned_reports`)."""
+    installed = _drop_abandoned_reports()
+    if installed is None:
+        yield
+        return
+    previous, hook = installed
     try:
         yield
     except BaseException:
@@ -438,8 +448,7 @@ def quiet_failed_write() -> None:
     reports of tensorstore's abandoned writes, which end on orbax's closed event loop as the
     abandoned reads of `quiet_abandoned_reads` do (~75 "Event loop is closed" tracebacks before
     the one error line, on a real full disk)."""
-    with contextlib.suppress(RuntimeError), quiet_abandoned_reads():
-        raise RuntimeError("a failed checkpoint write")  # leaves the hook in place, as a failure does
+    _drop_abandoned_reports()
 
 
 class StepNumberMismatchError(Exception):
