@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+
+# The checkout ahead of any installed copy: `python benchmarks/<script>.py` runs this tree's code.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.cli import positive_int
+from benchmarks.hardware import median_time
 from transformer_jax.modeling import dot_product_attention, masks
-
-try:
-    from benchmarks.hardware import median_time
-except ImportError:
-    from hardware import median_time
 
 IMPLS = ("reference", "xla", "chunked")
 
@@ -83,7 +85,7 @@ def bench(lengths, impls=IMPLS, **kwargs) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS),
                         choices=["reference", "xla", "chunked", "cudnn", "flash"])
     parser.add_argument("--memory-budget-gib", type=float, default=4.0)

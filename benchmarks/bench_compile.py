@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+
+# The checkout ahead of any installed copy: `python benchmarks/<script>.py` runs this tree's code.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import transformer_jax as tj
+from benchmarks.cli import positive_int
 from transformer_jax.params import build_model
 from transformer_jax.training import steps
 from transformer_jax.training.state import TrainState
@@ -78,7 +84,7 @@ def bench(depths, scans=(False, True)) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--depths", type=int, nargs="+", default=[2, 6, 12, 24])
+    parser.add_argument("--depths", type=positive_int, nargs="+", default=[2, 6, 12, 24])
     args = parser.parse_args()
     bench(args.depths)
 

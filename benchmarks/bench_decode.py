@@ -39,15 +39,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
+import sys
 import time
+
+# The checkout ahead of any installed copy: `python benchmarks/<script>.py` runs this tree's code.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import transformer_jax as tj
+from benchmarks.cli import positive_int
+from benchmarks.hardware import memory_bandwidth
 from transformer_jax.decoding.huge_pages import place_on_huge_pages
 from transformer_jax.decoding.model_steps import (
     LMStep,
@@ -57,11 +64,6 @@ from transformer_jax.decoding.model_steps import (
     recompute_cache,
 )
 from transformer_jax.decoding.sampling import _generate_jit
-
-try:
-    from benchmarks.hardware import memory_bandwidth
-except ImportError:  # run as a script from benchmarks/
-    from hardware import memory_bandwidth
 
 PROMPT = 32
 
@@ -466,11 +468,11 @@ def main():
     parser.add_argument("--kernel-layout", default="in_out", choices=["in_out", "out_in", "packed"],
                         help="ModelConfig.kernel_layout ('out_in' decodes faster on CPU; 'packed', "
                              "in bf16, faster still)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
                         help="only the GPT-2-small row split over a tensor mesh of N devices "
                              "(see tensor_parallel_row); prints that one row")
-    parser.add_argument("--batch", type=int, default=8, help="with --tensor-parallel or --profile")
+    parser.add_argument("--batch", type=positive_int, default=8, help="with --tensor-parallel or --profile")
     parser.add_argument("--steps", type=int, default=64,
                         help="new tokens, with --tensor-parallel or --profile")
     parser.add_argument("--profile", action="store_true",

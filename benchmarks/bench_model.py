@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+# The checkout ahead of any installed copy: `python benchmarks/<script>.py` runs this tree's code.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flax.linen as nn
 import jax
@@ -29,13 +34,10 @@ import numpy as np
 import optax
 
 import transformer_jax as tj
+from benchmarks.cli import positive_int
+from benchmarks.hardware import peak_matmul_flops
 from transformer_jax.params import build_model
 from transformer_jax.training import losses
-
-try:
-    from benchmarks.hardware import peak_matmul_flops
-except ImportError:  # run as a script from benchmarks/
-    from hardware import peak_matmul_flops
 
 
 def _size(tree) -> int:
@@ -164,9 +166,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt2_small", choices=sorted(PRESETS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--length", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=5)
     args = parser.parse_args()
     config = PRESETS[args.model](dtype=args.dtype)
     print(json.dumps(dict(model=args.model, **bench_train(config, args.batch, args.length,

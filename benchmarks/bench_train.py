@@ -9,12 +9,18 @@ tokens per second, model TFLOP/s and MFU against --peak_tflops (per device; 0 = 
 
 import argparse
 import json
+import os
+import sys
 import time
+
+# The checkout ahead of any installed copy: `python benchmarks/<script>.py` runs this tree's code.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.cli import positive_int
 from transformer_jax import parallel
 from transformer_jax.config import ModelConfig
 from transformer_jax.params import build_model
@@ -41,10 +47,10 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=2000)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--length", type=int, default=32)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--length", type=positive_int, default=32)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--peak_tflops", type=float, default=0.0)
     p.add_argument("--out", default="")
     args = p.parse_args()

@@ -17,8 +17,12 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from functools import partial
+
+# The checkout ahead of any installed copy: `python benchmarks/<script>.py` runs this tree's code.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp

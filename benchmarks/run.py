@@ -98,7 +98,8 @@ DECODE_VARIANTS = (("float32", "in_out", (1, 8), "auto"), ("float32", "out_in", 
 
 def decode_rows(quick):
     """Cached greedy decoding of the GPT-2-small shape through bench_decode (same roofline
-    definition): bytes of the parameters and the whole KV cache per step, over the bandwidth."""
+    definition): bytes of the parameters and of the KV cache's visible positions per step, over the
+    bandwidth."""
     from benchmarks import bench_decode
 
     rows = []
@@ -293,9 +294,10 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
                 continue
             mem = r["forward"]["peak_bytes"]
             time_s = "not run" if r.get("forward_ms") is None else f"{r['forward_ms']} ms"
-            measured = f"{time_s}, peak {mem / 2**20:.0f} MiB (train {r['train']['peak_bytes'] / 2**20:.0f})"
+            measured = f"{time_s}, peak {_mib(r['forward'])} (train {_mib(r['train'])})"
             ratio, target, note = None, None, ""
-            if impl == "chunked" and ref is not None and length == max(r["length"] for r in attention):
+            if (impl == "chunked" and ref is not None and length == max(r["length"] for r in attention)
+                    and mem and ref["forward"]["peak_bytes"]):
                 ratio = mem / ref["forward"]["peak_bytes"]
                 target, note = TARGETS["chunked_memory_ratio"], "≤ memory / reference"
             add(f"attention {impl} causal L={length}", measured, "", ratio, target, note)
@@ -313,6 +315,16 @@ def summarise(results, peaks, bandwidth) -> list[dict]:
             add(f"compile {depths[-1]}/{depths[0]} layers scan={scan}", f"{ratio:.2f}x", "", ratio,
                 TARGETS["scan_compile_ratio"] if scan else None, "≤ compile-time ratio")
     return table
+
+
+def _mib(memory: dict) -> str:
+    """An attention row's memory figure: its peak in MiB, or why there is none (the program did not
+    compile, or the backend reports no memory analysis)."""
+    if memory.get("error"):
+        return "not compiled: " + memory["error"].splitlines()[0][:80]
+    if memory.get("peak_bytes") is None:
+        return "peak not reported"
+    return f"{memory['peak_bytes'] / 2**20:.0f} MiB"
 
 
 def markdown(table, meta) -> str:

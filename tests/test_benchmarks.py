@@ -920,3 +920,55 @@ def test_decoding_profile_counts_each_kernel_once_per_step(scan):
     assert abs(sum(k["share"] for k in row["kinds"]) - 1) < 1e-3  # every kind listed
     table = bench_decode.profile_table(row)
     assert "| transformer_jax_rows_matmul | 19 |" in table
+
+
+@pytest.mark.parametrize("script", ["bench_attention", "bench_compile", "bench_decode", "bench_model",
+                                    "bench_train"])
+def test_benchmark_scripts_import_the_checkout_ahead_of_an_installed_copy(script, tmp_path):
+    """`python benchmarks/<script>.py` times the checkout it sits in: it ran without the package
+    installed (ModuleNotFoundError), and with another copy installed it timed that copy."""
+    import subprocess
+    import sys
+
+    installed = tmp_path / "site" / "transformer_jax"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text('raise ImportError("imported the installed copy")\n')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, os.path.join(root, "benchmarks", f"{script}.py"), "--help"],
+                            env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script, flag", [("bench_train", "--steps"), ("bench_model", "--batch"),
+                                          ("bench_attention", "--lengths"), ("bench_compile", "--depths")])
+def test_benchmark_scripts_refuse_a_count_below_one(script, flag, monkeypatch, capsys):
+    """--steps 0 was a ZeroDivisionError or a StatisticsError after compiling the model; a count
+    below one is a usage error naming the flag."""
+    import importlib
+    import sys
+
+    module = importlib.import_module(f"benchmarks.{script}")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", flag, "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2 and f"argument {flag}: 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_summary_shows_an_attention_row_whose_gradient_did_not_compile():
+    """bench_attention keeps the forward figures of a row whose gradient program failed to compile
+    (train = {error}); the summary raised KeyError on it and the run wrote no report at all."""
+    from benchmarks import run
+
+    mib = 2**20
+    rows = [dict(impl="reference", length=4096, forward_ms=100.0, forward=dict(peak_bytes=640 * mib),
+                 train=dict(error="XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory\nmore")),
+            dict(impl="chunked", length=4096, forward_ms=120.0, forward=dict(peak_bytes=64 * mib),
+                 train=dict(temp_bytes=None, peak_bytes=None))]
+    table = {line["workload"]: line for line in run.summarise({"attention": {"rows": rows}}, {}, 25.0)}
+    reference = table["attention reference causal L=4096"]["measured"]
+    assert reference == ("100.0 ms, peak 640 MiB (train not compiled: XlaRuntimeError: RESOURCE_EXHAUSTED: "
+                         "out of memory)")
+    chunked = table["attention chunked causal L=4096"]
+    assert chunked["measured"] == "120.0 ms, peak 64 MiB (train peak not reported)"
+    assert chunked["ratio"] == 0.1
