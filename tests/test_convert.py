@@ -450,11 +450,53 @@ def test_unsupported_options_are_all_listed():
     for option in ("scale_attn_weights=False", "scale_attn_by_inverse_layer_idx", "add_cross_attention",
                    "activation_function='mish'"):
         assert option in str(e.value)
+    # the converter's own list, not wrapped as "a value of the wrong type or out of range"
+    assert str(e.value).startswith("unsupported gpt2 checkpoint options")
     directory = _copy_checkpoint(
         marian_checkpoint("marian_swish"), lambda c: c.update(decoder_attention_heads=6, decoder_vocab_size=7)
     )
-    with pytest.raises(ConversionError, match="decoder_attention_heads=6.*\n.*decoder_vocab_size=7"):
+    with pytest.raises(ConversionError, match="decoder_attention_heads=6.*\n.*decoder_vocab_size=7") as e:
         load_hf_checkpoint(directory)
+    assert str(e.value).startswith("unsupported marian checkpoint options")
+
+
+def test_null_or_out_of_range_token_ids_in_config_json():
+    """transformers writes an unset id as null ("bos_token_id": null, which took the place of the
+    EOS default and was refused), and loads a small-vocabulary GPT-2 whose ids keep GPT2Config's
+    50256: such an id is named with the key it came from, and a token id override loads it."""
+    gpt2 = _copy_checkpoint(gpt2_checkpoint("gpt2_a"), lambda c: c.update(bos_token_id=None, eos_token_id=5))
+    config = load_hf_config(gpt2)
+    assert (config.eos_id, config.bos_id, config.decoder_start_id) == (5, 5, 5)
+    vocab = load_hf_config(gpt2).vocab_size
+    outside = _copy_checkpoint(gpt2_checkpoint("gpt2_a"), lambda c: c.update(bos_token_id=vocab,
+                                                                              eos_token_id=vocab))
+    with pytest.raises(ConversionError, match=rf"eos_id={vocab}: must be a token id .*config.json's "
+                                              r"eos_token_id: set a token id there, or give "
+                                              r"eos_id=<token id> to load_hf_checkpoint\)"):
+        load_hf_config(outside)
+    with pytest.raises(ConversionError, match=r"bos_id=.*config.json's bos_token_id: .* give bos_id="):
+        load_hf_config(outside, eos_id=3)
+    config, _ = load_hf_checkpoint(outside, eos_id=3, bos_id=3, decoder_start_id=3)
+    assert (config.eos_id, config.bos_id, config.decoder_start_id) == (3, 3, 3)
+    with pytest.raises(ConversionError, match=r"bad override .*eos_id"):
+        load_hf_config(outside, eos_id=vocab + 1, bos_id=3, decoder_start_id=3)
+    marian = _copy_checkpoint(marian_checkpoint("marian_swish"),
+                              lambda c: c.update(decoder_start_token_id=None, eos_token_id=None))
+    config = load_hf_config(marian)
+    assert (config.eos_id, config.decoder_start_id, config.bos_id) == (0, config.pad_id, config.pad_id)
+
+
+def test_pad_id_is_overridable_only_where_no_encoder_masks_by_it():
+    """An encoder masks the source tokens equal to pad_id: another pad_id on a Marian checkpoint
+    changed its logits (0.015 off with pad_id=0) though the README lists token ids as safe."""
+    marian = marian_checkpoint("marian_swish")
+    pad = load_hf_config(marian).pad_id
+    with pytest.raises(ConversionError, match=r"cannot override \['pad_id'\].*the encoder masks the source "
+                                              r"tokens equal to pad_id\)\. Overridable: \[[^]]*\]\.$") as e:
+        load_hf_config(marian, pad_id=(pad + 1) % 16)
+    assert "'pad_id'" not in str(e.value).split("Overridable")[1]
+    assert load_hf_config(marian, pad_id=pad, eos_id=1).pad_id == pad  # its own value is no change
+    assert load_hf_config(gpt2_checkpoint("gpt2_a"), pad_id=7).pad_id == 7  # decoder-only: unused
 
 
 @pytest.mark.parametrize("kind, edit, message", [

@@ -29,7 +29,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the field."""
+    """A configuration value is invalid. The message names the field (``field``, where one field is
+    at fault)."""
+
+    field: str | None = None
 
 
 def first_line(error: BaseException) -> str:
@@ -124,7 +127,9 @@ class ModelConfig:
     # ----------------------------------------------------------------- validation
     def _validate(self):
         def fail(field, message):
-            raise ConfigError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
+            error = ConfigError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
+            error.field = field
+            raise error
 
         # Types first, so that the checks below compare numbers (a string "1e-6" or a True where
         # an int belongs would otherwise pass or fail with a bare TypeError).

@@ -30,8 +30,14 @@ ACTIVATIONS = {
 }
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig for a GPT-2 config.json; every option we cannot express is listed in one error."""
+# The config.json key each token id is read from (decoding starts from the BOS token).
+TOKEN_ID_KEYS = {"eos_id": "eos_token_id", "bos_id": "bos_token_id", "decoder_start_id": "bos_token_id",
+                 "pad_id": "pad_token_id"}
+
+
+def config_fields(hf: dict) -> dict:
+    """The `ModelConfig` fields of a GPT-2 config.json; every option we cannot express is listed in
+    one error."""
     problems = []
     if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
         problems.append(
@@ -47,11 +53,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if d_model % heads:
         problems.append(f"n_embd={d_model} not divisible by n_head={heads}")
     check_options("gpt2", problems)
-    eos = hf.get("eos_token_id", 50256)
-    bos = hf.get("bos_token_id", eos)
+    # transformers writes unset ids as null: GPT2Config's EOS default, and the EOS where no BOS is given
+    eos = hf.get("eos_token_id")
+    eos = 50256 if eos is None else eos
+    bos = hf.get("bos_token_id")
+    bos = eos if bos is None else bos
     resid = float(hf.get("resid_pdrop", 0.1))
     embedding = float(hf.get("embd_pdrop", resid))
-    return ModelConfig(
+    return dict(
         vocab_size=hf.get("vocab_size", 50257),
         d_model=d_model,
         num_heads=heads,

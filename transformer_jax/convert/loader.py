@@ -12,13 +12,14 @@ from transformer_jax.modeling.transformer import scan_params
 from transformer_jax.params import CONVERTIBLE_FIELDS, PARAMETER_FREE_FIELDS, convert_params
 
 # Fields a loaded checkpoint may take other values of: how it computes and is stored, its layer
-# layout, and which token ids generation uses. Any other field would change the function the
-# weights compute (a norm placement, an activation, an epsilon, an embedding scale) while the
-# weights still fit, so it is refused.
+# layout, and which token ids generation uses (pad_id only where no encoder masks the source by it).
+# Any other field would change the function the weights compute (a norm placement, an activation,
+# an epsilon, an embedding scale) while the weights still fit, so it is refused.
 OVERRIDABLE_FIELDS = CONVERTIBLE_FIELDS + PARAMETER_FREE_FIELDS + (
     "scan_layers", "eos_id", "bos_id", "pad_id", "decoder_start_id")
 
 _CONVERTERS = {"gpt2": gpt2, "marian": marian}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_CONVERTERS))
 
 
@@ -37,36 +38,50 @@ def _converter(hf_config: dict, directory: str):
 def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
     """The `ModelConfig` equivalent to a checkpoint's config.json (weights are not read).
 
-    ``overrides`` replace fields afterwards, e.g. ``dtype='bfloat16'``, ``dropout_rate=0.0``.
+    ``overrides`` replace fields, e.g. ``dtype='bfloat16'``, ``dropout_rate=0.0``, among
+    `OVERRIDABLE_FIELDS`; a token id override also stands in for one that config.json gives out of
+    range or null.
     """
     directory = os.fspath(path)
     hf_config = read_config(directory)
+    converter = _converter(hf_config, directory)
     try:
-        config = _converter(hf_config, directory).config_from_hf(hf_config)
-    except ConfigError as e:
-        raise ConversionError(f"{directory}: config.json does not give a valid ModelConfig: {e}") from e
+        fields = converter.config_fields(hf_config)
+    except ConversionError:
+        raise  # options the model cannot express, listed by the converter
     except KeyError as e:
         raise ConversionError(f"{directory}: config.json has no {e.args[0]!r}, which this model needs") from e
     except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         # A value of the wrong type or zero where a size goes ("n_embd": "24", "n_head": 0).
         raise ConversionError(f"{directory}: config.json has a value of the wrong type or out of range "
                               f"({type(e).__name__}: {e})") from e
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+    unknown = sorted(set(overrides) - set(_DEFAULTS))
     if unknown:  # a misspelt field is not one the checkpoint "was trained for"
         raise ConversionError(f"{directory}: {unknown} is not a ModelConfig field "
                               f"(overridable: {sorted(OVERRIDABLE_FIELDS)})")
-    fixed = sorted(set(overrides) - set(OVERRIDABLE_FIELDS))
-    if config.position != "learned" and "max_len" in overrides:
+    given = {**_DEFAULTS, **fields}
+    overridable, why = set(OVERRIDABLE_FIELDS), ""
+    if given["num_encoder_layers"]:
+        overridable.discard("pad_id")
+        why = " (the encoder masks the source tokens equal to pad_id)" if "pad_id" in overrides else ""
+    fixed = sorted(k for k in set(overrides) - overridable if overrides[k] != given[k] or k != "pad_id")
+    if given["position"] != "learned" and "max_len" in overrides:
         fixed.remove("max_len")  # computed positions extend to any length
     if fixed:
         raise ConversionError(
             f"{directory}: cannot override {fixed}: the checkpoint's weights were trained for its own "
-            f"values ({', '.join(f'{k}={getattr(config, k, None)!r}' for k in fixed)}), and other values "
-            f"would compute another function. Overridable: {sorted(OVERRIDABLE_FIELDS)}.")
+            f"values ({', '.join(f'{k}={given[k]!r}' for k in fixed)}), and other values "
+            f"would compute another function{why}. Overridable: {sorted(overridable)}.")
     try:
-        return config.replace(**overrides) if overrides else config
-    except (TypeError, ConfigError) as e:
-        raise ConversionError(f"bad override {overrides}: {e}") from e
+        return ModelConfig(**{**fields, **overrides})
+    except ConfigError as e:
+        if e.field in overrides:
+            raise ConversionError(f"bad override {overrides}: {e}") from e
+        hint = ""
+        if e.field in converter.TOKEN_ID_KEYS:
+            hint = (f" (config.json's {converter.TOKEN_ID_KEYS[e.field]}: set a token id there, or give "
+                    f"{e.field}=<token id> to load_hf_checkpoint)")
+        raise ConversionError(f"{directory}: config.json does not give a valid ModelConfig: {e}{hint}") from e
 
 
 def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfig, dict]:
@@ -77,8 +92,9 @@ def load_hf_checkpoint(path: str | os.PathLike, **overrides) -> tuple[ModelConfi
         or pytorch_model.bin, read only with ``torch.load(weights_only=True)``).
       **overrides: `ModelConfig` fields to change, among `OVERRIDABLE_FIELDS` (dtype, param_dtype,
         dropout rates, attention_impl, remat, kernel_layout, pad_vocab_multiple, fused_qkv,
-        scan_layers, token ids; ``max_len`` for computed positions); any other is a ConversionError, since
-        the weights would still fit but compute another function.
+        scan_layers, token ids, ``pad_id`` only without an encoder; ``max_len`` for computed
+        positions); any other is a ConversionError, since the weights would still fit but compute
+        another function. A token id override also stands in for one config.json gives out of range.
 
     Returns:
       (config, params): build the model with ``transformer_jax.params.build_model(config)``

@@ -62,11 +62,20 @@ def _unsupported(hf: dict) -> list[str]:
     return problems
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig for a Marian config.json; every option we cannot express is listed in one error."""
+# The config.json key each token id is read from (decoding starts from the pad token by default).
+TOKEN_ID_KEYS = {"eos_id": "eos_token_id", "bos_id": "decoder_start_token_id",
+                 "decoder_start_id": "decoder_start_token_id", "pad_id": "pad_token_id"}
+
+
+def config_fields(hf: dict) -> dict:
+    """The `ModelConfig` fields of a Marian config.json; every option we cannot express is listed in
+    one error."""
     check_options("marian", _unsupported(hf))
-    start = hf.get("decoder_start_token_id", hf["pad_token_id"])
-    return ModelConfig(
+    # transformers writes unset ids as null: MarianConfig's defaults then (EOS 0, start from the pad)
+    start = hf.get("decoder_start_token_id")
+    start = hf["pad_token_id"] if start is None else start
+    eos = hf.get("eos_token_id")
+    return dict(
         vocab_size=hf["vocab_size"],
         d_model=hf.get("d_model", 1024),
         num_heads=hf.get("encoder_attention_heads", 16),
@@ -88,7 +97,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         scale_embeddings=hf.get("scale_embedding", False),
         use_bias=True,
         pad_id=hf["pad_token_id"],
-        eos_id=hf.get("eos_token_id", 0),
+        eos_id=0 if eos is None else eos,
         bos_id=start,
         decoder_start_id=start,
     )
