@@ -665,8 +665,9 @@ from transformer_jax.data import pipeline, tokenizer as tk
 
 
 def pipeline_with_a_worker(long_target=False):
-    """A train iterator with one input worker, its first batch read."""
-    flags.FLAGS.mark_as_parsed()  # grain's worker pipeline reads its flags (train.py parses them)
+    """A train iterator with one input worker, its first batch read, as a script calling the
+    library makes it: no absl flags parsed (grain's worker pipeline reads some of its own)."""
+    assert not flags.FLAGS.is_parsed()
     source = [{"src": f"sentence {i}", "tgt": f"phrase {i}"} for i in range(40)]
     if long_target:  # longer than 16 tokens: truncated, with a warning
         source[3]["tgt"] = " ".join(["phrase"] * 40)

@@ -32,7 +32,7 @@ from typing import Any
 
 import grain
 import numpy as np
-from absl import logging
+from absl import flags, logging
 
 from transformer_jax.data.errors import DataError
 from transformer_jax.data.packing import FirstFitPackIterDataset, make_row
@@ -277,6 +277,10 @@ def make_train_iterator(
         it = it.map(PadToRow(lengths))
     it = it.batch(batch_size, drop_remainder=True)
     if num_workers > 0:
+        # grain reads absl flags of its own here: outside train.py (a notebook, a script calling the
+        # library) nothing has parsed them, which it refuses with UnparsedFlagAccessError.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers),
                             worker_init_fn=init_input_worker)
     return iter(it)
