@@ -144,6 +144,14 @@ WORKER = textwrap.dedent(
     assert out.sources == expected, out.sources
     assert out.references == [f"w{30 + i}" for i in range(8)], out.references
     assert out.hypotheses == [f"w{20 + i}" for i in range(8)], out.hypotheses
+    # Configs: the fields whose values differ between the processes are named, on each process.
+    same = {"optimizer": {"learning_rate": 0.003, "b2": 0.98}, "dataset": {"data_dir": f"/d{rank}"}}
+    assert parallel.config_differences(same, ignore=("dataset.data_dir",)) == []
+    other = {"optimizer": {"learning_rate": 0.003 * (1 + 9 * rank), "b2": 0.98}, "steps": 4}
+    assert parallel.config_differences(other) == [
+        f"optimizer.learning_rate (this process: {other['optimizer']['learning_rate']!r})"]
+    extra = dict(other, **({"model": {"d_ff": 128}} if rank else {}))
+    assert parallel.config_differences(extra)[0].startswith("the set of config fields")
     # Written to a file of its own: the C++ runtime logs to the same pipe as stdout.
     with open(os.environ["RESULT_FILE"] + str(rank), "w") as f:
         print("RESULT", rank, parallel.is_primary(), int(total), parallel.describe_mesh(mesh), file=f)
@@ -201,3 +209,27 @@ def test_two_cpu_processes_form_one_mesh(tmp_path):
     # rows of process 1 hold 1s: 4 rows * 3 columns = 12
     assert lines[0].startswith("RESULT 0 True 12 mesh data=4 fsdp=1 tensor=1 | 4 cpu devices, 2 proc")
     assert lines[1].startswith("RESULT 1 False 12")
+
+
+def test_training_refuses_configs_that_differ_between_processes(monkeypatch):
+    """Two processes given different learning rates trained on, each applying its own update to
+    arrays that should be the same on both (and logged one rate); a different num_train_steps hung
+    in a collective, a different model aborted in gloo. train_and_evaluate compares the configs
+    first (the gathering itself is tested in the two-process run above)."""
+    from configs import tiny
+    from transformer_jax.config import ConfigError
+    from transformer_jax.training import loop
+
+    seen = {}
+
+    def differences(config, ignore=()):
+        seen.update(config=config, ignore=ignore)
+        return ["optimizer.learning_rate (this process: 0.03)"]
+
+    monkeypatch.setattr(parallel, "config_differences", differences)
+    monkeypatch.setattr(loop, "build_model", lambda *a: pytest.fail("built the model"))
+    config = tiny.get_config()
+    with pytest.raises(ConfigError, match=r"processes were given different configs .*differing: "
+                                          r"optimizer.learning_rate \(this process: 0.03\)"):
+        loop.train_and_evaluate(config, "/nonexistent/workdir")
+    assert seen["config"] == config.to_dict() and seen["ignore"] == ("dataset.data_dir",)

@@ -5,6 +5,7 @@ axis names (``'batch'``, ``'embed'``, ``'mlp'``, ...) and :data:`DEFAULT_RULES` 
 """
 
 from transformer_jax.parallel.distributed import (
+    config_differences,
     initialize,
     is_primary,
     leave_and_exit,
@@ -35,6 +36,7 @@ __all__ = [
     "batch_shard_count",
     "batch_sharding",
     "check_batch_divisible",
+    "config_differences",
     "create_mesh",
     "data_parallel_size",
     "describe_mesh",

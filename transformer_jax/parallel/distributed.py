@@ -111,8 +111,9 @@ def initialize(
       num_processes: total number of processes.
       process_id: this process's index, ``0 .. num_processes - 1``.
       local_device_ids: restrict this process to some local devices (one process per GPU).
-      initialization_timeout: seconds to wait for every peer before raising, so a missing or
-        misconfigured host is an error instead of a hang.
+      initialization_timeout: seconds to wait for every peer, so that a missing or misconfigured
+        host stops the run instead of hanging it (JAX's runtime then ends the process with its own
+        fatal message, exit status 134; other start-up failures raise RuntimeError).
       heartbeat_timeout_seconds: how long a silent peer may go unnoticed before the others stop
         with an error (a dead process must not hang the job); default ``TJ_HEARTBEAT_TIMEOUT_S``
         or JAX's 100 s.
@@ -172,6 +173,43 @@ def sync_global(name: str) -> None:
     """Blocks until every process reaches the barrier called ``name``; free on one process."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def _flat_items(tree: Mapping, prefix: str = "") -> list[tuple[str, str]]:
+    items = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            items += _flat_items(value, f"{prefix}{key}.")
+        else:
+            items.append((f"{prefix}{key}", repr(value)))
+    return items
+
+
+def config_differences(config: Mapping, ignore: Sequence[str] = ()) -> list[str]:
+    """The fields of a (nested) config whose values differ between the processes, each as
+    ``'field (this process: value)'``; empty on one process or when all agree.
+
+    Every process must call it (it gathers a checksum of each field from all of them). Processes
+    that train with different values compute different updates of arrays that should be the same
+    on all of them, or wait on each other in different collectives; either goes unnoticed or ends
+    in a hang or a runtime abort far from the cause. ``ignore``: fields that may differ per host
+    (e.g. a local data directory).
+    """
+    if jax.process_count() == 1:
+        return []
+    import zlib
+
+    import numpy as np
+
+    items = sorted(item for item in _flat_items(config) if item[0] not in ignore)
+    names = zlib.crc32("\n".join(name for name, _ in items).encode())
+    shape = multihost_utils.process_allgather(np.array([len(items), names], np.uint32))
+    if not (shape == shape[0]).all():  # other field sets: the per-field checksums would not line up
+        return ["the set of config fields (a config file or a version of the code that differs)"]
+    sums = np.array([zlib.crc32(f"{name}={value}".encode()) for name, value in items], np.uint32)
+    gathered = multihost_utils.process_allgather(sums)  # [processes, fields]
+    return [f"{name} (this process: {value})" for (name, value), column in zip(items, gathered.T)
+            if not (column == column[0]).all()]
 
 
 def leave_and_exit(code: int = 0) -> None:

@@ -213,6 +213,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     """
     # --- setup: checks before anything is compiled -----------------------------------------------
     check_config(config)
+    differing = parallel.config_differences(config.to_dict(), ignore=("dataset.data_dir",))
+    if differing:  # other values would train on silently, or end in a hang or an abort in a collective
+        raise ConfigError(f"the {jax.process_count()} processes were given different configs (run the same "
+                          f"command on every host); differing: {'; '.join(differing)}")
     for warning in unread_dataset_settings(config):
         _say(warning)
     if not integrity.is_local(workdir):
