@@ -70,6 +70,8 @@ def test_bleu_is_sacrebleu_of_hypotheses_against_references():
     assert out.bleu() == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
     assert out.bleu() != pytest.approx(sacrebleu.corpus_bleu(refs, [hyps]).score)
     assert out.exact_match == 0.5
+    empty = evaluate.Translations([], [], [])  # no examples: 0, not sacrebleu's IndexError
+    assert (empty.bleu(), empty.exact_match) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])

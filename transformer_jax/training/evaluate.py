@@ -52,8 +52,12 @@ class Translations:
         return sum(h == r for h, r in pairs) / max(1, len(self.references))
 
     def bleu(self) -> float:
+        """Corpus BLEU (sacrebleu's defaults: cased, 13a tokenisation); 0.0 for no examples, as
+        `exact_match` gives (sacrebleu raised IndexError)."""
         import sacrebleu
 
+        if not self.hypotheses:
+            return 0.0
         return float(sacrebleu.corpus_bleu(self.hypotheses, [self.references]).score)
 
     def examples(self, n: int = 3) -> str:
