@@ -966,3 +966,39 @@ def test_beam_search_compiles_once_and_validates():
             )
     with pytest.raises(ValueError, match="empty prompt"):
         beam_search(bigram_step, shift_table(), bigram_cache(2), start, jnp.array([1, 0]), max_new_tokens=5)
+
+
+def test_concrete_jax_scalars_are_taken_as_python_ones_and_padding_is_named():
+    """temperature / top_p as jnp scalars were unhashable static arguments, min_new_tokens / top_k /
+    beam_size as jnp scalars were 'must be an integer, got 2'; a learned position table that only
+    the bucketed padding overflowed was blamed on the prompt and max_new_tokens."""
+    import transformer_jax as tj
+
+    config = tj.presets.tiny(vocab_size=100, norm="pre", num_encoder_layers=0)
+    lm = tj.TransformerLM(config)
+    params = lm.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    tokens, lengths = tj.decoding.pad_prompts([[5, 6, 7], [8, 9, 10, 11, 12]])
+
+    def run(**kw):
+        cache = tj.init_cache(config, 2, tokens.shape[1] + 8)
+        return tj.decoding.generate(tj.LMStep(lm), params, cache, tokens, lengths, max_new_tokens=8,
+                                    rng=jax.random.key(1), **kw).tokens
+
+    python = run(temperature=0.8, top_p=0.9, top_k=5, min_new_tokens=2)
+    arrays = run(temperature=jnp.float32(0.8), top_p=jnp.float32(0.9), top_k=jnp.int32(5),
+                 min_new_tokens=jnp.int32(2))
+    np.testing.assert_array_equal(python, arrays)
+    np.testing.assert_array_equal(run(temperature=0.0), run(temperature=jnp.float32(0.0)))
+    cache = tj.init_cache(config, 2, tokens.shape[1] + 8)
+    beams = tj.decoding.beam_search(tj.LMStep(lm), params, cache, tokens, lengths, beam_size=jnp.int32(2),
+                                    max_new_tokens=8)
+    assert beams.tokens.shape[:2] == (2, 2)
+
+    learned = tj.presets.tiny(vocab_size=100, num_encoder_layers=0, norm="pre", position="learned",
+                              max_len=100)
+    lm = tj.TransformerLM(learned)
+    params = lm.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    tokens, lengths = tj.decoding.pad_prompts([list(range(3, 73))])  # 70 tokens, padded to 128
+    with pytest.raises(ValueError, match=r"padded to 128 positions: pad_prompts\(\.\.\., buckets=\.\.\.\)"):
+        tj.decoding.generate(tj.LMStep(lm), params, tj.init_cache(learned, 1, 144), tokens, lengths,
+                             max_new_tokens=16)

@@ -76,6 +76,8 @@ class SamplingConfig:
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if not _is_whole(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
+        if isinstance(self.top_k, jax.Array):  # hashable for the jit, where it sets the program's shapes
+            object.__setattr__(self, "top_k", int(self.top_k))
         if not _traced(self.top_p) and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not _traced(self.min_new_tokens) and (not _is_whole(self.min_new_tokens)
@@ -87,12 +89,12 @@ class SamplingConfig:
         """Greedy decoding; None for a traced temperature (decided per call, in the program)."""
         if _traced(self.temperature):
             return None
-        return self.temperature == 0.0
+        return bool(self.temperature == 0.0)  # a Python bool from a concrete jax scalar too (static)
 
     @property
     def filters_top_p(self) -> bool:
         """Whether the top-p filter is compiled in: a traced top_p always is (1.0 keeps every token)."""
-        return _traced(self.top_p) or self.top_p < 1.0
+        return _traced(self.top_p) or bool(self.top_p < 1.0)
 
 
 def _traced(value) -> bool:
@@ -579,11 +581,16 @@ def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: 
         raise ValueError(
             f"decoding would reach position {reached - 1}, but the model's learned position table "
             f"has {positions} rows (ModelConfig.max_len): shorten the prompt or max_new_tokens so "
-            f"that they fit in {positions} positions")
+            f"that they fit in {positions} positions"
+            + (f" (the prompts are padded to {width} positions: pad_prompts(..., buckets=...) with a "
+               f"bucket of at most {positions} pads them less)" if width > longest else ""))
 
 
 def _is_whole(value) -> bool:
-    """An integer (or a float with an integer value), not a bool, None or a string."""
+    """An integer (or a float with an integer value), not a bool, None or a string; a concrete
+    0-d jax array holding one is one too."""
+    if isinstance(value, jax.Array) and not _traced(value) and value.ndim == 0:
+        value = value.item()
     return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
             and float(value).is_integer())
 
