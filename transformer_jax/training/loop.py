@@ -108,12 +108,12 @@ def restretched_schedule(workdir: str, config: ml_collections.ConfigDict, step: 
 
 
 def unfinished_warmup(config: ml_collections.ConfigDict) -> str | None:
-    """A warning when a 'constant' or 'rsqrt_paper' schedule warms up for longer than the run trains
-    (the learning rate never reaches its peak); 'cosine' refuses such a config outright. None
-    otherwise."""
+    """A warning when the schedule warms up for longer than the run trains (the learning rate never
+    reaches its peak; under 'cosine' this needs a decay_steps longer than the warm-up, which it
+    refuses otherwise). None otherwise."""
     opt = config.optimizer
     warmup, steps = int(opt.get("warmup_steps") or 0), int(config.num_train_steps)
-    if opt.schedule not in ("constant", "rsqrt_paper") or warmup <= steps:
+    if warmup <= steps:
         return None
     return (f"WARNING: optimizer.warmup_steps={warmup} is longer than num_train_steps={steps}: the run "
             f"ends during the warm-up, its learning rate reaching {steps / warmup:.0%} of the "
