@@ -924,6 +924,7 @@ def test_the_compilation_cache_is_refused_only_to_several_cpu_processes(tmp_path
     # train_and_evaluate asks with this run's process count: two CPU processes print the NOTE and
     # leave the cache off; one process turns it on.
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(parallel, "config_differences", lambda *a, **k: [])  # one real process
     monkeypatch.setattr(loop, "enable_compilation_cache", lambda *a: pytest.fail("cache enabled"))
     monkeypatch.setattr(parallel, "mesh_from_config", stop)
     with pytest.raises(KeyboardInterrupt):
