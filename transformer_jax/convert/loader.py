@@ -60,13 +60,13 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
         raise ConversionError(f"{directory}: {unknown} is not a ModelConfig field "
                               f"(overridable: {sorted(OVERRIDABLE_FIELDS)})")
     given = {**_DEFAULTS, **fields}
-    overridable, why = set(OVERRIDABLE_FIELDS), ""
-    if given["num_encoder_layers"]:
-        overridable.discard("pad_id")
-        why = " (the encoder masks the source tokens equal to pad_id)" if "pad_id" in overrides else ""
-    fixed = sorted(k for k in set(overrides) - overridable if overrides[k] != given[k] or k != "pad_id")
+    # An encoder masks the source tokens equal to pad_id: only its own value is no change there.
+    overridable = set(OVERRIDABLE_FIELDS) - ({"pad_id"} if given["num_encoder_layers"] else set())
+    fixed = sorted(k for k in set(overrides) - overridable
+                   if not (k == "pad_id" and overrides[k] == given[k]))
     if given["position"] != "learned" and "max_len" in overrides:
         fixed.remove("max_len")  # computed positions extend to any length
+    why = " (the encoder masks the source tokens equal to pad_id)" if "pad_id" in fixed else ""
     if fixed:
         raise ConversionError(
             f"{directory}: cannot override {fixed}: the checkpoint's weights were trained for its own "

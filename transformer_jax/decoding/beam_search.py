@@ -262,7 +262,6 @@ def beam_search(
     """
     if not _is_whole(beam_size) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive integer, got {beam_size}")
-    beam_size = int(beam_size)  # static: a concrete jax scalar is not hashable
     _check_max_new_tokens(max_new_tokens)
     if not isinstance(alpha, jax.core.Tracer) and not alpha >= 0.0:  # traced: checked by the caller
         raise ValueError(f"alpha must be >= 0, got {alpha}")

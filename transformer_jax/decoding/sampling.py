@@ -76,8 +76,6 @@ class SamplingConfig:
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if not _is_whole(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k}")
-        if isinstance(self.top_k, jax.Array):  # hashable for the jit, where it sets the program's shapes
-            object.__setattr__(self, "top_k", int(self.top_k))
         if not _traced(self.top_p) and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not _traced(self.min_new_tokens) and (not _is_whole(self.min_new_tokens)

@@ -175,16 +175,6 @@ def sync_global(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _flat_items(tree: Mapping, prefix: str = "") -> list[tuple[str, str]]:
-    items = []
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            items += _flat_items(value, f"{prefix}{key}.")
-        else:
-            items.append((f"{prefix}{key}", repr(value)))
-    return items
-
-
 def config_differences(config: Mapping, ignore: Sequence[str] = ()) -> list[str]:
     """The fields of a (nested) config whose values differ between the processes, each as
     ``'field (this process: value)'``; empty on one process or when all agree.
@@ -200,8 +190,10 @@ def config_differences(config: Mapping, ignore: Sequence[str] = ()) -> list[str]
     import zlib
 
     import numpy as np
+    from flax.traverse_util import flatten_dict
 
-    items = sorted(item for item in _flat_items(config) if item[0] not in ignore)
+    items = sorted((name, repr(value)) for name, value in flatten_dict(dict(config), sep=".").items()
+                   if name not in ignore)
     names = zlib.crc32("\n".join(name for name, _ in items).encode())
     shape = multihost_utils.process_allgather(np.array([len(items), names], np.uint32))
     if not (shape == shape[0]).all():  # other field sets: the per-field checksums would not line up
