@@ -6,6 +6,7 @@ steps -> the loop (train, log, evaluate, checkpoint, preemption) -> final evalua
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -122,14 +123,15 @@ def unfinished_warmup(config: ml_collections.ConfigDict) -> str | None:
 
 def _compile_steps(model, tx, schedule, settings, shardings, mesh):
     batch_sharding = parallel.batch_sharding(mesh)
+    # Partials, not lambdas: the programs are named jit(train_step) / jit(eval_step) in profiles.
     train = jax.jit(
-        lambda s, b: steps.train_step(s, b, model=model, tx=tx, schedule=schedule, settings=settings),
+        functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, settings=settings),
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
     evaluate_fn = jax.jit(
-        lambda p, b: steps.eval_step(p, b, model=model, settings=settings),
+        functools.partial(steps.eval_step, model=model, settings=settings),
         in_shardings=(shardings.params, batch_sharding),
     )
     return train, evaluate_fn
@@ -354,10 +356,15 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
     profile_dir = os.path.join(workdir, "profile")
     profile_end = config.profile_start_step + config.profile_num_steps
 
+    compile_seconds = None  # the train step's, reported with the first window
+
     def log_window(done: int) -> dict:
+        nonlocal compile_seconds
         # The mesh's devices, not jax.device_count(): a `mesh` argument may cover some of them only.
         summary = _summarise(history, time.time() - last_log, flops, peak, mesh.size)
         summary["skipped_steps"] = skipped
+        if compile_seconds is not None:
+            summary["compile_seconds"], compile_seconds = compile_seconds, None
         log.write(done, summary)
         log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
         return summary
@@ -367,8 +374,16 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
             if step == config.profile_start_step:
                 jax.profiler.start_trace(profile_dir)
                 tracing = True
-            batch = next(data.train_iter)
-            state, step_metrics = train_step(state, to_global_batch(batch, mesh))
+            batch = to_global_batch(next(data.train_iter), mesh)
+            if step == start_step:
+                # Compiled before its first call (the call then finds the program in jit's cache) and
+                # timed apart, so that the first window's tokens/s and MFU are of training alone.
+                compile_start = time.time()
+                train_step.lower(state, batch).compile()
+                compile_seconds = time.time() - compile_start
+                last_log += compile_seconds
+                log.message(f"Compiled the train step in {compile_seconds:.1f} s")
+            state, step_metrics = train_step(state, batch)
             history.append(step_metrics)
             checkpointer.seal()  # integrity manifest of a finished async save
             if pending is not None and not bool(pending[1]["finite"]):  # checked one step late
