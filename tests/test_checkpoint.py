@@ -220,6 +220,57 @@ def test_a_stop_between_logging_steps_logs_the_steps_before_it(data_dir, tmp_pat
         np.testing.assert_allclose(losses[step], np.mean(window), rtol=1e-5)
 
 
+@pytest.mark.parametrize("moment", ["start", "last_save", "test_evaluation"])
+def test_a_sigterm_before_the_first_or_after_the_last_step_stops_cleanly(data_dir, tmp_path, monkeypatch,
+                                                                         capsys, moment):
+    """The handlers covered the training loop only. A SIGTERM while the last checkpoint was being
+    written killed the run (status -15) and lost it; one during the test-set (BLEU) evaluation
+    killed it there; one that reached the last step's check saved and then ran the whole BLEU
+    evaluation anyway; one during start-up killed it (a first Ctrl-C said it stopped without
+    saving). Now: at start-up the run stops after its first step, with that step saved; at the
+    last save it stops once the save has committed; in the evaluation, before its next batch.
+    Each time the run returns without the test figures, and running it again evaluates."""
+    from transformer_jax.training import checkpoint as ckpt_lib
+    from transformer_jax.training import evaluate, loop
+
+    def sigterm_before(owner, name, when=lambda *args: True):
+        real, sent = getattr(owner, name), []
+
+        def call(*args, **kwargs):
+            if not sent and when(*args):
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, call)
+        return sent
+
+    steps = 6
+    if moment == "start":
+        sent = sigterm_before(loop, "create_train_state")
+    elif moment == "last_save":  # the wait after the loop, for the last step's background save
+        sent = sigterm_before(Checkpointer, "wait", lambda self: self.latest_step() == steps)
+    else:  # two batches of 16 examples: the stop comes before the second
+        sent = sigterm_before(evaluate, "decode_batch")
+    before = signal.getsignal(signal.SIGTERM)
+    workdir = str(tmp_path / "w")
+    config = tiny_config(data_dir, num_train_steps=steps, test_split="test")
+    final = train_and_evaluate(config, workdir)
+    assert sent and signal.getsignal(signal.SIGTERM) is before
+    out = capsys.readouterr().out
+    saved = 1 if moment == "start" else steps
+    assert final["step"] == saved and Checkpointer(workdir).latest_step() == saved
+    assert not any(key.startswith("test_") for key in final), final
+    if moment == "test_evaluation":
+        assert f"Stopped by SIGTERM during the test evaluation after the last step, {steps}" in out
+    else:
+        assert f"Stopped by SIGTERM after step {saved}; checkpoint saved." in out
+    assert out.count("Stopped by") == 1
+    monkeypatch.undo()
+    assert "test_bleu" in train_and_evaluate(config, workdir)
+    assert not ckpt_lib.PreemptionFlag().requested()
+
+
 def test_restore_on_another_mesh_and_device_count(data_dir, tmp_path, reference):
     workdir = str(tmp_path / "w")
     sharded = parallel.create_mesh(data=2, fsdp=2, tensor=2)

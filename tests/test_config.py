@@ -41,6 +41,7 @@ def test_presets_accept_overrides():
         ("share_embeddings", "no"), ("scan_layers", 1), ("final_norm", 1), ("num_kv_heads", True),
         ("pad_id", 1.5), ("eos_id", True), ("norm_eps", "1e-6"), ("rope_theta", "1e4"),
         ("dtype", "bf16"), ("param_dtype", object()),
+        ("norm_eps", float("inf")), ("rope_theta", float("inf")),  # accepted: NaN or unrotated output
     ],
 )
 def test_bad_values_name_the_field(field, value):

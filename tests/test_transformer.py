@@ -289,7 +289,7 @@ def test_encoder_decoder_refuses_a_cache_without_the_source():
     src, tgt = tokens(1, (2, 5)), tokens(2, (2, 3))
     model, params = init_ed(cfg, src, tgt)
     with pytest.raises(ValueError, match=r"holds the encoded source: build it with tj.encode_source"):
-        model.apply({"params": params}, src, tgt, cache=tj.init_cache(cfg, 2, 8))
+        model.apply({"params": params}, None, tgt, cache=tj.init_cache(cfg, 2, 8))
     step = tj.Seq2SeqStep(model)
     with pytest.raises(ValueError, match=r"tj.init_cache builds a TransformerLM's cache"):
         tj.decoding.generate(step, params, tj.init_cache(cfg, 2, 8), tgt[:, :1], jnp.ones(2, jnp.int32),
@@ -526,6 +526,109 @@ def test_bad_model_inputs_name_the_argument():
     # inside jit the ids cannot be read: no error, and the lookup's NaN shows in the logits
     too_big = src.at[0, 2].set(cfg.vocab_size)
     assert np.isnan(np.asarray(jax.jit(lm.apply)({"params": lm_params}, too_big))[0, 2]).all()
+
+
+def test_misused_decoding_and_position_arguments_are_named():
+    """Each was accepted and gave wrong numbers without a word: tj.encode_source (compiled) skipped
+    the source's vocabulary check (an id past it filled the cache with NaN, a negative one read a
+    row from the table's end); num_valid outside [0, L] shifted the cache (logits off by 0.4-1.8),
+    and a float one was truncated; a negative learned position read the table's last row; an
+    integer cache truncated every key and value; the encoder-decoder with a cache dropped the
+    target positions and segment ids it was given. A negative or float cache length failed inside
+    XLA, and src=None without a cache in jnp.asarray."""
+    cfg = config(position="learned", max_len=16, norm="pre")
+    src, tgt = tokens(1, (2, 5)), tokens(2, (2, 3))
+    seq2seq, params = init_ed(cfg, src, tgt)
+    cache = tj.encode_source(seq2seq, params, src, 8)
+    direct = seq2seq.apply({"params": params}, src, 8, method="init_cache")
+    np.testing.assert_array_equal(cache.cross[0]["k"], direct.cross[0]["k"])
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=rf"src holds token id {bad} \(at \(0, 0\)\)"):
+            tj.encode_source(seq2seq, params, src.at[0, 0].set(bad), 8)
+    ids = jnp.ones((2, 3), jnp.int32)
+    for source, kwargs, name in ((src, {}, "src"), (None, dict(tgt_positions=ids), "tgt_positions"),
+                                 (None, dict(tgt_segment_ids=ids), "tgt_segment_ids")):
+        with pytest.raises(ValueError, match=rf"with a cache .*: {name} cannot be given"):
+            seq2seq.apply({"params": params}, source, tgt, cache=cache, **kwargs)
+    with pytest.raises(ValueError, match=r"src is None: without a cache"):
+        seq2seq.apply({"params": params}, None, tgt)
+    for length, message in ((-1, r"max_length must be at least 1, got -1"),
+                            (16.0, r"max_length must be an integer, got 16.0")):
+        with pytest.raises(ValueError, match=message):
+            seq2seq.apply({"params": params}, src, length, method="init_cache")
+        with pytest.raises(ValueError, match=message):
+            tj.init_cache(cfg, 2, length)
+
+    t = tokens(3, (2, 4))
+    lm, lm_params = init_lm(cfg, t)
+    cached = tj.init_cache(cfg, 2, 8)
+    for num_valid, message in (([5, 4], r"num_valid holds 5: each row counts 0 to 4"),
+                               ([4, -1], r"num_valid holds -1"),
+                               (jnp.array([2.7, 4.0]), r"num_valid must be integer counts, got float32")):
+        with pytest.raises(ValueError, match=message):
+            lm.apply({"params": lm_params}, t, cache=cached, num_valid=jnp.asarray(num_valid))
+    logits, _ = lm.apply({"params": lm_params}, t, cache=cached, num_valid=jnp.array([4, 0]))  # 0..L: fine
+    np.testing.assert_allclose(logits[0], japply(lm)({"params": lm_params}, t)[0], atol=1e-5)
+    for dtype in (jnp.int32, jnp.int8, jnp.bool_):
+        with pytest.raises(ValueError, match=r"the cache dtype must be a floating-point type"):
+            tj.init_cache(cfg, 2, 8, dtype=dtype)
+    segments = jnp.ones((2, 4), jnp.int32)
+    with pytest.raises(ValueError, match=r"positions hold position -1: positions start at 0"):
+        lm.apply({"params": lm_params}, t, segment_ids=segments, positions=jnp.array([[0, 1, 2, -1]] * 2))
+    with pytest.raises(ValueError, match=r"positions must be integers .*, got float32"):
+        lm.apply({"params": lm_params}, t, segment_ids=segments, positions=jnp.zeros((2, 4)))
+
+
+def test_params_of_another_config_are_refused_not_read_in_part():
+    """Flax reads only the entries a model asks for: a 3-layer model's params ran a 2-layer one on
+    its first two layers, untied params a tied model (its output projection unread), and an
+    encoder-decoder's params a decoder-only model, each without a word. Params that are the
+    model's own, boxed or plain, still run."""
+    t = tokens(4, (2, 5))
+    base = config(num_encoder_layers=0, num_decoder_layers=2, norm="pre")
+    lm, params = init_lm(base, t)
+    np.testing.assert_array_equal(lm.apply({"params": nn.unbox(params)}, t), lm.apply({"params": params}, t))
+    for other, named in ((dict(num_decoder_layers=3), r"decoder/layer_2/"),
+                         (dict(tie_output=False), r"output")):
+        _, other_params = init_lm(base.replace(**other), t)
+        with pytest.raises(ValueError, match=rf"the params hold \d+ entries that a TransformerLM of this "
+                                             rf"config does not have \(.*{named}"):
+            lm.apply({"params": other_params}, t)
+    _, ed_params = init_ed(config(norm="pre"), t, t)
+    with pytest.raises(ValueError, match=r"entries that a TransformerLM .*\(.*(cross_attention|encoder)"):
+        lm.apply({"params": ed_params}, t)
+    with pytest.raises(ValueError, match=r"entries that a TransformerLM"):
+        jax.jit(lm.apply)({"params": ed_params}, t)  # checked on the structure: inside jit too
+
+
+def test_building_blocks_name_a_bad_setting():
+    """Used directly (not through ModelConfig), the blocks ran an unknown `norm` as 'post' and an
+    unknown `norm_type` as LayerNorm; an unknown activation was a bare KeyError; rotary positions
+    of another length were broadcast ([B, 1]: off by 0.7) or failed inside XLA ([B, L + 1])."""
+    from transformer_jax import modeling
+
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    mask = jnp.tril(jnp.ones((5, 5), bool))[None, None]
+
+    def block(**fields):
+        return modeling.TransformerBlock(**{**dict(d_model=16, num_heads=2, head_dim=8, num_kv_heads=2,
+                                                   d_ff=32), **fields})
+
+    for fields, message in ((dict(norm="mid"), r"norm must be 'post' or 'pre', got 'mid'"),
+                            (dict(norm_type="batchnorm"), r"norm_type must be 'layernorm' or 'rmsnorm'"),
+                            (dict(activation="gelu2"), r"activation must be one of .*, got 'gelu2'")):
+        with pytest.raises(ValueError, match=message):
+            block(**fields).init(jax.random.key(1), x, self_mask=mask)
+    rope = block(rope_theta=10000.0)
+    positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    variables = rope.init(jax.random.key(1), x, self_mask=mask, positions=positions)
+    out = rope.apply(variables, x, self_mask=mask, positions=positions)[0]
+    np.testing.assert_allclose(rope.apply(variables, x, self_mask=mask, positions=positions[:1])[0], out,
+                               atol=1e-6)  # [1, L]: one row of positions for the whole batch
+    for bad in (positions[:, :1], jnp.broadcast_to(jnp.arange(6), (2, 6))):
+        shape = rf"\({bad.shape[0]}, {bad.shape[1]}\)"
+        with pytest.raises(ValueError, match=rf"rotary positions have shape {shape} "):
+            rope.apply(variables, x, self_mask=mask, positions=bad)
 
 
 def test_remat_gives_the_same_gradients():

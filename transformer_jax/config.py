@@ -183,10 +183,10 @@ class ModelConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
                 fail(name, "must be in [0, 1)" + (" or None" if name == "embedding_dropout_rate" else ""))
-        if not self.norm_eps > 0:
-            fail("norm_eps", "must be > 0")
-        if not self.rope_theta > 0:
-            fail("rope_theta", "must be > 0")
+        if not 0 < self.norm_eps < float("inf"):
+            fail("norm_eps", "must be > 0 and finite")
+        if not 0 < self.rope_theta < float("inf"):
+            fail("rope_theta", "must be > 0 and finite")
         choices = {
             "norm": NORM_PLACEMENTS,
             "norm_type": NORM_TYPES,

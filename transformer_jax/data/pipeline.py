@@ -286,6 +286,27 @@ def make_train_iterator(
     return iter(it)
 
 
+def close_train_iterator(iterator) -> None:
+    """Ends a train iterator's input workers and the unlinking of its batches' shared memory.
+
+    The training process unlinks each batch's shared-memory blocks once the batch is garbage, on
+    grain's deletion thread. Blocks still queued there when the interpreter exits (the last batch,
+    freed as the training function returns) were reported by Python's resource tracker as "leaked
+    shared_memory objects" (it then removes them): here the queue is waited for, and later
+    deletions run at once. Closing twice is harmless; an iterator without workers is closed only."""
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
+    from grain._src.python.ipc import shared_memory_array  # (no public way to drain the queue)
+
+    arrays = shared_memory_array.SharedMemoryArray
+    deleting = getattr(arrays, "_del_thread_pool", None)
+    if deleting is not None:
+        arrays._del_thread_pool = arrays._outstanding_del_requests = None
+        deleting.close()
+        deleting.join()
+
+
 def epoch_shuffle_seed(seed: int) -> int:
     """The shuffle seed of ``dataset.seed``: a 31-bit value mixed from it. grain reshuffles epoch e
     with seed + e, so seed s + 1 given as it is would replay every epoch of seed s one epoch later."""

@@ -239,7 +239,8 @@ def beam_search(
         hashable (a static jit argument).
       params: passed to ``step_fn`` unchanged (any pytree, may be None).
       cache: empty step-function state for B rows (it is repeated to B * beam_size rows after the
-        prefill) with room for P + max_new_tokens - 1 positions (checked for a `KVCache`);
+        prefill) with room for max(P, longest prompt + max_new_tokens - 1) positions (checked for a
+        `KVCache`);
         batch-leading leaves.
       prompt_tokens: int32 [B, P], right-padded. For translation, the decoder start token (P = 1).
       prompt_lengths: int32 [B], each in [1, P].

@@ -80,10 +80,20 @@ def seq2seq_step_fn(model: nn.Module) -> Seq2SeqStep:
     return Seq2SeqStep(model)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_length"))
 def encode_source(model: nn.Module, params: Any, src, max_length: int, src_segment_ids=None):
     """Encodes ``src`` [B, S] once; returns the decoding cache for up to ``max_length`` target
-    tokens (per INTERFACES: ``method='init_cache'``)."""
+    tokens (per INTERFACES: ``method='init_cache'``). Compiled once per model, shape and
+    ``max_length``; the source's token ids are checked first, on the host (inside the compiled
+    program an id past the vocabulary would look up NaN, and a negative one a row from the end)."""
+    from transformer_jax.modeling.transformer import _as_tokens
+
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    src = _as_tokens("src", src, vocab_size, src_segment_ids=src_segment_ids)
+    return _encode_source(model, params, src, max_length, src_segment_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_length"))
+def _encode_source(model: nn.Module, params: Any, src, max_length: int, src_segment_ids=None):
     return model.apply(
         {"params": params}, src, max_length, src_segment_ids=src_segment_ids, method="init_cache"
     )

@@ -711,8 +711,8 @@ def generate(
         ``-> (logits [B, L, V] or [B, 1, V] at each row's last real token, cache)``;
         hashable (it is a static jit argument).
       params: passed to ``step_fn`` unchanged (any pytree, may be None).
-      cache: the step function's state, empty, with room for P + max_new_tokens - 1 positions
-        (checked for a `KVCache`); every leaf has the batch as its leading axis.
+      cache: the step function's state, empty, with room for max(P, longest prompt + max_new_tokens
+        - 1) positions (checked for a `KVCache`); every leaf has the batch as its leading axis.
       prompt_tokens: int32 [B, P], right-padded. Prefilled in one ``step_fn`` call.
       prompt_lengths: int32 [B], each in [1, P].
       max_new_tokens: T, the number of decoding steps (static).

@@ -18,4 +18,6 @@ _FUNCTIONS = {
 def activation_fn(name: str):
     """The activation called `name`: 'relu', 'gelu' (exact), 'gelu_tanh', 'silu', 'swiglu' /
     'geglu' (their gates: SiLU / tanh-GELU) or 'none'."""
+    if name not in _FUNCTIONS:
+        raise ValueError(f"activation must be one of {sorted(_FUNCTIONS)}, got {name!r}")
     return _FUNCTIONS[name]

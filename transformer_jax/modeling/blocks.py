@@ -42,6 +42,9 @@ class TransformerBlock(nn.Module):
     fused_qkv: bool = False  # the self-attention's Q/K/V kernels stored as one (ModelConfig.fused_qkv)
 
     def setup(self):
+        if self.norm not in ("post", "pre"):  # any other value ran as 'post'
+            raise ValueError(f"norm must be 'post' or 'pre', got {self.norm!r}")
+
         def attention(name, rope_theta, fused_qkv=False):
             return MultiHeadAttention(
                 d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,

@@ -6,6 +6,8 @@ and gather them (beam reordering) with one `jax.tree.map`.
 
 from __future__ import annotations
 
+import operator
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -92,8 +94,24 @@ def cache_dtype(config: ModelConfig):
     return dtype
 
 
+def _count(name: str, value) -> int:
+    """A size given as a Python or NumPy integer (or a concrete integer array), at least 1."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
 def empty_layers(config: ModelConfig, batch_size: int, max_length: int, dtype=None):
+    batch_size, max_length = _count("batch_size", batch_size), _count("max_length", max_length)
     dtype = cache_dtype(config) if dtype is None else dtype
+    if not jnp.issubdtype(dtype, jnp.floating):  # an integer cache truncated every key and value
+        raise ValueError(f"the cache dtype must be a floating-point type, got {jnp.dtype(dtype).name}")
     shape = (batch_size, config.kv_heads, max_length, config.qk_dim)
     if config.scan_layers:
         shape = (batch_size, config.num_decoder_layers) + shape[1:]

@@ -215,6 +215,8 @@ class RMSNorm(nn.Module):
 def make_norm(norm_type: str, eps: float, dtype, param_dtype, name: str,
               cpu_kernels: str = "xla") -> nn.Module:
     """LayerNorm (the paper's, Ba et al. 2016) or RMSNorm; statistics in float32."""
+    if norm_type not in ("layernorm", "rmsnorm"):
+        raise ValueError(f"norm_type must be 'layernorm' or 'rmsnorm', got {norm_type!r}")
     if norm_type == "rmsnorm":
         return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, cpu_kernels=cpu_kernels, name=name)
     return LayerNorm(epsilon=eps, dtype=dtype, param_dtype=param_dtype, cpu_kernels=cpu_kernels, name=name)

@@ -36,6 +36,10 @@ def apply_rope(x, positions, theta: float = 10000.0):
         raise ValueError(f"rotary positions (rope_theta set) need positions int [B, L] for the "
                          f"{x.shape} queries/keys, got {got}: pass q_positions (and kv_positions "
                          "for cross-attention), e.g. jnp.arange(L)[None]")
+    rows, length = jnp.shape(positions)
+    if length != x.shape[1] or rows not in (1, x.shape[0]):  # [B, 1] broadcast along the length
+        raise ValueError(f"rotary positions have shape {jnp.shape(positions)} for the {x.shape} "
+                         f"queries/keys: they must be [{x.shape[0]} (or 1), {x.shape[1]}], one per token")
     if x.shape[-1] % 2:
         raise ValueError(f"rotary positions need an even head_dim, got {x.shape[-1]}")
     half = x.shape[-1] // 2

@@ -5,10 +5,13 @@ This is the only file that reads `ModelConfig`; everything below it takes explic
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.traverse_util import flatten_dict
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.modeling import masks
@@ -191,9 +194,14 @@ def _check_learned_positions(config: ModelConfig, positions, what: str = "positi
     `tj.generate` checks what it reaches. Other position kinds read nothing."""
     if config.position != "learned" or positions is None or not np.size(positions):
         return
+    if not jnp.issubdtype(jnp.result_type(positions), jnp.integer):
+        raise ValueError(f"{what} must be integers (rows of the learned position table), got "
+                         f"{jnp.result_type(positions)}")
     host = _on_host(positions)
     if host is None:
         return
+    if int(host.min()) < 0:  # (a negative row counted from the table's end, as NumPy indexing does)
+        raise ValueError(f"{what} hold position {int(host.min())}: positions start at 0")
     highest = int(host.max()) + offset
     if highest >= config.max_len:
         raise ValueError(f"{what} reach position {highest}, past the learned position table's "
@@ -232,6 +240,36 @@ def _check_aligned(name: str, tokens, aligned: dict):
             raise ValueError(f"{key} has shape {tuple(jnp.shape(array))} but {name} has {tokens.shape}: "
                              "they must match")
     return tokens
+
+
+@functools.lru_cache(maxsize=32)
+def _param_paths(config: ModelConfig, encoder_decoder: bool) -> frozenset:
+    """The parameter paths of a model of ``config``, from an abstract init (nothing allocated)."""
+    # (parent=None: a model of its own, not a submodule of the module calling this)
+    model = (Transformer if encoder_decoder else TransformerLM)(config, parent=None)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    args = (tokens, tokens) if encoder_decoder else (tokens,)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+    return frozenset(flatten_dict(shapes))
+
+
+def _check_params(module: nn.Module) -> None:
+    """Parameters that this config's model does not have, such as a deeper model's extra layers,
+    an untied output projection or an encoder, were ignored without a word (Flax reads only the
+    entries it asks for): the model ran as another one. Missing entries and other shapes are
+    Flax's own errors."""
+    if module.is_initializing():
+        return
+    params = module.variables.get("params")
+    if not params:
+        return
+    extra = set(flatten_dict(params)) - _param_paths(module.config, isinstance(module, Transformer))
+    if extra:
+        named = ", ".join("/".join(path) for path in sorted(extra)[:3])
+        raise ValueError(f"the params hold {len(extra)} entries that a {type(module).__name__} of this "
+                         f"config does not have ({named}{', ...' if len(extra) > 3 else ''}): they are "
+                         f"another config's (num_encoder_layers, num_decoder_layers, share_embeddings, "
+                         f"tie_output, ...); build the model from the config the params were made with")
 
 
 def segment_positions(segment_ids):
@@ -351,6 +389,13 @@ class Decoder(_Stack):
             if num_valid.shape != tokens.shape[:1]:
                 raise ValueError(f"num_valid must have shape {tokens.shape[:1]} (one count per row), got "
                                  f"{num_valid.shape}")
+            if not jnp.issubdtype(num_valid.dtype, jnp.integer):
+                raise ValueError(f"num_valid must be integer counts, got {num_valid.dtype}")
+            host = _on_host(num_valid)  # (inside jit the counts cannot be read)
+            if host is not None and host.size and not (host.min() >= 0 and host.max() <= tokens.shape[1]):
+                bad = int(host.min()) if host.min() < 0 else int(host.max())
+                raise ValueError(f"num_valid holds {bad}: each row counts 0 to {tokens.shape[1]} of its "
+                                 f"{tokens.shape[1]} new tokens as real")
         if memory is not None and memory.shape[0] != tokens.shape[0]:
             raise ValueError(f"the source has {memory.shape[0]} rows but the target {tokens.shape[0]}: "
                              "they must match")
@@ -459,12 +504,23 @@ class Transformer(nn.Module):
         tgt_positions=None, cache: KVCache | None = None, num_valid=None, deterministic=True,
         last_only=False,
     ):
+        _check_params(self)
         vocab = self.config.vocab_size
         tgt = _as_tokens("tgt", tgt, vocab, tgt_segment_ids=tgt_segment_ids, tgt_positions=tgt_positions)
-        if src is not None and cache is None:
+        if src is None and cache is None:
+            raise ValueError("src is None: without a cache the encoder-decoder needs the source tokens "
+                             "(src=None is for decoding steps from a cache that holds the encoded source)")
+        if cache is None:
             src = _as_tokens("src", src, vocab, src_segment_ids=src_segment_ids, src_positions=src_positions)
         _check_learned_positions(self.config, tgt_positions, "tgt_positions")
         if cache is not None:
+            given = [name for name, value in (
+                ("src", src), ("src_segment_ids", src_segment_ids), ("src_positions", src_positions),
+                ("tgt_segment_ids", tgt_segment_ids), ("tgt_positions", tgt_positions)) if value is not None]
+            if given:  # each was ignored: the cache holds the encoded source, and positions follow it
+                raise ValueError(f"with a cache the source is the one it was built from and the target "
+                                 f"positions follow cache.lengths: {', '.join(given)} cannot be given "
+                                 f"(pass src=None)")
             return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic,
                                 last_only=last_only)
         if last_only:
@@ -485,6 +541,7 @@ class Transformer(nn.Module):
         One source per row: `src_segment_ids` (optional, [B, S]) marks its tokens with a non-zero
         id and padding with 0, where the pad id cannot (positions count from each segment's
         start; the target attends to every non-zero token of its row)."""
+        _check_params(self)
         src = _as_tokens("src", src, self.config.vocab_size, src_segment_ids=src_segment_ids)
         _check_learned_length(self.config, src.shape[1])  # (positions given below skip the encoder's)
         positions = None if src_segment_ids is None else segment_positions(src_segment_ids)
@@ -518,6 +575,7 @@ class TransformerLM(nn.Module):
 
     def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None, num_valid=None,
                  deterministic=True, last_only=False):
+        _check_params(self)
         logits, new_cache = self.decoder(tokens, segment_ids=segment_ids, positions=positions,
                                          cache=cache, num_valid=num_valid,
                                          deterministic=deterministic, last_only=last_only)

@@ -482,6 +482,8 @@ class PreemptionFlag:
         self._event = threading.Event()
         self._previous = {}
         self.signal_name = None
+        # What a first Ctrl-C announces; the loop changes it once training is over.
+        self.notice = "saving a checkpoint at the end of this step and stopping"
         if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -492,11 +494,15 @@ class PreemptionFlag:
             self.restore_handler()
             raise KeyboardInterrupt
         self.signal_name = name
-        logging.warning("%s received: saving a checkpoint and stopping.", name)
+        logging.warning("%s received: %s.", name, self.notice)
         if signum == signal.SIGINT:
-            print(f"\n{name}: saving a checkpoint at the end of this step and stopping "
-                  "(Ctrl-C again to stop without saving).", flush=True)
+            print(f"\n{name}: {self.notice} (Ctrl-C again to stop without saving).", flush=True)
         self._event.set()
+
+    def requested(self) -> bool:
+        """Whether this process's own handler got a stop signal (never with several processes,
+        whose signals go to JAX's notifier: see `reached`)."""
+        return self._event.is_set()
 
     def reached(self, manager: Checkpointer, step: int) -> bool:
         if jax.process_count() > 1:

@@ -28,6 +28,10 @@ from transformer_jax.training import losses
 EVAL_METRICS = ("eval_loss", "eval_nll", "eval_perplexity", "eval_accuracy")
 
 
+class Stopped(Exception):  # noqa: N818 - a stop that was asked for, not an error
+    """`translate` was asked to stop (its ``stop`` answered True) before it had decoded every batch."""
+
+
 def evaluate_loss(eval_step: Callable, params, batches: Sequence[dict], mesh) -> dict[str, float]:
     """Token-weighted means over every batch: the ``EVAL_METRICS`` and eval_num_tokens."""
     totals = None
@@ -137,16 +141,22 @@ def translate(
     beam_size: int = 1,
     alpha: float = 0.6,
     extra_len: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> Translations:
     """Decodes every example of ``batches`` (host-local eval batches, one example per row);
     the result holds all processes' examples, in split order (each process holding a contiguous
     part of it, as `data.pipeline.make_eval_batches` shards it), on every process.
 
     Each output has at most ``max_new_tokens`` tokens, and with ``extra_len`` at most its source's
-    length (its tokens up to and including EOS) + ``extra_len``: the paper's limit is + 50."""
+    length (its tokens up to and including EOS) + ``extra_len``: the paper's limit is + 50.
+
+    ``stop`` is asked before each batch; when it answers True, `Stopped` is raised (a preemption
+    during a long beam-search evaluation). With several processes it must answer alike on all."""
     parts = []  # per batch: (order, source, target, output) rows of every process
     with parallel.sharding_context(mesh):
         for index, batch in enumerate(batches):
+            if stop is not None and stop():
+                raise Stopped(f"stopped before batch {index} of {len(batches)}")
             # Each row's place in split order: process, then batch, then row (each process holds a
             # contiguous part of the split). The global batch stacks the processes' rows side by
             # side, so gathering batch by batch alone would interleave the processes' parts.

@@ -18,6 +18,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DataError, build_datasets, to_global_batch
 from transformer_jax.data.inputs import resolve_test_split
+from transformer_jax.data.pipeline import close_train_iterator
 from transformer_jax.params import build_model
 from transformer_jax.training import checkpoint as ckpt_lib
 from transformer_jax.training import evaluate, integrity, steps
@@ -165,7 +166,7 @@ def _summarise(history: list, seconds: float, flops: float, peak, num_devices=No
 REFERENCE_MAX_TOKENS = 1024
 
 
-def _translation_eval(config, workdir, model, params, data, mesh, split: str, log, step) -> dict:
+def _translation_eval(config, workdir, model, params, data, mesh, split: str, log, step, stop=None) -> dict:
     dataset_cfg = ml_collections.ConfigDict(config.dataset.to_dict())
     dataset_cfg.eval_split = split
     dataset_cfg.max_target_len = max(dataset_cfg.max_target_len, REFERENCE_MAX_TOKENS)
@@ -181,6 +182,7 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
         beam_size=config.beam_size,
         alpha=config.beam_alpha,
         extra_len=config.decode_extra_len if config.decode_extra_len >= 0 else None,
+        stop=stop,
     )
     out = {
         f"{split}_bleu": result.bleu(),
@@ -252,8 +254,12 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
 
     # --- data --------------------------------------------------------------------------------
     data = build_datasets(config.dataset, workdir)
+    # From here to the end, through the last save and the test-set evaluation, SIGTERM (and a first
+    # Ctrl-C) stop the run cleanly: one arriving before the first step stops it after that step.
+    preemption = ckpt_lib.PreemptionFlag()
     try:
-        return _train_on(data, config, workdir, mesh, model_cfg, model, schedule, tx)
+        with preemption:
+            return _train_on(data, preemption, config, workdir, mesh, model_cfg, model, schedule, tx)
     finally:  # also on an error: input workers and their shared memory end with the run
         _close_input(data)
 
@@ -263,13 +269,12 @@ def _close_input(data) -> None:
 
     Left to garbage collection, grain closed it at interpreter exit, if at all: "Exception ignored
     in DatasetIterator.__del__" tracebacks and "leaked shared_memory objects" warnings ended every
-    run with input workers. Closing twice is harmless."""
-    close = getattr(data.train_iter, "close", None)
-    if close is not None:
-        close()
+    run with input workers (see `close_train_iterator`). Closing twice is harmless."""
+    close_train_iterator(data.train_iter)
 
 
-def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, schedule, tx) -> dict:
+def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConfig, model, schedule,
+              tx) -> dict:
     """`_train_in` once the datasets are built."""
     test_split = config.test_split
     if data.is_translation and test_split:  # read after training: resolved and checked now
@@ -348,10 +353,9 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
         config=config,
         progress=config.progress_bar,
     )
-    preemption = ckpt_lib.PreemptionFlag()
 
     # --- the loop ---------------------------------------------------------------------------
-    history, skipped, summary, eval_metrics, evaluated_at = [], 0, {}, {}, None
+    history, skipped, summary, eval_metrics, evaluated_at, stop = [], 0, {}, {}, None, False
     last_log, pending, tracing = time.time(), None, False
     profile_dir = os.path.join(workdir, "profile")
     profile_end = config.profile_start_step + config.profile_num_steps
@@ -369,21 +373,21 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
         log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
         return summary
 
-    with parallel.sharding_context(mesh), preemption:
+    with parallel.sharding_context(mesh):
         for step in range(start_step, config.num_train_steps):
             if step == config.profile_start_step:
                 jax.profiler.start_trace(profile_dir)
                 tracing = True
-            batch = to_global_batch(next(data.train_iter), mesh)
+            batch = next(data.train_iter)
             if step == start_step:
                 # Compiled before its first call (the call then finds the program in jit's cache) and
                 # timed apart, so that the first window's tokens/s and MFU are of training alone.
                 compile_start = time.time()
-                train_step.lower(state, batch).compile()
+                train_step.lower(state, to_global_batch(batch, mesh)).compile()
                 compile_seconds = time.time() - compile_start
                 last_log += compile_seconds
                 log.message(f"Compiled the train step in {compile_seconds:.1f} s")
-            state, step_metrics = train_step(state, batch)
+            state, step_metrics = train_step(state, to_global_batch(batch, mesh))
             history.append(step_metrics)
             checkpointer.seal()  # integrity manifest of a finished async save
             if pending is not None and not bool(pending[1]["finite"]):  # checked one step late
@@ -433,13 +437,26 @@ def _train_on(data, config, workdir: str, mesh, model_cfg: ModelConfig, model, s
     checkpointer.wait()
     _close_input(data)  # the test-set decoding needs no training batches: free the input workers
     final = {**summary, **eval_metrics, "step": int(jax.device_get(state.step))}
+    if not stop and preemption.requested():  # a signal after the last step's check (or with none to train)
+        stop = True
+        log.message(f"Stopped by {preemption.signal_name} after step {final['step']}; checkpoint saved.")
     if eval_metrics and evaluated_at != final["step"]:  # stopped between evaluations
         final["eval_step"] = evaluated_at  # the step the evaluation figures are of
-    if data.is_translation and final["step"] == config.num_train_steps and test_split:
+    if data.is_translation and final["step"] == config.num_train_steps and test_split and not stop:
         step, params = final["step"], state.params
-        final.update(_translation_eval(config, workdir, model, params, data, mesh, test_split, log, step))
-        if not (start_step == step and log.logged(step, f"{test_split}_")):  # (a finished run rerun)
-            log.write(step, {k: v for k, v in final.items() if k.startswith(test_split)})
+        preemption.notice = f"stopping the {test_split} evaluation (step {step}'s checkpoint is saved)"
+        # With several processes a stop is agreed on at a step's sync point only: none here.
+        requested = preemption.requested if jax.process_count() == 1 else None
+        try:
+            final.update(_translation_eval(config, workdir, model, params, data, mesh, test_split, log,
+                                           step, stop=requested))
+        except evaluate.Stopped:
+            log.message(f"Stopped by {preemption.signal_name} during the {test_split} evaluation after the "
+                        f"last step, {step}, whose checkpoint is saved: run the same command again to "
+                        f"evaluate.")
+        else:
+            if not (start_step == step and log.logged(step, f"{test_split}_")):  # (a finished run rerun)
+                log.write(step, {k: v for k, v in final.items() if k.startswith(test_split)})
     checkpointer.close()
     log.close()
     return final
