@@ -353,8 +353,9 @@ def test_one_key_per_row_samples_each_row_independently_of_its_batch(lm):
 
 
 def test_settings_may_be_traced_inside_a_jit_of_your_own(lm):
-    """temperature, top_p, min_new_tokens and beam search's alpha as arguments of a user's jit give
-    what the same Python numbers give (a traced temperature of 0 is still argmax)."""
+    """temperature, top_p, min_new_tokens, beam search's alpha and the per-row limits as arguments
+    of a user's jit give what the same Python numbers give (a traced temperature of 0 is still
+    argmax)."""
     model, params = lm
     prompt, lengths = pad_prompts(PROMPTS)
     cache = lambda: tj.init_cache(CONFIG, len(PROMPTS), prompt.shape[1] + STEPS)
@@ -378,6 +379,15 @@ def test_settings_may_be_traced_inside_a_jit_of_your_own(lm):
     want = beam_search(LMStep(model), params, cache(), prompt, lengths, beam_size=2, alpha=0.6,
                        min_new_tokens=3, **common).tokens
     np.testing.assert_array_equal(search(params, 0.6, 3), want)
+
+    limits = np.array([2, STEPS, 4], np.int32)  # one per prompt
+    for decode in (generate, functools.partial(beam_search, beam_size=2)):
+        limited = jax.jit(lambda p, rows, decode=decode: decode(
+            LMStep(model), p, cache(), prompt, lengths, max_new_tokens_per_row=rows, **common).tokens)
+        want = decode(LMStep(model), params, cache(), prompt, lengths, max_new_tokens_per_row=limits,
+                      **common).tokens
+        np.testing.assert_array_equal(limited(params, jnp.asarray(limits)), want)
+        assert (np.asarray(want)[0, ..., 2:] == 0).all()  # (row 0 stops after 2 tokens: the limit acts)
 
 
 def test_a_cache_too_small_or_for_another_batch_is_refused_before_it_corrupts_tokens(lm):

@@ -393,7 +393,7 @@ def test_bleu_references_are_not_cut_at_max_target_len(data_dir, tmp_path, monke
     assert [s["max_new_tokens"] for s in settings] == [64, 6] and settings[0]["extra_len"] is None
     config.decode_max_len, config.decode_extra_len, config.beam_size, config.beam_alpha = 40, 50, 3, 0.7
     loop._translation_eval(config, str(tmp_path), None, None, data, None, "test", log, 1)
-    assert settings[-1] == dict(max_new_tokens=40, beam_size=3, alpha=0.7, extra_len=50)
+    assert settings[-1] == dict(max_new_tokens=40, beam_size=3, alpha=0.7, extra_len=50, stop=None)
 
 
 def test_a_test_split_the_dataset_lacks_is_an_error_before_training(data_dir, tmp_path):

@@ -378,16 +378,16 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
             if step == config.profile_start_step:
                 jax.profiler.start_trace(profile_dir)
                 tracing = True
-            batch = next(data.train_iter)
+            batch = to_global_batch(next(data.train_iter), mesh)
             if step == start_step:
                 # Compiled before its first call (the call then finds the program in jit's cache) and
                 # timed apart, so that the first window's tokens/s and MFU are of training alone.
                 compile_start = time.time()
-                train_step.lower(state, to_global_batch(batch, mesh)).compile()
+                train_step.lower(state, batch).compile()
                 compile_seconds = time.time() - compile_start
                 last_log += compile_seconds
                 log.message(f"Compiled the train step in {compile_seconds:.1f} s")
-            state, step_metrics = train_step(state, to_global_batch(batch, mesh))
+            state, step_metrics = train_step(state, batch)
             history.append(step_metrics)
             checkpointer.seal()  # integrity manifest of a finished async save
             if pending is not None and not bool(pending[1]["finite"]):  # checked one step late
