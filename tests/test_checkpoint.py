@@ -311,6 +311,34 @@ def test_restore_for_inference_without_checkpoint(tmp_path):
         restore_for_inference(str(tmp_path))
 
 
+@pytest.mark.parametrize("moment", ["verifying", "restoring"])
+def test_a_step_pruned_while_it_is_read_for_inference_is_named_as_removed(reference, tmp_path, monkeypatch,
+                                                                          moment):
+    """A run still training in the workdir prunes its oldest steps. `restore_for_inference` (and so
+    `generate --step`) of a step pruned mid-read called it intact but of another optimizer state
+    (pruned while orbax read it), corrupt with missing files, or raised a bare FileNotFoundError
+    (pruned while its files were hashed)."""
+    import shutil
+
+    from transformer_jax.training import integrity
+
+    workdir = str(tmp_path / "w")
+    shutil.copytree(reference[1], workdir)
+    directory = os.path.join(workdir, "checkpoints")
+    oldest = Checkpointer(workdir).all_steps()[0]
+    owner, name = (integrity, "_sha256") if moment == "verifying" else (ocp.CheckpointManager, "restore")
+    real = getattr(owner, name)
+
+    def pruned_first(*args, **kwargs):
+        shutil.rmtree(integrity.step_dir(directory, oldest), ignore_errors=True)  # as the training run does
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, pruned_first)
+    removed = rf"Checkpoint step {oldest} in .* was removed while it was being read"
+    with pytest.raises(ValueError, match=removed):
+        restore_for_inference(workdir, step=oldest)
+
+
 def test_average_checkpoints(reference, data_dir, tmp_path):
     from transformer_jax.training import integrity
 

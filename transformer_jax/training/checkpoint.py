@@ -568,7 +568,17 @@ def _restore_params(directory: str, step: int | None, abstract, model_config: Mo
             args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
             return manager.restore(s, args=args)["params"]
 
-        params = integrity.restore_verified(reader, steps, step is None, restore)
+        try:
+            params = integrity.restore_verified(reader, steps, step is None, restore)
+        except Exception as e:
+            # A run training in this workdir prunes old steps. One pruned while it was read failed
+            # as if it were corrupt, missing files, or intact but of another optimizer state.
+            if not os.path.isdir(integrity.step_dir(directory, steps[0])):
+                raise ValueError(
+                    f"Checkpoint step {steps[0]} in {directory} was removed while it was being read (a "
+                    f"run training in this workdir keeps only its newest checkpoints): read a newer "
+                    f"step, or a copy of the workdir") from e
+            raise
         return params, reader.restored_step
     finally:
         manager.close()
