@@ -297,12 +297,13 @@ def close_train_iterator(iterator) -> None:
     close = getattr(iterator, "close", None)
     if close is not None:
         close()
-    from grain._src.python.ipc import shared_memory_array  # (no public way to drain the queue)
-
-    arrays = shared_memory_array.SharedMemoryArray
-    deleting = getattr(arrays, "_del_thread_pool", None)
+    try:  # (no public way to drain the queue; another grain version may keep it elsewhere)
+        from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+    except ImportError:
+        return
+    deleting = getattr(SharedMemoryArray, "_del_thread_pool", None)
     if deleting is not None:
-        arrays._del_thread_pool = arrays._outstanding_del_requests = None
+        SharedMemoryArray._del_thread_pool = SharedMemoryArray._outstanding_del_requests = None
         deleting.close()
         deleting.join()
 
