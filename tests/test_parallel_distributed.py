@@ -94,7 +94,34 @@ def test_initialize_passes_the_settings_and_auto_detects_unless_forbidden(monkey
     ]
 
 
-WORKER = textwrap.dedent(
+# A small encoder-decoder (random weights) and a word tokenizer ("w5 w6" <-> [5, 6]), built alike in
+# the two-process worker and in the test that compares its translations with one process's.
+TRANSLATOR = textwrap.dedent(
+    """
+    def tiny_translator():
+        import flax.linen as nn
+        import jax
+        import numpy as np
+        import transformer_jax as tj
+
+        model = tj.Transformer(tj.presets.tiny(vocab_size=64, max_len=16))
+        ids = np.ones((1, 4), np.int32)
+        return model, nn.unbox(model.init(jax.random.key(3), ids, ids)["params"])
+
+
+    class Words:
+        def encode(self, text):
+            return [int(w[1:]) for w in text.split()]
+
+        def decode_batch(self, rows):
+            return [" ".join(f"w{i}" for i in r) for r in rows]
+
+
+    PAIRS = [{"src": f"w{10 + i} w{20 + i}", "tgt": f"w{30 + i}"} for i in range(8)]
+    """
+)
+
+WORKER = TRANSLATOR + textwrap.dedent(
     """
     import os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -125,25 +152,36 @@ WORKER = textwrap.dedent(
     from transformer_jax.data import pipeline
     from transformer_jax.training import evaluate
 
-    class Words:  # "w5 w6" <-> [5, 6]
-        def encode(self, text):
-            return [int(w[1:]) for w in text.split()]
-
-        def decode_batch(self, rows):
-            return [" ".join(f"w{i}" for i in r) for r in rows]
-
-    pairs = [{"src": f"w{10 + i}", "tgt": f"w{30 + i}"} for i in range(8)]
     batches = pipeline.make_eval_batches(
-        pairs, Words(), pipeline.Features({"inputs": "src", "targets": "tgt"}), {"inputs": 4, "targets": 4},
+        PAIRS, Words(), pipeline.Features({"inputs": "src", "targets": "tgt"}), {"inputs": 4, "targets": 4},
         2, shard=grain.sharding.ShardOptions(rank, 2))
     assert len(batches) == 2, len(batches)
     # The decoder's output: the source's words shifted by 10 (EOS and padding kept).
+    real_decode_batch = evaluate.decode_batch
     evaluate.decode_batch = lambda model, params, src, seg, **kw: jax.numpy.where(src > 1, src + 10, src)
     out = evaluate.translate(None, None, batches, Words(), mesh, max_new_tokens=4)
-    expected = [f"w{10 + i}" for i in range(8)]
-    assert out.sources == expected, out.sources
-    assert out.references == [f"w{30 + i}" for i in range(8)], out.references
-    assert out.hypotheses == [f"w{20 + i}" for i in range(8)], out.hypotheses
+    assert out.sources == [p["src"] for p in PAIRS], out.sources
+    assert out.references == [p["tgt"] for p in PAIRS], out.references
+    assert out.hypotheses == [f"w{20 + i} w{30 + i}" for i in range(8)], out.hypotheses
+    # The real decoder (the test compares with one process's): the model's eager id check reads
+    # a source batch that spans both processes.
+    evaluate.decode_batch = real_decode_batch
+    model, params = tiny_translator()
+    from jax.sharding import NamedSharding, PartitionSpec
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    out = evaluate.translate(model, params, batches, Words(), mesh, max_new_tokens=4)
+    hypotheses = out.hypotheses
+    # An id outside the vocabulary in one process's rows: both processes name it at its place in
+    # the global batch (a check of local rows only would stop one and leave the other waiting).
+    from transformer_jax.decoding.model_steps import encode_source
+    local = np.full((4, 3), 5, np.int32)
+    if rank == 1:
+        local[2, 1] = 99
+    try:
+        encode_source(model, params, parallel.shard_batch({"inputs": local}, mesh)["inputs"], 4)
+        raise AssertionError("an id past the vocabulary was accepted")
+    except ValueError as e:
+        assert "token id 99 (at (6, 1))" in str(e), e
     # Configs: the fields whose values differ between the processes are named, on each process.
     same = {"optimizer": {"learning_rate": 0.003, "b2": 0.98}, "dataset": {"data_dir": f"/d{rank}"}}
     assert parallel.config_differences(same, ignore=("dataset.data_dir",)) == []
@@ -155,6 +193,8 @@ WORKER = textwrap.dedent(
     # Written to a file of its own: the C++ runtime logs to the same pipe as stdout.
     with open(os.environ["RESULT_FILE"] + str(rank), "w") as f:
         print("RESULT", rank, parallel.is_primary(), int(total), parallel.describe_mesh(mesh), file=f)
+    with open(os.environ["RESULT_FILE"] + f"hypotheses_{rank}", "w") as f:
+        f.write("\\n".join(hypotheses))
     parallel.leave_and_exit(0)  # as train.py ends (interpreter teardown can hang after such a run)
     """
 )
@@ -209,6 +249,23 @@ def test_two_cpu_processes_form_one_mesh(tmp_path):
     # rows of process 1 hold 1s: 4 rows * 3 columns = 12
     assert lines[0].startswith("RESULT 0 True 12 mesh data=4 fsdp=1 tensor=1 | 4 cpu devices, 2 proc")
     assert lines[1].startswith("RESULT 1 False 12")
+    # Both processes return the whole split's translations, equal to one process's.
+    import jax
+
+    from transformer_jax.data import pipeline
+    from transformer_jax.training import evaluate
+
+    names = {}
+    exec(TRANSLATOR, names)
+    model, params = names["tiny_translator"]()
+    batches = pipeline.make_eval_batches(
+        names["PAIRS"], names["Words"](), pipeline.Features({"inputs": "src", "targets": "tgt"}),
+        {"inputs": 4, "targets": 4}, 2)
+    expected = evaluate.translate(model, params, batches, names["Words"](), parallel.create_mesh(devices=jax.devices()[:1]),
+                                  max_new_tokens=4).hypotheses
+    assert len(expected) == 8 and len(set(expected)) > 1, expected
+    for i in range(2):
+        assert (tmp_path / f"result_hypotheses_{i}").read_text().split("\n") == expected
 
 
 def test_training_refuses_configs_that_differ_between_processes(monkeypatch):
@@ -229,7 +286,14 @@ def test_training_refuses_configs_that_differ_between_processes(monkeypatch):
     monkeypatch.setattr(parallel, "config_differences", differences)
     monkeypatch.setattr(loop, "build_model", lambda *a: pytest.fail("built the model"))
     config = tiny.get_config()
-    with pytest.raises(ConfigError, match=r"processes were given different configs .*differing: "
+    with pytest.raises(ConfigError, match=r"processes were given different configs or workdirs .*differing: "
                                           r"optimizer.learning_rate \(this process: 0.03\)"):
         loop.train_and_evaluate(config, "/nonexistent/workdir")
-    assert seen["config"] == config.to_dict() and seen["ignore"] == ("dataset.data_dir",)
+    # The workdir is compared too, as an absolute path (a relative one from different directories
+    # is two workdirs).
+    assert seen["config"] == {**config.to_dict(), "workdir": "/nonexistent/workdir"}
+    assert seen["ignore"] == ("dataset.data_dir",)
+    monkeypatch.chdir("/tmp")
+    with pytest.raises(ConfigError, match="different configs or workdirs"):
+        loop.train_and_evaluate(config, "runs/x")
+    assert seen["config"]["workdir"] == "/tmp/runs/x"

@@ -156,8 +156,16 @@ def _check_learned_length(config: ModelConfig, length: int) -> None:
 
 def _on_host(x) -> np.ndarray | None:
     """``x`` as a NumPy array, or None inside a trace, where its values cannot be read (even
-    operations on a concrete array are staged there, so the check runs on the host)."""
+    operations on a concrete array are staged there, so the check runs on the host).
+
+    A global array of a multi-process run (each process holding its rows) is gathered to every
+    process, as every process makes the same call: each then finds the same bad value and raises the
+    same error, where a check of its own rows only would stop one process and leave the others
+    waiting in the next collective."""
     try:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None

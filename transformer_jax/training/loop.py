@@ -217,10 +217,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     """
     # --- setup: checks before anything is compiled -----------------------------------------------
     check_config(config)
-    differing = parallel.config_differences(config.to_dict(), ignore=("dataset.data_dir",))
+    # The workdir too: one the hosts see at different paths left process 0 waiting in a collective
+    # after writing the tokenizer and the others waiting for it in their own workdir, for good.
+    where = os.path.abspath(os.path.expanduser(workdir)) if integrity.is_local(workdir) else workdir
+    differing = parallel.config_differences({**config.to_dict(), "workdir": where},
+                                            ignore=("dataset.data_dir",))
     if differing:  # other values would train on silently, or end in a hang or an abort in a collective
-        raise ConfigError(f"the {jax.process_count()} processes were given different configs (run the same "
-                          f"command on every host); differing: {'; '.join(differing)}")
+        raise ConfigError(f"the {jax.process_count()} processes were given different configs or workdirs (run "
+                          "the same command on every host, its workdir at the same path on each); "
+                          f"differing: {'; '.join(differing)}")
     for warning in unread_dataset_settings(config):
         _say(warning)
     if not integrity.is_local(workdir):
