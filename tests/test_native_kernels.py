@@ -1216,6 +1216,58 @@ def test_second_derivatives_through_the_kernels_equal_xla(scan):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
+def _short_call_second_order(kernels, layout):
+    """A scanned two-layer LM's Hessian-vector product and gradient-penalty gradient through a
+    cached decoding step of three rows (after a prefill of 2 x 8 = 16 rows, also differentiated):
+    calls of up to 16 rows, which take the norm, product, bias, cache write and cache attention
+    kernels. Returns the results and the kernels the product's program calls."""
+    bf16 = layout == "packed"
+    config = _lm(cpu_kernels=kernels, scan_layers=True, kernel_layout=layout, num_kv_heads=2,
+                 dtype="bfloat16" if bf16 else "float32", param_dtype="bfloat16" if bf16 else "float32")
+    model = tj.TransformerLM(config)
+    step = LMStep(model)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"])
+    ids = jax.random.randint(jax.random.key(3), (2, 9), 3, 997)
+    cache = tj.init_cache(config, 3, 12)
+    _, cache = jax.jit(step)(params, jnp.array([[5, 6, 7, 8]] * 3), cache, jnp.array([4, 2, 1]))
+    token, one = jnp.array([[9], [10], [11]]), jnp.ones(3, jnp.int32)
+
+    def loss(p):
+        logits = model.apply({"params": p}, ids[:, :-1]).astype(jnp.float32)
+        prefill = losses.cross_entropy(logits, ids[:, 1:], jnp.ones(ids[:, 1:].shape, bool))[0]
+        return prefill + jnp.mean(step(p, token, cache, one)[0].astype(jnp.float32) ** 2) / 100
+
+    direction = jax.tree.map(lambda x: jnp.ones_like(x), params)
+    hvp = jax.jit(lambda p, t: jax.jvp(jax.grad(loss), (p,), (t,))[1]).lower(params, direction).compile()
+    calls = set(re.findall(r'custom_call_target="(transformer_jax_\w+)"', hvp.as_text()))
+    penalty = lambda p: sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in jax.tree.leaves(jax.grad(loss)(p)))
+    return (hvp(params, direction), jax.jit(jax.grad(penalty))(params)), calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["in_out", "out_in", "packed"])
+def test_second_derivatives_through_the_short_call_kernels_under_scan(layout):
+    """With scan_layers, forward over reverse and reverse over reverse failed ('The FFI call to
+    transformer_jax_layer_norm cannot be differentiated') on calls of up to 16 rows, a prefill or a
+    cached step: those kernels were custom JVPs, which JAX's linearization of the scan inlines. They
+    are primitives now, their tangents XLA's twins'."""
+    results, calls = _short_call_second_order("auto", layout)
+    assert {"transformer_jax_layer_norm", "transformer_jax_cache_attention"} <= calls, calls
+    assert {"transformer_jax_rows_matmul", "transformer_jax_cols_matmul",
+            "transformer_jax_packed_dense"} & calls, calls
+    if layout == "packed":
+        assert "transformer_jax_cache_write" in calls, calls
+    xla_results, xla_calls = _short_call_second_order("xla", layout)
+    assert not xla_calls, xla_calls
+    tolerance = 0.05 if layout == "packed" else 1e-4  # bf16: the kernels sum in another order
+    for got_tree, want_tree in zip(results, xla_results):
+        scale = max(float(np.abs(np.asarray(x, np.float32)).max()) for x in jax.tree.leaves(want_tree))
+        assert scale > 0
+        for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                       rtol=0, atol=tolerance * scale)
+
+
 @needs_kernels
 def test_the_kernels_under_vmap_capture_their_unmapped_arguments():
     """jax.vmap over the cotangent alone (as jax.jacrev of a vector output maps it) runs the kernel

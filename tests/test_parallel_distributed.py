@@ -261,7 +261,8 @@ def test_two_cpu_processes_form_one_mesh(tmp_path):
     batches = pipeline.make_eval_batches(
         names["PAIRS"], names["Words"](), pipeline.Features({"inputs": "src", "targets": "tgt"}),
         {"inputs": 4, "targets": 4}, 2)
-    expected = evaluate.translate(model, params, batches, names["Words"](), parallel.create_mesh(devices=jax.devices()[:1]),
+    one_device = parallel.create_mesh(devices=jax.devices()[:1])
+    expected = evaluate.translate(model, params, batches, names["Words"](), one_device,
                                   max_new_tokens=4).hypotheses
     assert len(expected) == 8 and len(set(expected)) > 1, expected
     for i in range(2):

@@ -375,34 +375,28 @@ def _plain_cache_attention(q, k, v, mask):
                                 kv_layout="BNSK")[0].astype(jnp.float32)
 
 
-@jax.custom_jvp
+_cache_attention_p = native.with_xla_derivatives(
+    "transformer_jax_cache_attention",
+    lambda q, k, v, mask: jax.lax.platform_dependent(q, k, v, mask, cpu=native.cache_attention,
+                                                     default=_plain_cache_attention),
+    _plain_cache_attention)
+
+
 def _cache_attention(q, k, v, mask):
     """Attention over a heads-first cache: the native kernel on the CPU, XLA's ops elsewhere.
     Its derivatives are the XLA path's, so a model call with a cache stays differentiable."""
-    return jax.lax.platform_dependent(q, k, v, mask, cpu=native.cache_attention,
-                                      default=_plain_cache_attention)
+    if mask is None:
+        mask = jnp.ones((q.shape[0], 1, 1, k.shape[2]), jnp.bool_)
+    return _cache_attention_p(q, k, v, mask)
 
 
-@_cache_attention.defjvp
-def _cache_attention_jvp(primals, tangents):
-    q, k, v, mask = primals
-    tangent = jax.jvp(lambda q, k, v: _plain_cache_attention(q, k, v, mask), (q, k, v), tangents[:3])[1]
-    return _cache_attention(*primals), tangent
-
-
-@jax.custom_jvp
-def _native_cache_write(cache, new, index):
-    """`native.cache_write` on the CPU, XLA's update elsewhere; differentiable (the write is linear
-    in the cache and the new entries)."""
-    return jax.lax.platform_dependent(cache, new, index, cpu=native.cache_write,
-                                      default=native.cache_write_xla)
-
-
-@_native_cache_write.defjvp
-def _native_cache_write_jvp(primals, tangents):
-    cache, new, index = primals
-    d_cache, d_new, _ = tangents
-    return _native_cache_write(*primals), native.cache_write_xla(d_cache, d_new, index)
+# `native.cache_write` on the CPU, XLA's update elsewhere; differentiable (the write is linear in
+# the cache and the new entries).
+_native_cache_write = native.with_xla_derivatives(
+    "transformer_jax_cache_write",
+    lambda cache, new, index: jax.lax.platform_dependent(cache, new, index, cpu=native.cache_write,
+                                                         default=native.cache_write_xla),
+    native.cache_write_xla)
 
 
 def dot_product_attention(

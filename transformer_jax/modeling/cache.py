@@ -65,16 +65,11 @@ class KVCache:
         return self.replace(layers=layers, lengths=lengths)
 
 
-@jax.custom_jvp
-def _reorder_in_place(x, rows, counts):
-    return jax.lax.platform_dependent(x, rows, counts, cpu=native.cache_reorder,
-                                      default=native.cache_reorder_xla)
-
-
-@_reorder_in_place.defjvp
-def _reorder_in_place_jvp(primals, tangents):
-    x, rows, counts = primals
-    return _reorder_in_place(x, rows, counts), native.cache_reorder_xla(tangents[0], rows, counts)
+_reorder_in_place = native.with_xla_derivatives(
+    "transformer_jax_cache_reorder",
+    lambda x, rows, counts: jax.lax.platform_dependent(x, rows, counts, cpu=native.cache_reorder,
+                                                       default=native.cache_reorder_xla),
+    native.cache_reorder_xla)
 
 
 def cache_dtype(config: ModelConfig):

@@ -328,16 +328,10 @@ def _rows_matmul_xla(x, w):
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-@jax.custom_jvp
 def _rows_matmul(x, w):
-    return _rows_matmul_call(x, w)
-
-
-@_rows_matmul.defjvp
-def _rows_matmul_jvp(primals, tangents):
     # The tangent (and, transposed, the gradient) is XLA's product's: forward and reverse mode
     # both work, and the gradients are those of `cpu_kernels='xla'`.
-    return _rows_matmul(*primals), jax.jvp(_rows_matmul_xla, primals, tangents)[1]
+    return _rows_matmul_p(x, w)
 
 
 def rows_matmul(x, w):
@@ -445,8 +439,7 @@ def packed_matmul_xla(x, w):
     return _rows_matmul_xla(x, unpack_kernel(w))
 
 
-@jax.custom_jvp
-def _packed_matmul(x, w):
+def _packed_matmul_call(x, w):
     # Up to MAX_ROWS rows the kernel writes [O, R], as `rows_matmul` (a decoding step's logits stay
     # vocabulary-major); above, [R, O].
     if x.shape[0] > MAX_ROWS:
@@ -454,11 +447,6 @@ def _packed_matmul(x, w):
         return jax.ffi.ffi_call("transformer_jax_packed_matmul", out, vmap_method=VMAP)(x, w)
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32)
     return jax.ffi.ffi_call("transformer_jax_packed_matmul", out, vmap_method=VMAP)(x, w).T
-
-
-@_packed_matmul.defjvp
-def _packed_matmul_jvp(primals, tangents):
-    return _packed_matmul(*primals), jax.jvp(packed_matmul_xla, primals, tangents)[1]
 
 
 def packed_matmul(x, w):
@@ -475,7 +463,7 @@ def packed_matmul(x, w):
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         raise TypeError(f"packed_matmul: bfloat16 only (got {x.dtype}, {w.dtype})")
     _check_available()
-    return _packed_matmul(x, w)
+    return _packed_matmul_p(x, w)
 
 
 def packed_dense_xla(x, w, bias, activation, dtype):
@@ -483,17 +471,14 @@ def packed_dense_xla(x, w, bias, activation, dtype):
     return bias_activation_xla(packed_matmul_xla(x, w), bias, activation, dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _packed_dense(x, w, bias, activation, dtype, shape):
+def _packed_dense_call(x, w, bias, activation, dtype, shape):
     out = jax.ShapeDtypeStruct(shape, dtype)
     return jax.ffi.ffi_call("transformer_jax_packed_dense", out, vmap_method=VMAP)(
         x, w, bias.astype(jnp.float32), activation=np.int32(ACTIVATION_CODES[activation]))
 
 
-@_packed_dense.defjvp
-def _packed_dense_jvp(activation, dtype, shape, primals, tangents):
-    tangent = jax.jvp(lambda *a: packed_dense_xla(*a, activation, dtype).reshape(shape), primals, tangents)[1]
-    return _packed_dense(*primals, activation, dtype, shape), tangent
+def _packed_dense_reshaped_xla(x, w, bias, activation, dtype, shape):
+    return packed_dense_xla(x, w, bias, activation, dtype).reshape(shape)
 
 
 def packed_dense(x, w, bias, activation: str, dtype, shape=None):
@@ -523,7 +508,7 @@ def packed_dense(x, w, bias, activation: str, dtype, shape=None):
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"packed_dense: output float32 or bfloat16, not {dtype}")
     _check_available()
-    return _packed_dense(x, w, bias, activation, dtype, shape)
+    return _packed_dense_p(x, w, bias, activation=activation, dtype=dtype, shape=shape)
 
 
 # Where a model's products of [in, out] weights take `cols_matmul`: up to COLS_MAX_ROWS rows, and
@@ -549,15 +534,9 @@ def _cols_matmul_xla(x, w):
     return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-@jax.custom_jvp
-def _cols_matmul(x, w):
+def _cols_matmul_call(x, w):
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call("transformer_jax_cols_matmul", out, vmap_method=VMAP)(x, w)
-
-
-@_cols_matmul.defjvp
-def _cols_matmul_jvp(primals, tangents):
-    return _cols_matmul(*primals), jax.jvp(_cols_matmul_xla, primals, tangents)[1]
 
 
 def cols_matmul(x, w):
@@ -566,7 +545,7 @@ def cols_matmul(x, w):
     both modes (XLA's product's derivatives), mapped by `jax.vmap` one call per element; call only
     where `available()` is True, in a computation placed on the CPU."""
     _check_product("cols_matmul", "[I, O]", x, w, 0)
-    return _cols_matmul(x, w)
+    return _cols_matmul_p(x, w)
 
 
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -690,10 +669,17 @@ def differentiable_call(name: str, call, tangent):
     prim.multiple_results = True
     prim.def_impl(run)
 
+    @functools.lru_cache(maxsize=512)
+    def shapes_of(signature, params):
+        shapes = jax.eval_shape(functools.partial(call, **dict(params)),
+                                *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in signature))
+        return tuple((o.shape, o.dtype) for o in shapes)
+
     def abstract(*avals, **params):
-        shapes = jax.eval_shape(functools.partial(call, **params),
-                                *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
-        return tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in shapes)
+        # Traced once per combination of operand types and parameters (a model binds the same
+        # kernels in every layer), not at every bind.
+        shapes = shapes_of(tuple((a.shape, a.dtype) for a in avals), tuple(sorted(params.items())))
+        return tuple(jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes)
 
     prim.def_abstract_eval(abstract)
     mlir.register_lowering(prim, mlir.lower_fun(run, multiple_results=True))
@@ -707,6 +693,22 @@ def differentiable_call(name: str, call, tangent):
     # copies of them would hold one copy per element).
     batching.primitive_batchers[prim] = derivatives.map_over_mapped(prim)
     return prim
+
+
+def with_xla_derivatives(name: str, kernel, xla):
+    """``kernel(*arrays, **params) -> array`` (a custom call) as a `differentiable_call` primitive
+    whose value is the kernel's and whose tangent is that of ``xla(*arrays, **params)``, the same
+    computation in XLA's ops: derivatives of any order in both modes, inside `lax.scan` too (as a
+    `jax.custom_jvp` they failed there under forward over reverse), and `jax.vmap` one call per
+    element. ``params`` are static (hashable) values."""
+    def tangent(primals, tangents, **params):
+        return (jax.jvp(functools.partial(xla, **params), tuple(primals), tuple(tangents))[1],)
+
+    prim = differentiable_call(name, lambda *arrays, **params: (kernel(*arrays, **params),), tangent)
+
+    def bind(*arrays, **params):
+        return prim.bind(*arrays, **params)[0]
+    return bind
 
 
 @jax.custom_jvp
@@ -803,8 +805,7 @@ def bias_activation_xla(y, bias, activation, dtype):
     return activation_fn(activation)((y + bias.astype(jnp.float32)).astype(dtype))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def _bias_activation(y, bias, activation, dtype, rows_first):
+def _bias_activation_call(y, bias, activation, dtype, rows_first):
     # The kernel reads the product's [O, R] output (y.T of `rows_matmul`'s result: no copy), or
     # with rows_first y [R, O] as `cols_matmul` writes it, and writes [R, O].
     return jax.ffi.ffi_call("transformer_jax_bias_activation", jax.ShapeDtypeStruct(y.shape, dtype),
@@ -813,10 +814,8 @@ def _bias_activation(y, bias, activation, dtype, rows_first):
         activation=np.int32(ACTIVATION_CODES[activation]), rows_first=np.int32(rows_first))
 
 
-@_bias_activation.defjvp
-def _bias_activation_jvp(activation, dtype, rows_first, primals, tangents):
-    tangent = jax.jvp(lambda y, b: bias_activation_xla(y, b, activation, dtype), primals, tangents)[1]
-    return _bias_activation(*primals, activation, dtype, rows_first), tangent
+def _bias_activation_any_layout_xla(y, bias, activation, dtype, rows_first):
+    return bias_activation_xla(y, bias, activation, dtype)
 
 
 def bias_activation(y, bias, activation: str, dtype, *, rows_first: bool = False):
@@ -837,7 +836,7 @@ def bias_activation(y, bias, activation: str, dtype, *, rows_first: bool = False
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"bias_activation: output float32 or bfloat16, not {dtype}")
     _check_available()
-    return _bias_activation(y, bias, activation, dtype, bool(rows_first))
+    return _bias_activation_p(y, bias, activation=activation, dtype=dtype, rows_first=bool(rows_first))
 
 
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -857,18 +856,13 @@ def layer_norm_xla(x, scale, bias, eps: float, kind: str, dtype):
     return (centered * (jax.lax.rsqrt(var + eps) * scale) + bias.astype(jnp.float32)).astype(dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _layer_norm(x, scale, bias, eps, kind, dtype):
+def _layer_norm_call(x, scale, bias, eps, kind, dtype):
     return jax.ffi.ffi_call("transformer_jax_layer_norm", jax.ShapeDtypeStruct(x.shape, dtype),
                             vmap_method=VMAP)(
         x, scale.astype(jnp.float32), bias.astype(jnp.float32), eps=np.float32(eps),
         rms=np.int32(kind == "rmsnorm"))
 
 
-@_layer_norm.defjvp
-def _layer_norm_jvp(eps, kind, dtype, primals, tangents):
-    tangent = jax.jvp(lambda *a: layer_norm_xla(*a, eps, kind, dtype), primals, tangents)[1]
-    return _layer_norm(*primals, eps, kind, dtype), tangent
 
 
 def layer_norm(x, scale, bias, eps: float, kind: str = "layernorm", dtype=None):
@@ -887,4 +881,16 @@ def layer_norm(x, scale, bias, eps: float, kind: str = "layernorm", dtype=None):
     if x.dtype not in CACHE_DTYPES or dtype not in CACHE_DTYPES:
         raise TypeError(f"layer_norm: x and the result must be float32 or bfloat16 (got {x.dtype}, {dtype})")
     _check_available()
-    return _layer_norm(x, scale, bias, float(eps), kind, dtype)
+    return _layer_norm_p(x, scale, bias, eps=float(eps), kind=kind, dtype=dtype)
+
+
+# The kernels above as primitives whose derivatives are their XLA twins' (see with_xla_derivatives).
+_rows_matmul_p = with_xla_derivatives("transformer_jax_rows_matmul", _rows_matmul_call, _rows_matmul_xla)
+_cols_matmul_p = with_xla_derivatives("transformer_jax_cols_matmul", _cols_matmul_call, _cols_matmul_xla)
+_packed_matmul_p = with_xla_derivatives("transformer_jax_packed_matmul", _packed_matmul_call,
+                                        packed_matmul_xla)
+_packed_dense_p = with_xla_derivatives("transformer_jax_packed_dense", _packed_dense_call,
+                                       _packed_dense_reshaped_xla)
+_bias_activation_p = with_xla_derivatives("transformer_jax_bias_activation", _bias_activation_call,
+                                          _bias_activation_any_layout_xla)
+_layer_norm_p = with_xla_derivatives("transformer_jax_layer_norm", _layer_norm_call, layer_norm_xla)

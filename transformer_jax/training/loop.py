@@ -223,8 +223,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     differing = parallel.config_differences({**config.to_dict(), "workdir": where},
                                             ignore=("dataset.data_dir",))
     if differing:  # other values would train on silently, or end in a hang or an abort in a collective
-        raise ConfigError(f"the {jax.process_count()} processes were given different configs or workdirs (run "
-                          "the same command on every host, its workdir at the same path on each); "
+        raise ConfigError(f"the {jax.process_count()} processes were given different configs or workdirs "
+                          "(run the same command on every host, its workdir at the same path on each); "
                           f"differing: {'; '.join(differing)}")
     for warning in unread_dataset_settings(config):
         _say(warning)
