@@ -286,6 +286,25 @@ def test_float16_runs_on_every_backend_under_jit_and_in_a_model():
     assert np.all(np.isfinite(logits))
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+def test_a_one_token_source_through_a_one_head_bfloat16_encoder(heads):
+    """One row, head, query and key in bf16: XLA:CPU made the logits' product elementwise and then
+    refused its bf16 x bf16 -> float32 algorithm ('Algorithm not supported by the
+    ElementalIrEmitter'), so encoding a one-token source failed; two heads did not."""
+    config = tj.presets.tiny(num_heads=heads, dtype="bfloat16", param_dtype="bfloat16", norm="pre")
+    model = tj.Transformer(config)
+    params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))["params"]
+    src = jnp.array([[5]])
+    cache = jax.jit(lambda p, s: model.apply({"params": p}, s, 8, method="init_cache"))(params, src)
+    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(cache)
+               if jnp.issubdtype(x.dtype, jnp.floating))
+    wide = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, params)
+    model32 = tj.Transformer(config.replace(dtype="float32", param_dtype="float32"))
+    want = jax.jit(lambda p, s: model32.apply({"params": p}, s, method="encode"))(wide, src)
+    got = jax.jit(lambda p, s: model.apply({"params": p}, s, method="encode"))(params, src)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.1)
+
+
 @pytest.mark.parametrize("shape", [(B, 1, 1, S), (B, H, 1, S)])
 def test_dense_masks_that_broadcast_over_queries(shape):
     """`masks.key_padding_mask` gives [B, 1, 1, S], which the dense backends broadcast; the chunked

@@ -96,7 +96,13 @@ def _fused_attention(q, k, v, mask, implementation):
         # or a dense one with broadcast axes is spread out here (JAX refuses it otherwise).
         dense = kwargs["mask"]
         kwargs["mask"] = jnp.broadcast_to(dense, dense.shape[:2] + (q.shape[1], k.shape[1]))
-    if implementation == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+    # One batch row, head, query and key in bf16: XLA:CPU rewrites the product of two vectors
+    # into an elementwise one, which cannot honour the bf16 x bf16 -> float32 algorithm the 'xla'
+    # path asks for ("Algorithm not supported by the ElementalIrEmitter": a one-token source
+    # through a one-head bf16 encoder). One key's weight is 1, so the output is that value's row.
+    single = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 1
+    if implementation == "xla" and jax.default_backend() == "cpu" and (
+            q.dtype == jnp.float16 or (q.dtype == jnp.bfloat16 and single)):
         # XLA:CPU has no float16 x float16 -> float32 product, which the 'xla' path asks for: the
         # attention runs in float32 there and rounds once (what its float32 accumulation gives).
         out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
