@@ -367,6 +367,30 @@ def test_stdlib_lm_end_to_end(data_dir, tmp_path):
     assert (batch["targets_segment_ids"] > 0).mean() > 0.9  # long documents fill the rows
 
 
+@pytest.mark.parametrize("empty", ["validation", "train"])
+def test_stdlib_splits_are_never_empty(monkeypatch, tmp_path, empty):
+    """With few files the path hashes could send none to validation (the small config's 40 files
+    on Python 3.13: 'has no split validation'); the file of the lowest hash goes there then, and
+    of the highest to an empty train split."""
+    import hashlib
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    percent = lambda path: int(hashlib.sha1(os.path.relpath(path, root).encode()).hexdigest(), 16) % 100
+    want_validation = empty == "train"  # files that all hash to the other split
+    paths = [p for p in builders.stdlib_files() if (percent(p) < 3) == want_validation][:4]
+    assert len(paths) == 4
+    monkeypatch.setattr(builders, "stdlib_files", lambda max_files=None: paths)
+    builder = builders.StdlibLm(config=f"{builders._PY}_small", data_dir=str(tmp_path))
+    splits = {name: [example["path"] for _, example in examples]
+              for name, examples in builder._split_generators(None).items()}
+    pick = min if empty == "validation" else max
+    moved = os.path.relpath(pick(paths, key=percent), root)
+    assert set(splits[empty]) == {moved}
+    other = "train" if empty == "validation" else "validation"
+    assert set(splits[other]) == {os.path.relpath(p, root) for p in paths} - {moved}
+
+
 def test_stdlib_documents_capped():
     docs = builders.split_document("a = 1\n" * 1000 + "x" * 5000, 2000)
     assert all(len(d) <= 2000 for d in docs) and "".join(docs) == "a = 1\n" * 1000 + "x" * 5000

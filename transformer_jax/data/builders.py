@@ -175,12 +175,15 @@ class StdlibLm(_Builder):
     """Python standard library source files, cut into documents of at most 2,000 characters.
 
     Files go to 'validation' or 'train' by the hash of their path relative to the library root,
-    so the split does not depend on the order of the walk. The text depends on the interpreter:
-    the config name carries its version.
+    so the split does not depend on the order of the walk; a split the hashes leave empty takes
+    the file of the lowest hash (validation) or the highest (train). The text depends on the
+    interpreter: the config name carries its version.
     """
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "First release."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "First release.",
+                     "1.1.0": "Neither split is empty: with few files (the 40 of the small config on "
+                              "Python 3.13) the hashes sent none to validation."}
     BUILDER_CONFIGS = [
         StdlibConfig(name=_PY, description="All of the standard library's .py files."),
         StdlibConfig(name=f"{_PY}_small", max_files=40, description="40 files, for tests."),
@@ -198,12 +201,18 @@ class StdlibLm(_Builder):
         del dl_manager
         cfg = self.builder_config
         root = sysconfig.get_paths()["stdlib"]
-        by_split = collections.defaultdict(list)
+        by_split = {"train": [], "validation": []}
+        hashes = {}
         for path in stdlib_files(cfg.max_files):
-            rel = os.path.relpath(path, root)
-            h = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 100
-            by_split["validation" if h < cfg.validation_percent else "train"].append(path)
-        return {name: self._generate_examples(paths, root) for name, paths in by_split.items()}
+            hashes[path] = int(hashlib.sha1(os.path.relpath(path, root).encode()).hexdigest(), 16)
+            by_split["validation" if hashes[path] % 100 < cfg.validation_percent else "train"].append(path)
+        if len(hashes) >= 2:
+            for empty, other, pick in (("validation", "train", min), ("train", "validation", max)):
+                if not by_split[empty]:
+                    moved = pick(by_split[other], key=lambda path: hashes[path] % 100)
+                    by_split[other].remove(moved)
+                    by_split[empty].append(moved)
+        return {name: self._generate_examples(paths, root) for name, paths in by_split.items() if paths}
 
     def _generate_examples(self, paths, root):
         for path in paths:
