@@ -14,6 +14,10 @@ if os.environ.get("TJ_TEST_XLA_OPT") != "default":
         if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
             os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Scripts the tests start in child processes import the package from this checkout, installed or
+# not (the README's test command installs only the requirements).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import gc  # noqa: E402
