@@ -1269,6 +1269,28 @@ def test_second_derivatives_through_the_short_call_kernels_under_scan(layout):
 
 
 @needs_kernels
+def test_short_call_kernels_keep_shard_maps_varying_axes():
+    """Inside jax.shard_map (check_vma) the kernels' results vary over the axes their operands do,
+    as their XLA twins' do: a gradient failed ('pvary is a invariant->variant collective'), and
+    out_specs=P() on a varying result was accepted, returning one shard's values."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    x = jnp.arange(8 * 32, dtype=jnp.float32).reshape(8, 32) / 100
+    w, scale = jnp.ones((48, 32)) / 7, jnp.linspace(0.5, 1.5, 32)
+    pairs = [(lambda x: native.layer_norm(x, scale, jnp.zeros(32), 1e-6),
+              lambda x: native.layer_norm_xla(x, scale, jnp.zeros(32), 1e-6, "layernorm", jnp.float32)),
+             (lambda x: native.rows_matmul(x, w), lambda x: x @ w.T)]
+    for kernel, twin in pairs:
+        def grad(f):
+            sharded = jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+            return jax.jit(jax.grad(lambda x: jnp.sum(sharded(x) ** 2)))(x)
+        np.testing.assert_allclose(grad(kernel), grad(twin), rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="out_specs"):
+            jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=P("d"), out_specs=P()))(x)
+
+
+@needs_kernels
 def test_the_kernels_under_vmap_capture_their_unmapped_arguments():
     """jax.vmap over the cotangent alone (as jax.jacrev of a vector output maps it) runs the kernel
     once per element; q, k, v, the output and lse are captured whole, not stacked once per element

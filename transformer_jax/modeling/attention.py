@@ -164,11 +164,12 @@ _kernel_backward_p = native.differentiable_call(
 
 
 def _kernel_forward(q, k, v, q_seg, kv_seg, causal):
-    return tuple(_kernel_forward_p.bind(q, k, v, q_seg, kv_seg, causal=bool(causal)))
+    return tuple(derivatives.bind(_kernel_forward_p, q, k, v, q_seg, kv_seg, causal=bool(causal)))
 
 
 def _kernel_backward(q, k, v, q_seg, kv_seg, out, lse, g, causal):
-    return tuple(_kernel_backward_p.bind(q, k, v, out, lse, g, q_seg, kv_seg, causal=bool(causal)))
+    return tuple(derivatives.bind(_kernel_backward_p, q, k, v, out, lse, g, q_seg, kv_seg,
+                                  causal=bool(causal)))
 
 
 def _native_forward(q, k, v, q_seg, kv_seg, causal):

@@ -679,14 +679,19 @@ def differentiable_call(name: str, call, tangent):
         # Traced once per combination of operand types and parameters (a model binds the same
         # kernels in every layer), not at every bind.
         shapes = shapes_of(tuple((a.shape, a.dtype) for a in avals), tuple(sorted(params.items())))
-        return tuple(jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes)
+        # The first operand's type but for shape and dtype: inside `jax.shard_map` the manual mesh
+        # axes it varies over (`derivatives.bind` made every operand's alike); no sharding of its own.
+        first = avals[0]
+        return tuple(first.update(shape=shape, dtype=dtype, weak_type=False,
+                                  sharding=first.sharding.update(spec=jax.sharding.PartitionSpec()))
+                     for shape, dtype in shapes)
 
     prim.def_abstract_eval(abstract)
     mlir.register_lowering(prim, mlir.lower_fun(run, multiple_results=True))
 
     def jvp(primals, tangents, **params):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
-        return prim.bind(*primals, **params), tuple(tangent(primals, tangents, **params))
+        return derivatives.bind(prim, *primals, **params), tuple(tangent(primals, tangents, **params))
 
     ad.primitive_jvps[prim] = jvp
     # The mapped arguments are sliced per element; the others are captured whole (stacking
@@ -707,7 +712,7 @@ def with_xla_derivatives(name: str, kernel, xla):
     prim = differentiable_call(name, lambda *arrays, **params: (kernel(*arrays, **params),), tangent)
 
     def bind(*arrays, **params):
-        return prim.bind(*arrays, **params)[0]
+        return derivatives.bind(prim, *arrays, **params)[0]
     return bind
 
 
