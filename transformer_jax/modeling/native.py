@@ -328,12 +328,6 @@ def _rows_matmul_xla(x, w):
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _rows_matmul(x, w):
-    # The tangent (and, transposed, the gradient) is XLA's product's: forward and reverse mode
-    # both work, and the gradients are those of `cpu_kernels='xla'`.
-    return _rows_matmul_p(x, w)
-
-
 def rows_matmul(x, w):
     """x [R, I] times w [O, I] over I -> float32 [R, O] on the CPU kernel (1 <= R <= 16).
 
@@ -341,7 +335,7 @@ def rows_matmul(x, w):
     call per element. Call only where `available()` is True, and only in a computation placed on
     the CPU."""
     _check_product("rows_matmul", "[O, I]", x, w, 1)
-    return _rows_matmul(x, w)
+    return _rows_matmul_p(x, w)
 
 
 def _check_product(name, layout, x, w, in_axis):
@@ -868,8 +862,6 @@ def _layer_norm_call(x, scale, bias, eps, kind, dtype):
         rms=np.int32(kind == "rmsnorm"))
 
 
-
-
 def layer_norm(x, scale, bias, eps: float, kind: str = "layernorm", dtype=None):
     """A few rows of x [R, D] (float32 or bfloat16) normalised over D with scale [D] and bias [D]
     (unused by 'rmsnorm'), as `layer_norm_xla` computes it: statistics in float32, the result
@@ -889,7 +881,8 @@ def layer_norm(x, scale, bias, eps: float, kind: str = "layernorm", dtype=None):
     return _layer_norm_p(x, scale, bias, eps=float(eps), kind=kind, dtype=dtype)
 
 
-# The kernels above as primitives whose derivatives are their XLA twins' (see with_xla_derivatives).
+# The kernels above as primitives whose derivatives are their XLA twins' (see with_xla_derivatives):
+# the tangents (and, transposed, the gradients) are those of `cpu_kernels='xla'`.
 _rows_matmul_p = with_xla_derivatives("transformer_jax_rows_matmul", _rows_matmul_call, _rows_matmul_xla)
 _cols_matmul_p = with_xla_derivatives("transformer_jax_cols_matmul", _cols_matmul_call, _cols_matmul_xla)
 _packed_matmul_p = with_xla_derivatives("transformer_jax_packed_matmul", _packed_matmul_call,
