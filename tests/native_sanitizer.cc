@@ -376,8 +376,8 @@ static void TestAttention(const Params& p) {
         double mx = -INFINITY;
         for (int64_t s = 0; s < S; ++s) {
           if (!mr[s]) continue;
-          double d = 0;
-          for (int64_t c = 0; c < Kd; ++c) d += (double)qr[c] * k[((b * N + n) * S + s) * Kd + c];
+          double d, mag;
+          ReferenceDot(&k[((b * N + n) * S + s) * Kd], 1, qr, Kd, &d, &mag);
           lg[s] = d;
           mx = std::max(mx, d);
         }
@@ -402,6 +402,60 @@ static void TestAttention(const Params& p) {
         }
       }
   if (worst > 0) Fail("attention", p, "max abs error %.6g at %s", worst, where.c_str());
+}
+
+// The training attention in double precision: the output, the log-sum-exp (-inf for a query that
+// sees no key) and the gradients of sum(out * g). Uninstrumented, like ReferenceDot.
+__attribute__((no_sanitize("thread"))) static void TrainAttentionReference(
+    const float* q, const float* k, const float* v, const float* g, const int32_t* qs, const int32_t* ks, int64_t B,
+    int64_t T, int64_t S, int64_t H, int64_t N, int64_t D, bool causal, float scale, double* ro, double* rlse,
+    double* rdq, double* rdk, double* rdv) {
+  const int64_t G = H / N;
+  std::fill(rdq, rdq + B * T * H * D, 0.0), std::fill(rdk, rdk + B * S * N * D, 0.0);
+  std::fill(rdv, rdv + B * S * N * D, 0.0);
+  std::vector<double> pr(S);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < T; ++i) {
+        const int64_t n = h / G, qi = ((b * T + i) * H + h) * D;
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < S; ++j) {
+          const int32_t kseg = ks[b * S + j];
+          const bool on = kseg != 0 && kseg == qs[b * T + i] && (!causal || j <= i);
+          double d = -INFINITY;
+          if (on) {
+            double mag;
+            ReferenceDot(&k[((b * S + j) * N + n) * D], 1, &q[qi], D, &d, &mag);
+            d *= scale;
+          }
+          pr[j] = d;
+          mx = std::max(mx, d);
+        }
+        double tot = 0;
+        for (int64_t j = 0; j < S; ++j) tot += pr[j] = mx == -INFINITY ? 0.0 : std::exp(pr[j] - mx);
+        rlse[(b * H + h) * T + i] = tot == 0 ? -INFINITY : mx + std::log(tot);
+        for (int64_t j = 0; j < S; ++j) pr[j] = tot > 0 ? pr[j] / tot : 0.0;  // the probabilities
+        double delta = 0;
+        for (int64_t c = 0; c < D; ++c) {
+          double oc = 0;
+          for (int64_t j = 0; j < S; ++j) oc += pr[j] * v[((b * S + j) * N + n) * D + c];
+          ro[qi + c] = oc;
+          delta += oc * g[qi + c];
+        }
+        for (int64_t j = 0; j < S; ++j) {
+          const double pj = pr[j];
+          if (pj == 0) continue;
+          const int64_t kj = ((b * S + j) * N + n) * D;
+          double dpj, mag;
+          ReferenceDot(&v[kj], 1, &g[qi], D, &dpj, &mag);
+          const double ds = pj * (dpj - delta) * scale;
+          for (int64_t c = 0; c < D; ++c) {
+            rdv[kj + c] += pj * g[qi + c];
+            rdq[qi + c] += ds * k[kj + c];
+            rdk[kj + c] += ds * q[qi + c];
+          }
+        }
+      }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -459,61 +513,22 @@ static void TestTrainAttention(const Params& p) {
                             ffi::Buffer<ffi::F32>(&dqb.b), ffi::Buffer<ffi::F32>(&dkb.b), ffi::Buffer<ffi::F32>(&dvb.b),
                             causal != 0, scale);
   if (e.failure()) return Fail("trainattn", p, "backward returned error: %s", e.message().c_str());
-  const int64_t G = H / N;
-  std::vector<double> rdq(nq, 0.0), rdk(nk, 0.0), rdv(nk, 0.0), pr(S), dp(S);
+  std::vector<double> ro(nq), rlse(B * H * T), rdq(nq), rdk(nk), rdv(nk);
+  TrainAttentionReference(q, k, v, g, qs, ks, B, T, S, H, N, D, causal != 0, scale, ro.data(), rlse.data(), rdq.data(),
+                          rdk.data(), rdv.data());
   double worst = 0;
   std::string where;
   auto check = [&](const char* what, float got, double ref, int64_t at) {
     double err = std::isnan(got) ? INFINITY : std::fabs(got - ref) / (1.0 + std::fabs(ref));
     if (err > 2e-5 && err > worst) worst = err, where = std::string(what) + " at " + std::to_string(at);
   };
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < T; ++i) {
-        const int64_t n = h / G, qi = ((b * T + i) * H + h) * D;
-        double mx = -INFINITY;
-        for (int64_t j = 0; j < S; ++j) {
-          const int32_t kseg = ks[b * S + j];
-          const bool on = kseg != 0 && kseg == qs[b * T + i] && (!causal || j <= i);
-          double d = -INFINITY;
-          if (on) {
-            d = 0;
-            for (int64_t c = 0; c < D; ++c) d += (double)q[qi + c] * k[((b * S + j) * N + n) * D + c];
-            d *= scale;
-          }
-          pr[j] = d;
-          mx = std::max(mx, d);
-        }
-        double tot = 0;
-        for (int64_t j = 0; j < S; ++j) tot += mx == -INFINITY ? 0.0 : std::exp(pr[j] - mx);
-        const int64_t li = (b * H + h) * T + i;
-        if (tot == 0) {
-          if (!(lse[li] == -INFINITY)) check("lse (no key)", lse[li], -1e30, li);
-        } else {
-          check("lse", lse[li], mx + std::log(tot), li);
-        }
-        double delta = 0;
-        for (int64_t c = 0; c < D; ++c) {
-          double oc = 0;
-          for (int64_t j = 0; j < S; ++j)
-            if (tot > 0) oc += std::exp(pr[j] - mx) / tot * v[((b * S + j) * N + n) * D + c];
-          check("out", o[qi + c], oc, qi + c);
-          delta += oc * g[qi + c];
-        }
-        for (int64_t j = 0; j < S; ++j) {
-          const double pj = tot > 0 ? std::exp(pr[j] - mx) / tot : 0.0;
-          if (pj == 0) continue;
-          const int64_t kj = ((b * S + j) * N + n) * D;
-          double dpj = 0;
-          for (int64_t c = 0; c < D; ++c) dpj += (double)g[qi + c] * v[kj + c];
-          const double ds = pj * (dpj - delta) * scale;
-          for (int64_t c = 0; c < D; ++c) {
-            rdv[kj + c] += pj * g[qi + c];
-            rdq[qi + c] += ds * k[kj + c];
-            rdk[kj + c] += ds * q[qi + c];
-          }
-        }
-      }
+  for (int64_t i = 0; i < B * H * T; ++i)
+    if (rlse[i] == -INFINITY) {
+      if (!(lse[i] == -INFINITY)) check("lse (no key)", lse[i], -1e30, i);
+    } else {
+      check("lse", lse[i], rlse[i], i);
+    }
+  for (int64_t i = 0; i < nq; ++i) check("out", o[i], ro[i], i);
   for (int64_t i = 0; i < nq; ++i) check("dq", dq[i], rdq[i], i);
   for (int64_t i = 0; i < nk; ++i) check("dk", dk[i], rdk[i], i), check("dv", dv[i], rdv[i], i);
   if (worst > 0) Fail("trainattn", p, "max relative error %.6g in %s", worst, where.c_str());
