@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -49,6 +50,26 @@ def test_bad_values_name_the_field(field, value):
 
     with pytest.raises(ConfigError, match=rf"ModelConfig\.{field}="):
         tj.ModelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("value", [None, float, 5, object(), np.float64, np.zeros(2)])
+def test_a_dtype_that_is_not_a_name_is_refused_as_given(value):
+    """None and Python's float were reported as 'float64', a value nobody passed, and 5 or object()
+    raised an error whose `field` was unset."""
+    for field in ("dtype", "param_dtype"):
+        message = rf"^ModelConfig\.{field}={re.escape(repr(value))}: must be one of"
+        with pytest.raises(ConfigError, match=message) as e:
+            tj.ModelConfig(**{field: value})
+        assert e.value.field == field
+
+
+def test_dtype_objects_are_taken_as_their_names():
+    import jax.numpy as jnp
+
+    for value, name in ((jnp.bfloat16, "bfloat16"), (np.float32, "float32"),
+                        (np.dtype("float16"), "float16")):
+        config = tj.ModelConfig(dtype=value, param_dtype=value)
+        assert (config.dtype, config.param_dtype) == (name, name)
 
 
 def test_numpy_scalars_are_taken_as_the_numbers_they_equal():

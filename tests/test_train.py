@@ -651,6 +651,8 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         # a backend this machine cannot run: a traceback from the first model call
         ("model.attention_impl", "flash", r"config.model.attention_impl='flash': 'flash' needs a TPU"),
         ("model.attention_impl", "cudnn", r"config.model.attention_impl='cudnn': 'cudnn' needs an NVIDIA"),
+        # Adam's state in float16: NaN updates at step 0, blamed on the learning rate
+        ("model.param_dtype", "float16", r"config.model.param_dtype='float16' cannot be trained with Adam"),
         # Refused by the tokenizer and the pipeline too, but only after the dataset is built and
         # without naming the key.
         ("dataset.vocab_size", 100, r"config.dataset.vocab_size=100 must be an integer >= 300"),

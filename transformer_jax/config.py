@@ -6,6 +6,7 @@ The defaults are the paper's base model (Table 3); `presets.py` holds the named 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from typing import Any
@@ -117,11 +118,19 @@ class ModelConfig:
                 object.__setattr__(self, field.name, value.item())
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
-            if not isinstance(value, str):
-                try:
-                    object.__setattr__(self, name, jnp.dtype(value).name)
-                except TypeError as e:
-                    raise ConfigError(f"ModelConfig.{name}={value!r}: must be one of {DTYPES}") from e
+            if isinstance(value, str):
+                continue
+            # A dtype or scalar type (jnp.bfloat16, np.float32) as its name. None and Python's float
+            # are refused as given: NumPy reads both as float64, a value nobody passed.
+            converted = None
+            if value is not None and not any(value is t for t in (float, int, bool, complex)):
+                with contextlib.suppress(TypeError):
+                    converted = jnp.dtype(value).name
+            if converted not in DTYPES:
+                error = ConfigError(f"ModelConfig.{name}={value!r}: must be one of {DTYPES}")
+                error.field = name
+                raise error
+            object.__setattr__(self, name, converted)
         self._validate()
 
     # ----------------------------------------------------------------- validation

@@ -274,6 +274,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problem = impl_problem(model.attention_impl, dtype=model.compute_dtype, head_dim=model.qk_dim)
     if problem:
         raise ConfigError(f"config.model.attention_impl={model.attention_impl!r}: {problem}")
+    if model.param_dtype == "float16":  # Adam's moments take the parameters' dtype
+        raise ConfigError(
+            "config.model.param_dtype='float16' cannot be trained with Adam: its second moment, kept in "
+            "the parameters' dtype, is 0 in float16 for every gradient below ~2.4e-4 (and eps=1e-9 is 0 "
+            "there too), so updates come out NaN or thousands of times the learning rate; keep float32 "
+            "parameters (model.dtype='float16' still computes in float16) or use 'bfloat16' ones")
     ds, opt = config.dataset, config.optimizer
     if ds.name not in DATASET_NAMES:
         raise ConfigError(f"config.dataset.name={ds.name!r} is not one of {list(DATASET_NAMES)}")
