@@ -123,3 +123,28 @@ def test_conversion_with_another_depth_is_an_error_naming_the_field():
             unscan_params(stacked, other)
         with pytest.raises(ValueError, match=rf"num_decoder_layers={depth}"):
             scan_params(params, other)
+
+
+def test_convert_params_changes_the_layer_layout_with_the_other_fields():
+    """convert_params refused a scan_layers change as one that 'changes what the parameters mean';
+    it now stacks or unstacks the layers (exactly) beside a kernel layout, fused_qkv or dtype change,
+    and a model given the other layout names scan_layers and the conversion, not the config's depth."""
+    from transformer_jax.params import convert_params
+
+    cfg = config(num_kv_heads=1, head_dim=6)
+    src, tgt = tokens(7, (B, S)), tokens(8, (B, L))
+    plain = tj.Transformer(cfg)
+    params = nn_unbox(jax.jit(plain.init)(jax.random.key(0), src, tgt)["params"])
+    want = jax.jit(plain.apply)({"params": params}, src, tgt)
+    target = cfg.replace(scan_layers=True, kernel_layout="out_in", fused_qkv=True)
+    stacked = convert_params(params, cfg, target)
+    assert stacked["encoder"]["layers"]["self_attention"]["qkv"]["kernel"].shape[0] == 2
+    np.testing.assert_allclose(jax.jit(tj.Transformer(target).apply)({"params": stacked}, src, tgt),
+                               want, atol=1e-5)
+    back = convert_params(stacked, target, cfg)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), back, params))
+    for model_cfg, p, convert in ((cfg.replace(scan_layers=True), params, "scan_params"),
+                                  (cfg, scan_params(params, cfg), "unscan_params")):
+        with pytest.raises(ValueError, match=rf"config has scan_layers={model_cfg.scan_layers}: convert "
+                                             rf"them with transformer_jax\.modeling\.{convert}\(params"):
+            tj.Transformer(model_cfg).apply({"params": p}, src, tgt)

@@ -63,7 +63,7 @@ def _logical_names(boxed) -> dict:
 
 # Fields `convert_params` converts, and fields that do not touch the parameters at all; every
 # other field fixes what the parameters mean.
-CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype", "pad_vocab_multiple", "fused_qkv")
+CONVERTIBLE_FIELDS = ("kernel_layout", "param_dtype", "pad_vocab_multiple", "fused_qkv", "scan_layers")
 PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "embedding_dropout_rate",
                          "attention_impl", "remat", "cpu_kernels")
 
@@ -196,8 +196,9 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
     kernels stored in another `kernel_layout` (each kernel's axes permuted so that its logical
     axis names follow), cast to another `param_dtype`, with the vocabulary padded to another
     `pad_vocab_multiple` (zero rows added or padding rows removed), or with self-attention's
-    query, key and value kernels stored as one (`fused_qkv`) or three; 'packed' goes through
-    'out_in', whose shapes it has. For decoding on CPU, e.g.::
+    query, key and value kernels stored as one (`fused_qkv`) or three, or with the layers stacked
+    for `scan_layers` or one by one (`modeling.scan_params` / `unscan_params`, exact); 'packed'
+    goes through 'out_in', whose shapes it has. For decoding on CPU, e.g.::
 
         serving = config.replace(kernel_layout="out_in", dtype="bfloat16", param_dtype="bfloat16")
         serving_params = tj.params.convert_params(params, config, serving)
@@ -216,6 +217,13 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
         return params
     boxed = _boxed_param_shapes(config)
     _check_matches(params, nn.unbox(boxed), config)
+    if config.scan_layers != target.scan_layers:  # the rest one layer at a time, then stacked
+        from transformer_jax.modeling.transformer import scan_params, unscan_params
+
+        if config.scan_layers:
+            params, config = unscan_params(params, config), config.replace(scan_layers=False)
+        params = convert_params(params, config, target.replace(scan_layers=False))
+        return scan_params(params, target) if target.scan_layers else params
     if config.kernel_layout == "packed":  # through 'out_in', the same shapes
         params = _repack(params, _packed_views(config), pack=False)
         config = config.replace(kernel_layout="out_in")

@@ -16,7 +16,7 @@ from transformer_jax.params import CONVERTIBLE_FIELDS, PARAMETER_FREE_FIELDS, co
 # Any other field would change the function the weights compute (a norm placement, an activation,
 # an epsilon, an embedding scale) while the weights still fit, so it is refused.
 OVERRIDABLE_FIELDS = CONVERTIBLE_FIELDS + PARAMETER_FREE_FIELDS + (
-    "scan_layers", "eos_id", "bos_id", "pad_id", "decoder_start_id")
+    "eos_id", "bos_id", "pad_id", "decoder_start_id")
 
 _CONVERTERS = {"gpt2": gpt2, "marian": marian}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

@@ -318,18 +318,32 @@ def _pallas_tpu_flash(q, k, v, mask):
     if mask is not None:
         causal = mask.causal
         if mask.q_segment_ids is not None:
-            segment_ids = pallas_flash.SegmentIds(q=mask.q_segment_ids, kv=mask.kv_segment_ids)
-            q_valid = mask.q_segment_ids != 0
+            q_ids, kv_ids = mask.q_segment_ids, mask.kv_segment_ids
         elif mask.kv_valid is not None:  # key padding as two segments: 1 = real, 0 = padding
-            q_ids = jnp.ones((B, L), jnp.int32)
-            segment_ids = pallas_flash.SegmentIds(q=q_ids, kv=mask.kv_valid.astype(jnp.int32))
-            q_valid = jnp.any(mask.kv_valid, axis=1)[:, None]
+            q_ids, kv_ids = jnp.ones((B, L), jnp.int32), mask.kv_valid.astype(jnp.int32)
+        if mask.q_segment_ids is not None or mask.kv_valid is not None:
+            segment_ids = pallas_flash.SegmentIds(q=q_ids, kv=kv_ids)
+            q_valid = _queries_that_see_a_key(q_ids, kv_ids, causal)
     out = pallas_flash.flash_attention(q, k, v, segment_ids=segment_ids, causal=causal,
                                        sm_scale=K**-0.5)
     out = jnp.swapaxes(out, 1, 2)
     if q_valid is not None:  # rows that see no key: zeros, like every other backend
         out = out * q_valid[:, :, None, None].astype(out.dtype)
     return out
+
+
+def _queries_that_see_a_key(q_ids, kv_ids, causal: bool):
+    """bool [B, L]: query i has a key j with kv_ids[j] == q_ids[i] != 0 (and j <= i when causal).
+    The Pallas kernel gives such a query an average of values instead of zeros: a causal query before
+    the first real key of a left-padded row, a packed target segment with no source of its id. The
+    first key of each id is found by a sort of the keys' ids, O((L + S) log S), not an [L, S] mask."""
+    order = jnp.argsort(kv_ids, axis=1, stable=True)  # ties keep key order: the first key comes first
+    ids = jnp.take_along_axis(kv_ids, order, axis=1)
+    at = jnp.minimum(jax.vmap(jnp.searchsorted)(ids, q_ids), kv_ids.shape[1] - 1)
+    seen = (jnp.take_along_axis(ids, at, axis=1) == q_ids) & (q_ids != 0)
+    if causal:
+        seen &= jnp.take_along_axis(order, at, axis=1) <= jnp.arange(q_ids.shape[1])[None, :]
+    return seen
 
 
 def _flash_attention(q, k, v, mask):

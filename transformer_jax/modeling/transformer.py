@@ -271,9 +271,20 @@ def _check_params(module: nn.Module) -> None:
     params = module.variables.get("params")
     if not params:
         return
-    extra = set(flatten_dict(params)) - _param_paths(module.config, isinstance(module, Transformer))
+    expected = _param_paths(module.config, isinstance(module, Transformer))
+    extra = set(flatten_dict(params)) - expected
     if extra:
         named = ", ".join("/".join(path) for path in sorted(extra)[:3])
+        other = module.config.replace(scan_layers=not module.config.scan_layers)
+        if set(flatten_dict(params)) <= _param_paths(other, isinstance(module, Transformer)):
+            have = "stacked" if other.scan_layers else "one by one"
+            convert = "scan_params" if module.config.scan_layers else "unscan_params"
+            raise ValueError(
+                f"the params hold their layers {have}, as scan_layers={other.scan_layers} makes them, but "
+                f"this {type(module).__name__}'s config has scan_layers={module.config.scan_layers}: "
+                f"convert them with transformer_jax.modeling.{convert}(params, config) (or "
+                f"transformer_jax.params.convert_params), or build the model with "
+                f"scan_layers={other.scan_layers}")
         raise ValueError(f"the params hold {len(extra)} entries that a {type(module).__name__} of this "
                          f"config does not have ({named}{', ...' if len(extra) > 3 else ''}): they are "
                          f"another config's (num_encoder_layers, num_decoder_layers, share_embeddings, "
