@@ -67,9 +67,10 @@ def test_dtype_objects_are_taken_as_their_names():
     import jax.numpy as jnp
 
     for value, name in ((jnp.bfloat16, "bfloat16"), (np.float32, "float32"),
-                        (np.dtype("float16"), "float16")):
+                        (np.dtype("float16"), "float16"), (np.str_("bfloat16"), "bfloat16")):
         config = tj.ModelConfig(dtype=value, param_dtype=value)
         assert (config.dtype, config.param_dtype) == (name, name)
+        assert type(config.dtype) is str and type(config.param_dtype) is str
 
 
 def test_numpy_scalars_are_taken_as_the_numbers_they_equal():

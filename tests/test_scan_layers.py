@@ -5,6 +5,7 @@ with `scan_params` / `unscan_params`, train the same (remat inside the scanned b
 with a KV cache exactly like full recomputation.
 """
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -143,8 +144,13 @@ def test_convert_params_changes_the_layer_layout_with_the_other_fields():
                                want, atol=1e-5)
     back = convert_params(stacked, target, cfg)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), back, params))
+    # A FrozenDict's query, key and value kernels were left as they were, without a word.
+    frozen = convert_params(flax.core.freeze(params), cfg, target)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), frozen, stacked))
+    half = {**params, "encoder": scan_params(params, cfg)["encoder"]}  # one stack in the other layout
     for model_cfg, p, convert in ((cfg.replace(scan_layers=True), params, "scan_params"),
-                                  (cfg, scan_params(params, cfg), "unscan_params")):
+                                  (cfg, scan_params(params, cfg), "unscan_params"),
+                                  (cfg, half, "unscan_params")):
         with pytest.raises(ValueError, match=rf"config has scan_layers={model_cfg.scan_layers}: convert "
                                              rf"them with transformer_jax\.modeling\.{convert}\(params"):
             tj.Transformer(model_cfg).apply({"params": p}, src, tgt)

@@ -119,6 +119,7 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if isinstance(value, str):
+                object.__setattr__(self, name, str(value))  # np.str_ as str
                 continue
             # A dtype or scalar type (jnp.bfloat16, np.float32) as its name. None and Python's float
             # are refused as given: NumPy reads both as float64, a value nobody passed.

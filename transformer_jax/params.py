@@ -206,13 +206,14 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
     `model.init`'s partitioning boxes are removed. Sharded arrays keep each axis's sharding through
     the transposes, and a packed (or unpacked) array keeps its array's sharding. Errors name the
     parameter that does not match `config`."""
+    import flax
     import flax.linen as nn
 
     changed = sorted(set(config.diff(target)) - set(CONVERTIBLE_FIELDS + PARAMETER_FREE_FIELDS))
     if changed:
         raise ValueError(f"convert_params converts {CONVERTIBLE_FIELDS} only; the configs also "
                          f"differ in {changed}, which change what the parameters mean")
-    params = nn.unbox(params)
+    params = flax.core.unfreeze(nn.unbox(params))  # a FrozenDict's Q/K/V went unconverted
     if not set(config.diff(target)) & set(CONVERTIBLE_FIELDS):
         return params
     boxed = _boxed_param_shapes(config)

@@ -311,7 +311,7 @@ def _pallas_tpu_flash(q, k, v, mask):
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 
     B, L, H, K = q.shape
-    N = k.shape[2]
+    S, N = k.shape[1:3]
     k, v = (jnp.repeat(x, H // N, axis=2) if N != H else x for x in (k, v))
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     segment_ids, causal, q_valid = None, False, None
@@ -322,6 +322,8 @@ def _pallas_tpu_flash(q, k, v, mask):
         elif mask.kv_valid is not None:  # key padding as two segments: 1 = real, 0 = padding
             q_ids, kv_ids = jnp.ones((B, L), jnp.int32), mask.kv_valid.astype(jnp.int32)
         if mask.q_segment_ids is not None or mask.kv_valid is not None:
+            # ids of one row stand for every row, as the mask broadcasts them elsewhere
+            q_ids, kv_ids = jnp.broadcast_to(q_ids, (B, L)), jnp.broadcast_to(kv_ids, (B, S))
             segment_ids = pallas_flash.SegmentIds(q=q_ids, kv=kv_ids)
             q_valid = _queries_that_see_a_key(q_ids, kv_ids, causal)
     out = pallas_flash.flash_attention(q, k, v, segment_ids=segment_ids, causal=causal,
