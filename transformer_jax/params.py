@@ -213,7 +213,7 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
     if changed:
         raise ValueError(f"convert_params converts {CONVERTIBLE_FIELDS} only; the configs also "
                          f"differ in {changed}, which change what the parameters mean")
-    params = flax.core.unfreeze(nn.unbox(params))  # a FrozenDict's Q/K/V went unconverted
+    params = flax.core.unfreeze(nn.unbox(params))  # a FrozenDict as dicts, which the steps below walk
     if not set(config.diff(target)) & set(CONVERTIBLE_FIELDS):
         return params
     boxed = _boxed_param_shapes(config)

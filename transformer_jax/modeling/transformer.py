@@ -276,7 +276,7 @@ def _check_params(module: nn.Module) -> None:
     if extra:
         named = ", ".join("/".join(path) for path in sorted(extra)[:3])
         other = module.config.replace(scan_layers=not module.config.scan_layers)
-        # (one stack or both in the other layout)
+        # one stack or both in the other layer layout
         if extra <= _param_paths(other, isinstance(module, Transformer)):
             have = "stacked" if other.scan_layers else "one by one"
             convert = "scan_params" if module.config.scan_layers else "unscan_params"
