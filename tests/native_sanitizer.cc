@@ -1072,6 +1072,9 @@ static void RunCase(const Case& c) {
 static bool MayRunOnSeveralThreads(const Case& c) {
   const auto thr = c.p.find("thr");
   if (thr != c.p.end() && thr->second < 2) return false;
+  // A product of [out, in] weights splits its output rows into tasks of kRowsPerTask: one task or
+  // none runs on the calling thread.
+  if (c.kernel == "matmul" && c.p.at("O") <= kRowsPerTask) return false;
   const auto data = c.p.find("data");
   return !((c.kernel == "matmul" || c.kernel == "cols" || c.kernel == "packed" || c.kernel == "packeddense") &&
            data != c.p.end() &&

@@ -1525,9 +1525,11 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     attention forward and backward, the in-place identity, the norms) over ~50,000 awkward shapes
     (~38,500 on AVX2, which has one bf16 path) on buffers of exactly their size, some flush against a
     no-access page, with the work split over threads as XLA's pool splits it, and checks each result against
-    a scalar reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each instruction set, and
-    under ThreadSanitizer the ~28,000 cases whose work can be split over threads (pools of one
-    thread run a kernel inline, and the values in a product's operands do not change its split; the
+    a scalar reference: under AddressSanitizer and UndefinedBehaviorSanitizer for each instruction set
+    (AddressSanitizer alone for AVX2 where the CPU runs AVX-512), and
+    under ThreadSanitizer the ~17,700 cases whose work can be split over threads (pools of one
+    thread run a kernel inline, as a product of [out, in] weights with one task's output rows does,
+    and the values in a product's operands do not change its split; the
     references and the drawing of operands run uninstrumented: 99 -> 37 s here). It found the
     greedy choice naming token V past the vocabulary when every logit is negative (fixed; the tests
     above cover it too)."""
@@ -1540,6 +1542,11 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
         pytest.skip("no C++ compiler")
+    if isa == "avx2" and set(native.ISAS["avx512"][0]) <= native._cpu_flags():
+        # A CPU that runs the AVX-512 kernels checks the code both builds share under
+        # UndefinedBehaviorSanitizer there; the AVX2 build, which runs nowhere else in the suite,
+        # under AddressSanitizer alone: 64 -> 41 s (an AVX2-only CPU keeps both).
+        sanitizers = "address"
     here = os.path.dirname(os.path.abspath(__file__))
     binary = tmp_path / f"sanitized_{isa}"
     # -Og: with the sanitizers, 25 s to build and 39 s to run here, against 44 and 36 s at -O1
@@ -1556,7 +1563,7 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     assert built.returncode == 0, built.stderr[-3000:]
     env = dict(os.environ, UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1", TSAN_OPTIONS="halt_on_error=1")
     threads = sanitizers == "thread"
-    if threads:  # only the cases whose work can be split over threads (27,955 of 51,082 on AVX-512)
+    if threads:  # only the cases whose work can be split over threads (17,695 of 51,082 on AVX-512)
         env["SANITIZER_SWEEP"] = "threads"
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -1565,7 +1572,7 @@ def test_every_kernel_under_the_sanitizers(tmp_path, isa, sanitizers):
     # ~7,800 (~5,900 with one kind of product data) hand work to another thread.
     assert summary, run.stdout[-2000:]
     cases, mismatches, parallel = (int(g) for g in summary.groups())
-    assert cases > (25_000 if threads else 45_000 if isa == "avx512" else 34_000), run.stdout[-2000:]
+    assert cases > (15_000 if threads else 45_000 if isa == "avx512" else 34_000), run.stdout[-2000:]
     assert parallel > (5_500 if threads or isa == "avx2" else 7_500), run.stdout[-2000:]
     assert mismatches == 0, run.stdout[-2000:]
     if threads:  # the check itself: a deliberate data race is reported
