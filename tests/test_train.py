@@ -861,20 +861,18 @@ def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_a
     its --config.* overrides and the --profile_* flags reach it, the final metrics are printed and
     the status is 0; an unexpected positional argument is refused before anything runs."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    run = lambda *flags: subprocess.run(
-        [sys.executable, "-c", _FAKE_TRAINING, os.path.join(REPO, "train.py"),
-         "--config=" + os.path.join(REPO, "configs", "tiny.py"), *flags],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    command = lambda *flags: [sys.executable, "-c", _FAKE_TRAINING, os.path.join(REPO, "train.py"),
+                              "--config=" + os.path.join(REPO, "configs", "tiny.py"), *flags]
+    run = lambda *flags: subprocess.run(command(*flags), cwd=tmp_path, env=env, capture_output=True,
+                                        text=True, timeout=240)
     workdir = str(tmp_path / "elsewhere")
     # Without GLIBC_TUNABLES (the tests' processes start with it set) train.py starts itself again
     # with malloc's huge pages, where the system has them: the same process, so the same pid.
     unset = {k: v for k, v in env.items() if k != host_memory.ENV}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _FAKE_TRAINING, os.path.join(REPO, "train.py"),
-         "--config=" + os.path.join(REPO, "configs", "tiny.py"), f"--workdir={workdir}",
-         "--config.num_train_steps=3", "--config.model.d_model=48", "--profile_start_step=7",
-         "--profile_num_steps=2"], cwd=tmp_path, env=unset, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+    flags = (f"--workdir={workdir}", "--config.num_train_steps=3", "--config.model.d_model=48",
+             "--profile_start_step=7", "--profile_num_steps=2")
+    proc = subprocess.Popen(command(*flags), cwd=tmp_path, env=unset, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-3000:]
     (called,) = [json.loads(line[len("called "):]) for line in stdout.splitlines()
