@@ -19,12 +19,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# train.py and benchmarks/run.py start themselves again with glibc's huge pages for malloc
-# (transformer_jax.host_memory) unless GLIBC_TUNABLES is set: ~2 s of a second interpreter start and
-# imports in each of the ~20 runs of train.py the tests start. Children start with it set instead,
-# as the restarted processes run; tests/test_host_memory.py and the train.py flags test check the
-# restart.
-os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 
 import gc  # noqa: E402
 

@@ -866,7 +866,7 @@ def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_a
     run = lambda *flags: subprocess.run(command(*flags), cwd=tmp_path, env=env, capture_output=True,
                                         text=True, timeout=240)
     workdir = str(tmp_path / "elsewhere")
-    # Without GLIBC_TUNABLES (the tests' processes start with it set) train.py starts itself again
+    # Without GLIBC_TUNABLES train.py starts itself again
     # with malloc's huge pages, where the system has them: the same process, so the same pid.
     unset = {k: v for k, v in env.items() if k != host_memory.ENV}
     flags = (f"--workdir={workdir}", "--config.num_train_steps=3", "--config.model.d_model=48",
