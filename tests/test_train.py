@@ -178,7 +178,7 @@ def test_the_seed_sets_the_initial_parameters_and_the_dropout_key(tmp_path, monk
 
     seeds = []
 
-    def record(model, tx, mesh, seed=0):
+    def record(model, tx, mesh, seed=0, loss_scale=None):
         seeds.append(seed)
         raise KeyboardInterrupt  # the run ends here
 

@@ -19,6 +19,7 @@ _EXPORTS = {
     "with_defaults": "config_checks",
     "USER_ERRORS": "loop",
     "train_and_evaluate": "loop",
+    "LossScale": "state",
     "TrainState": "state",
     "create_train_state": "state",
 }

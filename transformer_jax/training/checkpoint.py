@@ -4,7 +4,8 @@ Each checkpoint step holds three items, written collectively by every process:
 
 * ``params``  the model parameters (sharded arrays; restored onto any mesh);
 * ``train``   ``{'step', 'opt_state', 'rng'}``: the rest of the ``TrainState``;
-* ``data``    the grain iterator state (one JSON per process), so the data order resumes exactly.
+* ``data``    the grain iterator state (one JSON per process), so the data order resumes exactly;
+* ``loss_scale`` ``{'scale', 'good_steps'}``, in runs with dynamic loss scaling only.
 
 ``DIR/config.json`` (the resolved config) and ``DIR/tokenizer.model`` sit beside them, so a workdir
 is all that ``restore_for_inference`` (and ``python -m transformer_jax.generate``) needs.
@@ -30,6 +31,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig, first_line
@@ -37,7 +39,7 @@ from transformer_jax.data import DataError, Tokenizer, checkpoint_args
 from transformer_jax.data.tokenizer import recorded_model_differs
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
-from transformer_jax.training.state import TrainState
+from transformer_jax.training.state import LossScale, TrainState
 
 CONFIG_FILENAME = integrity.CONFIG_FILENAME
 CHECKPOINT_DIRNAME = "checkpoints"
@@ -83,9 +85,10 @@ def _item_handler(backend: str) -> ocp.StandardCheckpointHandler:
 
 
 def _handler_registry(backend: str):
-    """The params and train items go through `_item_handler`; the data item keeps grain's own."""
+    """The params, train and loss_scale items go through `_item_handler`; the data item keeps grain's
+    own."""
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for item in ("params", "train"):
+    for item in ("params", "train", "loss_scale"):
         handler = _item_handler(backend)
         registry.add(item, ocp.args.StandardSave, handler)
         registry.add(item, ocp.args.StandardRestore, handler)
@@ -252,6 +255,8 @@ class Checkpointer:
                 {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
             ),
         }
+        if state.loss_scale is not None:
+            items["loss_scale"] = ocp.args.StandardSave(_fields(state.loss_scale))
         if data_iter is not None:
             items["data"] = checkpoint_args(data_iter)
         if self.keep_best_metric and (not metrics or self.keep_best_metric not in metrics):
@@ -365,6 +370,11 @@ class Checkpointer:
             "params": ocp.args.StandardRestore(abstract_state.params),
             "train": ocp.args.StandardRestore(train),
         }
+        # A run with dynamic loss scaling resuming from a checkpoint written without it gets
+        # loss_scale None here (the loop starts the scale afresh); one without it ignores a saved scale.
+        scaler = abstract_state.loss_scale
+        if scaler is not None and epath.Path(path, "loss_scale").exists():
+            items["loss_scale"] = ocp.args.StandardRestore(_fields(scaler))
         if data_iter is not None:
             _check_data_state(integrity.step_dir(self.directory, step), step, data_iter)
             items["data"] = checkpoint_args(data_iter, restore=True)
@@ -378,6 +388,7 @@ class Checkpointer:
             params=out["params"],
             opt_state=out["train"]["opt_state"],
             rng=out["train"]["rng"],
+            loss_scale=LossScale(**out["loss_scale"]) if "loss_scale" in items else None,
         )
 
     def wait(self) -> None:
@@ -386,6 +397,10 @@ class Checkpointer:
     def close(self) -> None:
         self.seal(block=True)
         self.manager.close()
+
+
+def _fields(loss_scale: LossScale) -> dict:
+    return {"scale": loss_scale.scale, "good_steps": loss_scale.good_steps}
 
 
 def _check_data_state(step_path: str, step: int, data_iter) -> None:

@@ -21,6 +21,7 @@ from transformer_jax.training.checkpoint import check_keep_best_mode, resolve_ke
 from transformer_jax.training.evaluate import EVAL_METRICS
 from transformer_jax.training.optimizer import OPTIMIZERS
 from transformer_jax.training.schedules import SCHEDULES
+from transformer_jax.training.steps import LOSS_SCALE_MODES, MAX_LOSS_SCALE, MIN_LOSS_SCALE
 
 REQUIRED = (
     "seed",
@@ -42,6 +43,12 @@ def training_defaults() -> ml_collections.ConfigDict:
     c.keep_best_metric = ""  # e.g. 'eval_loss': keep the best checkpoints by it (and the newest)
     c.keep_best_mode = "auto"  # 'min' / 'max'; 'auto': the metric's own (higher accuracy is better)
     c.skip_nonfinite = False  # False: stop at a non-finite step; True: skip it
+    # Dynamic loss scaling ('dynamic'; 'none' off; 'auto' = 'dynamic' for model.dtype='float16'): the
+    # gradients of the mean loss times a scale that halves when they overflow (the step skipped)
+    # and doubles after loss_scale_period finite steps in a row.
+    c.loss_scale = "auto"
+    c.loss_scale_init = 2.0**15
+    c.loss_scale_period = 2000
     c.checkpoint_fallback = True  # a corrupt newest checkpoint: True resume from an older one; False stop
     # False: a resume starts the input pipeline afresh instead of at its saved position (for another
     # process count or dataset.num_workers, which cannot take the saved position; not bit-exact).
@@ -146,6 +153,10 @@ def _check_numbers(config) -> None:
     _number_in(config, "beam_alpha", "config", 0.0)
     _positive_int(ds, "max_eval_examples", 0, "config.dataset")  # 0 = all
     _positive_int(ds, "num_workers", 0, "config.dataset")  # 0 = in the main process
+    if config.loss_scale not in LOSS_SCALE_MODES:
+        raise ConfigError(f"config.loss_scale={config.loss_scale!r} is not one of {list(LOSS_SCALE_MODES)}")
+    _number_in(config, "loss_scale_init", "config", MIN_LOSS_SCALE, MAX_LOSS_SCALE, high_open=False)
+    _positive_int(config, "loss_scale_period")
     if config.profile_start_step >= 0:  # 0 steps would stop the trace before it started
         _positive_int(config, "profile_num_steps")
     lengths = ("max_source_len", "max_target_len") if ds.name in TRANSLATION_DATASETS else ("max_len",)

@@ -26,7 +26,7 @@ from transformer_jax.training import metrics as metrics_lib
 from transformer_jax.training.config_checks import check_config, unread_dataset_settings
 from transformer_jax.training.optimizer import create_optimizer
 from transformer_jax.training.schedules import create_schedule
-from transformer_jax.training.state import count_params, create_train_state, state_shardings
+from transformer_jax.training.state import LossScale, count_params, create_train_state, state_shardings
 
 
 def enable_compilation_cache(path: str = "") -> None:
@@ -145,15 +145,22 @@ def _summarise(history: list, seconds: float, flops: float, peak, num_devices=No
     The MFU is against ``peak`` TFLOP/s on each of ``num_devices`` (the mesh's; default every device).
 
     Non-finite (skipped) steps are left out of the means and counted in ``skipped``; a window of
-    only such steps reports their (non-finite) means. Their tokens count: the step ran.
+    only such steps reports their (non-finite) means. Their tokens count: the step ran. Steps that
+    dynamic loss scaling skipped (its scaled gradients overflowed) are counted in
+    ``loss_scale_skipped`` instead; ``loss_scale`` is the logged step's scale.
     """
     host = jax.device_get(history)
     finite = [h for h in host if bool(h["finite"])]
     kept = finite or host
-    out = {k: float(np.mean([h[k] for h in kept])) for k in host[0] if k not in ("finite", "real_tokens")}
-    if "learning_rate" in host[-1]:
-        out["learning_rate"] = float(host[-1]["learning_rate"])
-    out["skipped"] = len(host) - len(finite)
+    out = {k: float(np.mean([h[k] for h in kept])) for k in host[0]
+           if k not in ("finite", "real_tokens", "overflow")}
+    for key in ("learning_rate", "loss_scale"):  # the logged step's own
+        if key in host[-1]:
+            out[key] = float(host[-1][key])
+    overflowed = sum(bool(h.get("overflow", 0)) for h in host)
+    out["skipped"] = len(host) - len(finite) - overflowed
+    if "overflow" in host[0]:
+        out["loss_scale_skipped"] = overflowed
     out["tokens_per_sec"] = sum(int(h["real_tokens"]) for h in host) / seconds
     out["steps_per_sec"] = len(history) / seconds
     if peak:
@@ -299,7 +306,8 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         model_config=model_cfg,
         fallback=config.get("checkpoint_fallback", True),
     )
-    abstract, shardings = state_shardings(model, tx, mesh, config.seed)
+    loss_scale = steps.initial_loss_scale(config)
+    abstract, shardings = state_shardings(model, tx, mesh, config.seed, loss_scale=loss_scale)
     warmup_warning = unfinished_warmup(config)
     if warmup_warning:
         _say(warmup_warning)
@@ -308,6 +316,12 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         state = checkpointer.restore(abstract, data.train_iter if exact else None)
         _say(f"Resumed from checkpoint {checkpointer.restored_step} in {checkpointer.directory}"
              + ("" if exact else " (the input pipeline starts afresh: resume_data_position=False)"))
+        if loss_scale is not None and state.loss_scale is None:
+            # created on the mesh as create_train_state creates the state (any number of processes)
+            fresh = jax.jit(lambda: LossScale.initial(loss_scale), out_shardings=shardings.loss_scale)()
+            state = state.replace(loss_scale=fresh)
+            _say(f"NOTE: the checkpoint was written without dynamic loss scaling: its scale starts at "
+                 f"config.loss_scale_init={loss_scale:g}")
         changed = changed_data_settings(workdir, config) if exact else []
         if changed:
             _say(f"WARNING: {', '.join(changed)} changed since the checkpoints were written: the input "
@@ -324,7 +338,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         # a resume refused above, or one that stops before saving, leaves it untouched.
         checkpointer.write_config_on_commit(config)
     else:
-        state, _ = create_train_state(model, tx, mesh, config.seed)
+        state, _ = create_train_state(model, tx, mesh, config.seed, loss_scale=loss_scale)
         ckpt_lib.save_config(config, workdir)
     start_step = int(jax.device_get(state.step))
     if start_step > config.num_train_steps:
@@ -395,7 +409,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
             state, step_metrics = train_step(state, batch)
             history.append(step_metrics)
             checkpointer.seal()  # integrity manifest of a finished async save
-            if pending is not None and not bool(pending[1]["finite"]):  # checked one step late
+            if pending is not None and _non_finite_step(pending[1]):  # checked one step late
                 skipped += _non_finite(config, pending[0], checkpointer, log)
             pending = (step, step_metrics)
             done = step + 1
@@ -419,7 +433,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
                 last_log += time.time() - eval_start
             stop = preemption.reached(checkpointer, done)
             if done % config.checkpoint_every_steps == 0 or done == config.num_train_steps or stop:
-                if pending is not None and not bool(pending[1]["finite"]):
+                if pending is not None and _non_finite_step(pending[1]):
                     skipped += _non_finite(config, pending[0], checkpointer, log)
                 pending = None
                 # Keep-best ranks a checkpoint only by an evaluation of this very step; one saved
@@ -473,6 +487,11 @@ def _stop_trace(state, first: int, done: int, profile_dir: str) -> bool:
     jax.profiler.stop_trace()
     _say(f"Profiler trace of steps {first}..{done - 1} in {profile_dir}")
     return False
+
+
+def _non_finite_step(step_metrics: dict) -> bool:
+    """A step the non-finite guard skipped; one dynamic loss scaling skipped is not an error."""
+    return not bool(step_metrics["finite"]) and not bool(step_metrics.get("overflow", False))
 
 
 def _non_finite(config, step: int, checkpointer, log) -> int:

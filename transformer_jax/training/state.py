@@ -2,7 +2,8 @@
 
 ``TrainState`` holds everything a step changes: ``step``, ``params``, ``opt_state`` and the base
 ``rng`` (a raw uint32 key; each step folds the step number into it, so the dropout key of step n
-does not depend on how many times training was restarted -- the basis of bit-for-bit resume).
+does not depend on how many times training was restarted -- the basis of bit-for-bit resume), and,
+when float16 gradients are scaled, the dynamic ``loss_scale``.
 
 Initialisation never materialises an unsharded copy: ``jax.eval_shape`` gives the shapes and the
 logical-axis boxes, ``parallel.logical_to_sharding`` turns the boxes into ``NamedSharding`` s, and
@@ -24,30 +25,47 @@ from transformer_jax.params import dummy_inputs
 
 
 @flax.struct.dataclass
+class LossScale:
+    """Dynamic loss scaling (``steps.train_step``): the gradients are taken of the mean token loss
+    times ``scale``, so that float16's range holds them, and divided by it in float32."""
+
+    scale: jax.Array  # float32 scalar
+    good_steps: jax.Array  # int32 scalar: finite steps since the scale last changed
+
+    @classmethod
+    def initial(cls, scale: float) -> LossScale:
+        return cls(scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32))
+
+
+@flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied so far
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32 [2] base key; step keys are fold_in(rng, step)
+    loss_scale: LossScale | None = None  # None: the gradients are not scaled
 
 
-def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seed: int):
+def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seed: int, loss_scale: float | None):
     """() -> TrainState with ``nn.Partitioned`` boxes still on params and moments."""
 
     def init():
         params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         params = model.init(params_key, *dummy_inputs(model))["params"]
         return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=dropout_key
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=dropout_key,
+            loss_scale=None if loss_scale is None else LossScale.initial(loss_scale),
         )
 
     return init
 
 
-def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh, seed: int = 0):
-    """(abstract unboxed TrainState of ShapeDtypeStructs with shardings, TrainState of shardings)."""
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh, seed: int = 0,
+                    loss_scale: float | None = None):
+    """(abstract unboxed TrainState of ShapeDtypeStructs with shardings, TrainState of shardings).
+    ``loss_scale``: the initial scale of dynamic loss scaling, None without it."""
     with parallel.sharding_context(mesh):
-        boxed = jax.eval_shape(_init_fn(model, tx, seed))
+        boxed = jax.eval_shape(_init_fn(model, tx, seed, loss_scale))
     shardings = parallel.logical_to_sharding(boxed, mesh)
     abstract = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
@@ -55,10 +73,11 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh, se
     return abstract, shardings
 
 
-def create_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh, seed: int = 0):
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh, seed: int = 0,
+                       loss_scale: float | None = None):
     """A freshly initialised TrainState, every array created sharded. -> (state, shardings)."""
-    _, shardings = state_shardings(model, tx, mesh, seed)
-    init = _init_fn(model, tx, seed)
+    _, shardings = state_shardings(model, tx, mesh, seed, loss_scale)
+    init = _init_fn(model, tx, seed, loss_scale)
     with parallel.sharding_context(mesh):
         state = jax.jit(lambda: nn.unbox(init()), out_shardings=shardings)()
     return state, shardings

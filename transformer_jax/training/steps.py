@@ -4,6 +4,14 @@ Decoder inputs are the targets shifted right inside each packed segment with the
 token at every segment start (``modeling.masks.shift_right``). The loss is label-smoothed
 cross-entropy in float32 (``losses.cross_entropy``), summed and divided once by the number of
 real (non-pad) target tokens, which is exact across micro-batches and hosts.
+
+With float16 compute that sum overflows: the gradient of a summed loss grows with the batch's token
+count, and float16 ends at 65504 (a 2-layer, d_model 128 model's embedding gradient was inf at
+131,072 tokens, where float32's largest element was 89,688). Dynamic loss scaling (``TrainState.
+loss_scale``, on by default for ``model.dtype='float16'``) differentiates the *mean* token loss times a
+scale instead, divides the gradients by that scale in float32, and moves the scale: a step whose
+scaled gradients overflow is skipped (parameters and optimizer unchanged) and halves it;
+``loss_scale_period`` finite steps in a row double it (PyTorch's GradScaler does the same).
 """
 
 from __future__ import annotations
@@ -17,7 +25,12 @@ import optax
 
 from transformer_jax.modeling.masks import shift_right
 from transformer_jax.training import losses, optimizer
-from transformer_jax.training.state import TrainState
+from transformer_jax.training.state import LossScale, TrainState
+
+LOSS_SCALE_MODES = ("auto", "dynamic", "none")
+# Below this an overflow is not the scale's doing (the gradients of the mean loss themselves pass
+# 65504): the step is non-finite, as without scaling. Above the other, doubling stops.
+MIN_LOSS_SCALE, MAX_LOSS_SCALE = 1.0, 2.0**64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +42,7 @@ class StepSettings:
     grad_accum_steps: int = 1
     skip_nonfinite: bool = False  # True: a non-finite step leaves the state unchanged
     inject_nan_at_step: int = -1  # testing the guard: the loss of this step is NaN
+    loss_scale_period: int = 2000  # finite steps in a row before a dynamic loss scale doubles
 
 
 def forward(model: nn.Module, params, batch, *, train: bool, rng=None) -> jax.Array:
@@ -91,10 +105,21 @@ def train_step(
 ):
     """One optimizer update. -> (new state, metrics of this step, as device scalars)."""
     rng = jax.random.fold_in(state.rng, state.step)
+    scaler = state.loss_scale
+    if scaler is not None:  # d(mean loss * scale): independent of the token count, in float16's range
+        factor = scaler.scale / jnp.maximum(jnp.count_nonzero(batch["targets_segment_ids"]), 1)
 
     def loss_and_grad(params, micro_batch, key):
         fn = lambda p: _loss_sums(model, settings, p, micro_batch, key)
-        return jax.value_and_grad(fn, has_aux=True)(params)
+        if scaler is None:
+            return jax.value_and_grad(fn, has_aux=True)(params)
+
+        def scaled(p):
+            loss_sum, aux = fn(p)
+            return loss_sum * factor, (loss_sum, aux)
+
+        (_, (loss_sum, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return (loss_sum, aux), grads
 
     (loss_sum, (weight_sum, aux)), grads = optimizer.accumulate_gradients(
         loss_and_grad, state.params, batch, settings.grad_accum_steps, rng
@@ -104,19 +129,36 @@ def train_step(
         grads = jax.tree.map(
             lambda g: jnp.where(state.step == settings.inject_nan_at_step, jnp.nan, g), grads
         )
-    denom = jnp.maximum(weight_sum, 1.0)
-    grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+    if scaler is None:
+        denom = jnp.maximum(weight_sum, 1.0)
+        grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+    else:  # an overflow stays inf
+        grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / scaler.scale).astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # The update too, not only its inputs: finite gradients can still give a non-finite update
     # (Adam's 0 / (0 + eps) with eps = 0 where a gradient is exactly 0 -- a dead ReLU unit, an unused
     # embedding row), which the guard let into the parameters and a checkpoint as a good step.
-    finite = jnp.isfinite(loss_sum) & _all_finite((grads, updates))
+    if scaler is None:
+        finite = jnp.isfinite(loss_sum) & _all_finite((grads, updates))
+    else:
+        grads_finite = _all_finite(grads)
+        finite = jnp.isfinite(loss_sum) & grads_finite & _all_finite(updates)
+        # The scale's doing: a finite loss whose scaled gradients overflowed, while it can still fall
+        overflow = jnp.isfinite(loss_sum) & ~grads_finite & (scaler.scale > MIN_LOSS_SCALE)
+        grow = finite & (scaler.good_steps + 1 >= settings.loss_scale_period)
+        new_scaler = LossScale(
+            scale=jnp.where(overflow, scaler.scale / 2,
+                            jnp.where(grow, jnp.minimum(scaler.scale * 2, MAX_LOSS_SCALE), scaler.scale)),
+            good_steps=jnp.where(finite & ~grow, scaler.good_steps + 1, 0).astype(jnp.int32),
+        )
     # A non-finite step changes nothing but the step counter (the loop stops or carries on).
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_state = state.replace(
         step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
     )
+    if scaler is not None:
+        new_state = new_state.replace(loss_scale=new_scaler)
     metrics = losses.normalize_metrics(loss_sum, weight_sum, aux)
     # The rate this update applies: the optimizer's count lags state.step after skipped steps.
     count = optimizer.schedule_count(state.opt_state)
@@ -126,6 +168,8 @@ def train_step(
         finite=finite.astype(jnp.float32),
         real_tokens=real_tokens(batch),
     )
+    if scaler is not None:  # the scale this step used; an overflow is skipped, and not an error
+        metrics.update(loss_scale=scaler.scale, overflow=overflow.astype(jnp.float32))
     return new_state, metrics
 
 
@@ -152,4 +196,14 @@ def settings_from_config(config) -> StepSettings:
         grad_accum_steps=int(opt.grad_accum_steps),
         skip_nonfinite=bool(config.get("skip_nonfinite", False)),
         inject_nan_at_step=int(config.get("inject_nan_at_step", -1)),
+        loss_scale_period=int(config.get("loss_scale_period", 2000)),
     )
+
+
+def initial_loss_scale(config) -> float | None:
+    """The starting scale of dynamic loss scaling, or None where the run does not scale:
+    ``loss_scale`` 'dynamic', or 'auto' (the default) with float16 compute."""
+    mode = config.get("loss_scale", "auto")
+    if mode == "dynamic" or (mode == "auto" and config.model.get("dtype") == "float16"):
+        return float(config.get("loss_scale_init", 2.0**15))
+    return None
