@@ -1,6 +1,6 @@
 """Checkpoints: orbax ``CheckpointManager`` over ``DIR/checkpoints``, exact resume, inference loading.
 
-Each checkpoint step holds three items, written collectively by every process:
+Each checkpoint step holds these items, written collectively by every process:
 
 * ``params``  the model parameters (sharded arrays; restored onto any mesh);
 * ``train``   ``{'step', 'opt_state', 'rng'}``: the rest of the ``TrainState``;
