@@ -176,9 +176,19 @@ def test_convert_params_names_what_does_not_match():
     converted = convert_params(params, config, target)
     with pytest.raises(ValueError, match=r"params\['decoder'\]\['layer_0'\]\['feed_forward'\]\['wi'\]"
                                          r"\['kernel'\] has shape \(64, 32\), but the source "
-                                         r"config \(kernel_layout='in_out', 64 vocabulary rows\) "
-                                         r"has \(32, 64\)"):
+                                         r"config \(kernel_layout='in_out', fused_qkv=False, "
+                                         r"scan_layers=False, 64 vocabulary rows\) has \(32, 64\); "
+                                         r"they are the parameters of kernel_layout='out_in' \(or "
+                                         r"'packed', the same shapes\), the target's: converted already\?"):
         convert_params(converted, config, target)  # already converted
+    # The layout the parameters do have: one field away from the source config given, or the target's
+    scanned = config.replace(scan_layers=True)
+    with pytest.raises(ValueError, match=r"missing .*unexpected .*the parameters of scan_layers=True: give "
+                                         r"that as the source config"):
+        convert_params(convert_params(params, config, scanned), config, target)
+    both = scanned.replace(kernel_layout="out_in")
+    with pytest.raises(ValueError, match=r"they are in the target's layout already: converted before\?"):
+        convert_params(convert_params(params, config, both), config, both)
     with pytest.raises(ValueError, match=r"also differ in \['d_ff', 'norm'\]"):
         convert_params(params, config, target.replace(norm="pre", d_ff=32))
     del converted["decoder"]["layer_1"]

@@ -93,7 +93,7 @@ def test_convert_params_pads_and_unpads_with_a_layout_change():
     np.testing.assert_allclose(build_model(serving).apply({"params": padded}, *inputs),
                                build_model(config).apply({"params": params}, *inputs), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"has shape \(64,\), but the source config \(kernel_layout="
-                       r"'out_in', 61 vocabulary rows\) has \(61,\)"):
+                       r"'out_in', fused_qkv=False, scan_layers=False, 61 vocabulary rows\) has \(61,\)$"):
         convert_params(padded, config.replace(kernel_layout="out_in"), config)  # the wrong source
 
 

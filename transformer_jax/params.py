@@ -68,19 +68,53 @@ PARAMETER_FREE_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "emb
                          "attention_impl", "remat", "cpu_kernels")
 
 
-def _check_matches(params, expected, config: ModelConfig) -> None:
-    """Raises, naming the parameter, unless `params` has the paths and shapes of `expected`."""
-    want = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(expected)}
-    have = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+def _shapes(tree) -> dict:
+    return {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _check_matches(params, expected, config: ModelConfig, target: ModelConfig) -> None:
+    """Raises, naming the parameter, unless `params` has the paths and shapes of `expected`; the
+    error also names the layout the parameters do have, where it is the target's or one field away."""
+    want, have = _shapes(expected), _shapes(params)
+    if have == want:
+        return
+    source = (f"the source config (kernel_layout={config.kernel_layout!r}, fused_qkv={config.fused_qkv}, "
+              f"scan_layers={config.scan_layers}, {config.padded_vocab_size} vocabulary rows)")
     if set(have) != set(want):
         missing, extra = sorted(set(want) - set(have))[:3], sorted(set(have) - set(want))[:3]
-        raise ValueError(f"convert_params: params do not match the source config (kernel_layout="
-                         f"{config.kernel_layout!r}): missing {missing}, unexpected {extra}")
-    for key, x in have.items():
-        if tuple(x.shape) != tuple(want[key].shape):
-            raise ValueError(f"convert_params: params{key} has shape {tuple(x.shape)}, but the "
-                             f"source config (kernel_layout={config.kernel_layout!r}, "
-                             f"{config.padded_vocab_size} vocabulary rows) has {tuple(want[key].shape)}")
+        problem = f"params do not match {source}: missing {missing}, unexpected {extra}"
+    else:
+        key = next(key for key in have if have[key] != want[key])
+        problem = f"params{key} has shape {have[key]}, but {source} has {want[key]}"
+    raise ValueError(f"convert_params: {problem}{_layout_hint(have, config, target)}")
+
+
+def _layout_hint(have: dict, config: ModelConfig, target: ModelConfig) -> str:
+    """'; ...' naming the layout whose parameters have the shapes `have`: the source config with one
+    of kernel_layout, fused_qkv or scan_layers changed, else the target; '' if none of them."""
+    # 'packed' has the shapes of 'out_in', and is not told apart from it here
+    shaped = lambda c, field: "out_in" if getattr(c, field) == "packed" else getattr(c, field)
+    candidates = []
+    for field, values in (("kernel_layout", ("in_out", "out_in")), ("fused_qkv", (False, True)),
+                          ("scan_layers", (False, True))):
+        for value in values:
+            if value == shaped(config, field):
+                continue
+            name = f"{field}={value!r}" + (" (or 'packed', the same shapes)" if value == "out_in" else "")
+            if value == shaped(target, field):
+                hint = f"they are the parameters of {name}, the target's: converted already?"
+            else:
+                hint = f"they are the parameters of {name}: give that as the source config"
+            candidates.append((config.replace(**{field: value}), hint))
+    candidates.append((target, "they are in the target's layout already: converted before?"))
+    for candidate, hint in candidates:
+        try:
+            shapes = _shapes(param_shapes(candidate))
+        except ValueError:  # a combination the model refuses (a ConfigError is one)
+            continue
+        if shapes == have:
+            return f"; {hint}"
+    return ""
 
 
 def _relayout(params, source_names: dict, target_names: dict):
@@ -217,7 +251,7 @@ def convert_params(params, config: ModelConfig, target: ModelConfig):
     if not set(config.diff(target)) & set(CONVERTIBLE_FIELDS):
         return params
     boxed = _boxed_param_shapes(config)
-    _check_matches(params, nn.unbox(boxed), config)
+    _check_matches(params, nn.unbox(boxed), config, target)
     if config.scan_layers != target.scan_layers:  # the rest one layer at a time, then stacked
         from transformer_jax.modeling.transformer import scan_params, unscan_params
 
