@@ -11,6 +11,7 @@ import dataclasses
 import json
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -114,7 +115,7 @@ class ModelConfig:
             value = getattr(self, field.name)
             # NumPy scalars (a size computed with numpy, np.int64) as the Python numbers they
             # equal: the checks below take int / float, and to_json cannot write NumPy types.
-            if isinstance(value, np.number | np.bool_):
+            if isinstance(value, np.number | np.bool_) and field.name not in ("dtype", "param_dtype"):
                 object.__setattr__(self, field.name, value.item())
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
@@ -122,9 +123,12 @@ class ModelConfig:
                 object.__setattr__(self, name, str(value))  # np.str_ as str
                 continue
             # A dtype or scalar type (jnp.bfloat16, np.float32) as its name. None and Python's float
-            # are refused as given: NumPy reads both as float64, a value nobody passed.
+            # are refused as given: NumPy reads both as float64, a value nobody passed; so are values
+            # (np.float32(1.0), an array), which NumPy reads as their own dtype.
             converted = None
-            if value is not None and not any(value is t for t in (float, int, bool, complex)):
+            refused = (value is None or isinstance(value, np.ndarray | np.generic | jax.Array)
+                       or any(value is t for t in (float, int, bool, complex)))
+            if not refused:
                 with contextlib.suppress(TypeError):
                     converted = jnp.dtype(value).name
             if converted not in DTYPES:
