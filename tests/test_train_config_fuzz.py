@@ -35,6 +35,7 @@ FIELDS = {
     "model.num_heads": st.sampled_from([4, 2, 8, 7]),
     "model.norm": st.sampled_from(["post", "pre", "sandwich"]),
     "beam_size": st.sampled_from([1, 4, 0]),
+    "model.dtype": st.sampled_from(["float32", "bfloat16", "float16"]),  # float16: the loss scaled
 }
 
 
@@ -58,7 +59,7 @@ def _validate_and_trace(config):
     model = build_model(model_cfg)
     tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
     schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
-    abstract, _ = state_shardings(model, tx, mesh, config.seed)
+    abstract, _ = state_shardings(model, tx, mesh, config.seed, loss_scale=steps.initial_loss_scale(config))
     B, L = config.dataset.batch_size, config.dataset.max_target_len
     batch = {k: jax.ShapeDtypeStruct((B, L), jnp.int32) for k in (
         "inputs", "inputs_segment_ids", "inputs_positions",
@@ -69,6 +70,7 @@ def _validate_and_trace(config):
             lambda s, b: steps.train_step(s, b, model=model, tx=tx, schedule=schedule, settings=settings_),
             abstract, batch)
     assert metrics["loss"].shape == ()
+    assert ("loss_scale" in metrics) == (model_cfg.dtype == "float16")
     assert jax.tree.structure(new_state) == jax.tree.structure(abstract)
 
 
@@ -83,7 +85,7 @@ def test_training_config_traces_a_step_or_names_the_key(overrides):
         return
     try:
         _validate_and_trace(config)
-        event("traced a training step")
+        event("traced a training step" + (" with the loss scaled" if config.model.dtype == "float16" else ""))
     except ValueError as error:
         event("refused with a ValueError")  # ConfigError is a ValueError
         message = str(error)
