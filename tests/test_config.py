@@ -54,11 +54,12 @@ def test_bad_values_name_the_field(field, value):
 
 
 @pytest.mark.parametrize("value", [None, float, 5, object(), np.float64, np.zeros(2), np.float32(1.0),
-                                   np.zeros(2, np.float32), jnp.zeros(2, jnp.bfloat16)])
+                                   np.zeros(2, np.float32), jnp.zeros(2, jnp.bfloat16),
+                                   jax.ShapeDtypeStruct((2,), jnp.float16)])
 def test_a_dtype_that_is_not_a_name_is_refused_as_given(value):
     """None and Python's float were reported as 'float64', a value nobody passed, and 5 or object()
     raised an error whose `field` was unset; np.float32(1.0) was reported as 1.0, and a bf16 jax array
-    was taken as 'bfloat16'."""
+    or a ShapeDtypeStruct was taken as its dtype."""
     for field in ("dtype", "param_dtype"):
         message = rf"^ModelConfig\.{field}={re.escape(repr(value))}: must be one of"
         with pytest.raises(ConfigError, match=message) as e:

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -102,11 +103,15 @@ def test_the_scale_halves_on_an_overflow_and_doubles_after_its_period(monkeypatc
     new, metrics = step(state, batch)
     assert (metrics["overflow"], metrics["finite"]) == (0, 0)
     assert (float(new.loss_scale.scale), int(new.loss_scale.good_steps)) == (2.0**9, 0)
-    # Nor is an overflow at the smallest scale (the mean loss's gradients themselves pass 65504)
-    monkeypatch.setattr(steps, "MIN_LOSS_SCALE", 2.0**40)
+    # The scale stops at its floor, and an overflow there is not the scale's doing either (the mean
+    # loss's gradients themselves pass 65504)
+    floor = 1.5 * 2.0**39
+    monkeypatch.setattr(steps, "MIN_LOSS_SCALE", floor)
     step, state = _setup("float16", 2.0**40)
-    new, metrics = step(state, batch)
-    assert (metrics["overflow"], metrics["finite"], float(new.loss_scale.scale)) == (0, 0, 2.0**40)
+    state, metrics = step(state, batch)
+    assert (metrics["overflow"], metrics["finite"], float(state.loss_scale.scale)) == (1, 0, floor)
+    state, metrics = step(state, batch)
+    assert (metrics["overflow"], metrics["finite"], float(state.loss_scale.scale)) == (0, 0, floor)
 
 
 def test_the_checkpoint_keeps_the_scale_and_a_run_without_one_ignores_it(tmp_path):
@@ -156,11 +161,12 @@ def test_a_float16_run_resumed_from_float32_skips_overflows_without_stopping(dat
     ("loss_scale", "static", "config.loss_scale='static' is not one of ['auto', 'dynamic', 'none']"),
     ("loss_scale_init", 0.5, "config.loss_scale_init=0.5 must be a number in [1, "),
     ("loss_scale_period", 0, "config.loss_scale_period=0 must be an integer >= 1"),
+    ("loss_scale_period", 2**31, "config.loss_scale_period=2147483648 must be below 2**31"),
 ])
 def test_loss_scale_settings_are_checked(key, value, message):
     config = tiny_config("/nonexistent")
     config[key] = value
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         check_config(config)
 
 
@@ -174,4 +180,8 @@ def test_auto_scales_float16_only():
     config.loss_scale = "none"
     assert steps.initial_loss_scale(config) is None
     config.model.dtype, config.loss_scale = "float32", "dynamic"
+    assert steps.initial_loss_scale(config) == 2.0**15
+    with config.unlocked():  # a dtype object, as a config file may give it (ModelConfig takes it)
+        config.model = dict(config.model.to_dict(), dtype=jnp.float16)
+    config.loss_scale = "auto"
     assert steps.initial_loss_scale(config) == 2.0**15

@@ -11,7 +11,6 @@ import dataclasses
 import json
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -123,12 +122,12 @@ class ModelConfig:
                 object.__setattr__(self, name, str(value))  # np.str_ as str
                 continue
             # A dtype or scalar type (jnp.bfloat16, np.float32) as its name. None and Python's float
-            # are refused as given: NumPy reads both as float64, a value nobody passed; so are values
-            # (np.float32(1.0), an array), which NumPy reads as their own dtype.
+            # are refused as given: NumPy reads both as float64, a value nobody passed; so is anything
+            # else (np.float32(1.0), an array, a ShapeDtypeStruct), which NumPy reads as its dtype.
             converted = None
-            refused = (value is None or isinstance(value, np.ndarray | np.generic | jax.Array)
-                       or any(value is t for t in (float, int, bool, complex)))
-            if not refused:
+            accepted = isinstance(value, np.dtype) or (
+                isinstance(value, type) and not any(value is t for t in (float, int, bool, complex)))
+            if accepted:
                 with contextlib.suppress(TypeError):
                     converted = jnp.dtype(value).name
             if converted not in DTYPES:

@@ -105,12 +105,12 @@ def _layout_hint(have: dict, config: ModelConfig, target: ModelConfig) -> str:
                 hint = f"they are the parameters of {name}, the target's: converted already?"
             else:
                 hint = f"they are the parameters of {name}: give that as the source config"
-            candidates.append((config.replace(**{field: value}), hint))
-    candidates.append((target, "they are in the target's layout already: converted before?"))
+            candidates.append((lambda field=field, value=value: config.replace(**{field: value}), hint))
+    candidates.append((lambda: target, "they are in the target's layout already: converted before?"))
     for candidate, hint in candidates:
         try:
-            shapes = _shapes(param_shapes(candidate))
-        except ValueError:  # a combination the model refuses (a ConfigError is one)
+            shapes = _shapes(param_shapes(candidate()))
+        except Exception:  # noqa: BLE001 - a combination the model refuses; the hint is best-effort
             continue
         if shapes == have:
             return f"; {hint}"

@@ -157,6 +157,8 @@ def _check_numbers(config) -> None:
         raise ConfigError(f"config.loss_scale={config.loss_scale!r} is not one of {list(LOSS_SCALE_MODES)}")
     _number_in(config, "loss_scale_init", "config", MIN_LOSS_SCALE, MAX_LOSS_SCALE, high_open=False)
     _positive_int(config, "loss_scale_period")
+    if config.loss_scale_period > 2**31 - 1:  # counted in int32
+        raise ConfigError(f"config.loss_scale_period={config.loss_scale_period} must be below 2**31")
     if config.profile_start_step >= 0:  # 0 steps would stop the trace before it started
         _positive_int(config, "profile_num_steps")
     lengths = ("max_source_len", "max_target_len") if ds.name in TRANSLATION_DATASETS else ("max_len",)

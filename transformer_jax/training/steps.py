@@ -16,6 +16,7 @@ scaled gradients overflow is skipped (parameters and optimizer unchanged) and ha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import flax.linen as nn
@@ -148,7 +149,7 @@ def train_step(
         overflow = jnp.isfinite(loss_sum) & ~grads_finite & (scaler.scale > MIN_LOSS_SCALE)
         grow = finite & (scaler.good_steps + 1 >= settings.loss_scale_period)
         new_scaler = LossScale(
-            scale=jnp.where(overflow, scaler.scale / 2,
+            scale=jnp.where(overflow, jnp.maximum(scaler.scale / 2, MIN_LOSS_SCALE),
                             jnp.where(grow, jnp.minimum(scaler.scale * 2, MAX_LOSS_SCALE), scaler.scale)),
             good_steps=jnp.where(finite & ~grow, scaler.good_steps + 1, 0).astype(jnp.int32),
         )
@@ -203,7 +204,10 @@ def settings_from_config(config) -> StepSettings:
 def initial_loss_scale(config) -> float | None:
     """The starting scale of dynamic loss scaling, or None where the run does not scale:
     ``loss_scale`` 'dynamic', or 'auto' (the default) with float16 compute."""
-    mode = config.get("loss_scale", "auto")
-    if mode == "dynamic" or (mode == "auto" and config.model.get("dtype") == "float16"):
+    mode, dtype = config.get("loss_scale", "auto"), config.model.get("dtype")
+    if not isinstance(dtype, str):  # a dtype object (jnp.float16), as ModelConfig takes it
+        with contextlib.suppress(TypeError):
+            dtype = jnp.dtype(dtype).name
+    if mode == "dynamic" or (mode == "auto" and dtype == "float16"):
         return float(config.get("loss_scale_init", 2.0**15))
     return None
