@@ -137,8 +137,8 @@ def test_the_checkpoint_keeps_the_scale_and_a_run_without_one_ignores_it(tmp_pat
 
 def test_a_float16_run_resumed_from_float32_skips_overflows_without_stopping(data_dir, tmp_path):
     """A float32 run's checkpoint resumed in float16 starts the scale at loss_scale_init; overflowed
-    steps neither stop the run nor count as skipped, and the checkpoints hold the scale (restored in
-    the test above)."""
+    steps neither stop the run nor count as skipped; the checkpoints hold the scale, and a resume
+    goes on from it."""
     workdir = str(tmp_path / "run")
     train_and_evaluate(tiny_config(data_dir, num_train_steps=2, checkpoint_every_steps=2, log_every_steps=1),
                        workdir)
@@ -155,6 +155,13 @@ def test_a_float16_run_resumed_from_float32_skips_overflows_without_stopping(dat
     assert all(records[s]["loss_scale_skipped"] == 1 and records[s]["skipped"] == 0 for s in (3, 4, 5))
     assert final["skipped_steps"] == 0 and np.isfinite(final["loss"]) and final["step"] == 5
     assert os.path.isdir(os.path.join(workdir, "checkpoints", "4", "loss_scale"))
+    # Resumed from step 5's checkpoint, the run goes on from its scale (2**38 overflowed at step 5)
+    config.num_train_steps = 6
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_and_evaluate(config, workdir)
+    assert "without dynamic loss scaling" not in out.getvalue()
+    assert {r["step"]: r for r in read_jsonl(workdir) if "loss" in r}[6]["loss_scale"] == 2.0**37
 
 
 @pytest.mark.parametrize("key,value,message", [
