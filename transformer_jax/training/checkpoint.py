@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging as pylogging
 import os
+import re
 import signal
 import threading
 import types
@@ -55,6 +56,51 @@ class _ReadOnlyNotice(pylogging.Filter):
 
 
 pylogging.getLogger("absl").addFilter(_ReadOnlyNotice())
+
+
+# `tensorstore_kvstore_<driver>_bytes_written 1234` (a label set, if any, before the value)
+_IO_BYTES_LINE = re.compile(r"^tensorstore_kvstore_\w+?_bytes_(written|read)(?:\{[^}]*\})? (\S+)$")
+
+
+def tensorstore_io_bytes(direction=None) -> int:
+    """The bytes tensorstore's key-value stores have written (`direction` orbax's
+    ``IoDirection.WRITE``, or None) or read (``IoDirection.READ``) in this process, from
+    tensorstore's metrics in Prometheus's text format.
+
+    orbax times each array save and restore with these totals, and reads them with
+    ``tensorstore.experimental_collect_matching_metrics``, whose result tensorstore (0.1.86 and
+    earlier) never frees: ~3.5 KB of Python lists and dicts a call, two calls for each batch of
+    arrays written, which made a training process grow by ~0.2 MB with every checkpoint (~60 MB
+    over 300 checkpoints of `configs/tiny.py`). The text form is freed; the totals are the same.
+    `_use_freed_io_metrics` makes orbax read them here."""
+    import tensorstore as ts
+
+    wanted = "read" if getattr(direction, "value", "write") == "read" else "written"
+    total = 0
+    for line in ts.experimental_collect_prometheus_format_metrics("/tensorstore/kvstore/"):
+        match = _IO_BYTES_LINE.match(line)
+        if match and match.group(1) == wanted:
+            total += int(float(match.group(2)))
+    return total
+
+
+def _use_freed_io_metrics() -> None:
+    """Points orbax's byte counter at `tensorstore_io_bytes` (once; orbax versions without that
+    counter, or a tensorstore without the text form, keep their own)."""
+    try:
+        import tensorstore as ts
+        from orbax.checkpoint._src.serialization import tensorstore_utils
+    except ImportError:
+        return
+    original = getattr(tensorstore_utils, "get_tensorstore_raw_bytes", None)
+    if (original is None or original is tensorstore_io_bytes
+            or not hasattr(ts, "experimental_collect_prometheus_format_metrics")):
+        return
+    tensorstore_io_bytes.orbax_original = original  # for the test that the totals agree
+    tensorstore_utils.get_tensorstore_raw_bytes = tensorstore_io_bytes
+
+
+_use_freed_io_metrics()
 
 
 def _item_handler(backend: str) -> ocp.StandardCheckpointHandler:
