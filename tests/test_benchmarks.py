@@ -923,7 +923,7 @@ def test_decoding_profile_counts_each_kernel_once_per_step(scan):
 
 
 @pytest.mark.parametrize("script", ["bench_attention", "bench_compile", "bench_decode", "bench_model",
-                                    "bench_train"])
+                                    "bench_soak", "bench_train"])
 def test_benchmark_scripts_import_the_checkout_ahead_of_an_installed_copy(script, tmp_path):
     """`python benchmarks/<script>.py` times the checkout it sits in: it ran without the package
     installed (ModuleNotFoundError), and with another copy installed it timed that copy."""
@@ -941,7 +941,8 @@ def test_benchmark_scripts_import_the_checkout_ahead_of_an_installed_copy(script
 
 
 @pytest.mark.parametrize("script, flag", [("bench_train", "--steps"), ("bench_model", "--batch"),
-                                          ("bench_attention", "--lengths"), ("bench_compile", "--depths")])
+                                          ("bench_attention", "--lengths"), ("bench_compile", "--depths"),
+                                          ("bench_soak", "--checkpoint-every")])
 def test_benchmark_scripts_refuse_a_count_below_one(script, flag, monkeypatch, capsys):
     """--steps 0 was a ZeroDivisionError or a StatisticsError after compiling the model; a count
     below one is a usage error naming the flag."""
@@ -972,3 +973,21 @@ def test_summary_shows_an_attention_row_whose_gradient_did_not_compile():
     chunked = table["attention chunked causal L=4096"]
     assert chunked["measured"] == "120.0 ms, peak 64 MiB (train peak not reported)"
     assert chunked["ratio"] == 0.1
+
+
+def test_soak_benchmark_samples_a_training_run_between_its_checkpoints(tmp_path):
+    """bench_soak runs train.py on the tiny config and reports resident memory, threads and open
+    files sampled between the first and the last checkpoint, and the slope of memory per save."""
+    from benchmarks import bench_soak
+
+    assert bench_soak.slope([1, 2, 3, 4], [10, 12, 14, 16]) == 2
+    assert bench_soak.slope([5, 5], [1, 2]) is None
+    result = bench_soak.main(["--steps", "40", "--checkpoint-every", "4", "--interval", "0.05",
+                              "--workdir", str(tmp_path / "run"), "--data-dir", str(tmp_path / "data")])
+    assert result["checkpoints_saved"] == 10 and result["checkpoints_on_disk"] == 5  # tiny keeps 5
+    assert result["orbax_temporaries"] == []
+    assert result["samples"] >= 2 and result["rss_kb_per_checkpoint"] is not None
+    assert 100 < result["rss_mb_first"] < 8000 and 100 < result["rss_mb_last"] < 8000
+    assert result["threads"][0] >= 1 and result["open_files"][0] >= 3
+    with pytest.raises(SystemExit, match="2"):
+        bench_soak.main(["--steps", "5", "--checkpoint-every", "10"])
