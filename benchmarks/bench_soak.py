@@ -10,10 +10,11 @@ checkpoint every ``--checkpoint-every`` steps (5 kept), samples the child's ``/p
   checkpoint and at the last sample before the last checkpoint (after it, the run evaluates on the
   test set);
 * ``rss_kb_per_checkpoint``: the least-squares slope of resident memory against checkpoints saved,
-  over the second half of those samples (the first half holds caches filling and the allocator
-  settling); what a run of days grows by with each save;
+  over the last three quarters of those samples (the first quarter holds caches filling and the
+  allocator settling); what a run of days grows by with each save;
 * ``threads`` and ``open_files``: the lowest and highest count seen;
-* ``checkpoints_on_disk`` and ``orbax_temporaries`` left in the workdir at the end.
+* ``checkpoints_on_disk`` and ``orbax_temporaries`` left in the workdir at the end;
+* ``series``: every sample as [seconds, checkpoints saved, resident MB].
 
 The dataset and tokenizer are built into ``--data-dir`` on the first run (a few seconds). Linux
 only (it reads ``/proc``).
@@ -89,7 +90,7 @@ def run(steps: int, checkpoint_every: int, workdir: str, data_dir: str, interval
             tail = f.read()[-3000:]
         raise SystemExit(f"train.py exited with status {child.returncode}:\n{tail}")
     training = [s for s in samples if s["checkpoints"] < steps // checkpoint_every]  # not the final test
-    late = training[len(training) // 2:]
+    late = training[len(training) // 4:]
     if len(late) < 2:
         raise SystemExit(f"only {len(training)} samples between the first and the last checkpoint: "
                          "run more --steps")
@@ -108,6 +109,7 @@ def run(steps: int, checkpoint_every: int, workdir: str, data_dir: str, interval
         "open_files": [min(s["open_files"] for s in samples), max(s["open_files"] for s in samples)],
         "checkpoints_on_disk": len([name for name in os.listdir(checkpoints) if name.isdigit()]),
         "orbax_temporaries": temporaries,
+        "series": [[s["seconds"], s["checkpoints"], round(s["rss_mb"], 2)] for s in samples],
     }
 
 

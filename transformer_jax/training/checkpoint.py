@@ -14,6 +14,7 @@ Saves are asynchronous: training continues while the previous checkpoint is writ
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import dataclasses
@@ -58,21 +59,22 @@ class _ReadOnlyNotice(pylogging.Filter):
 pylogging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
+# Two calls of tensorstore's Python binding (0.1.86 and earlier) never free the Python objects they
+# return: `experimental_collect_matching_metrics` (~130 objects a call) and `to_json` (~4 for a
+# key-value store's spec). orbax makes both for every save: it times each batch of arrays with
+# the first and resolves each array's file spec with the second. A training process grew by
+# ~0.13-0.2 MB with every checkpoint of `configs/tiny.py`; the functions below return the same
+# values from the text forms of both, which are freed, and `_use_freed_tensorstore_calls` puts
+# them in place when this module is imported.
+
 # `tensorstore_kvstore_<driver>_bytes_written 1234` (a label set, if any, before the value)
 _IO_BYTES_LINE = re.compile(r"^tensorstore_kvstore_\w+?_bytes_(written|read)(?:\{[^}]*\})? (\S+)$")
 
 
 def tensorstore_io_bytes(direction=None) -> int:
     """The bytes tensorstore's key-value stores have written (`direction` orbax's
-    ``IoDirection.WRITE``, or None) or read (``IoDirection.READ``) in this process, from
-    tensorstore's metrics in Prometheus's text format.
-
-    orbax times each array save and restore with these totals, and reads them with
-    ``tensorstore.experimental_collect_matching_metrics``, whose result tensorstore (0.1.86 and
-    earlier) never frees: ~3.5 KB of Python lists and dicts a call, two calls for each batch of
-    arrays written, which made a training process grow by ~0.2 MB with every checkpoint (~60 MB
-    over 300 checkpoints of `configs/tiny.py`). The text form is freed; the totals are the same.
-    `_use_freed_io_metrics` makes orbax read them here."""
+    ``IoDirection.WRITE``, or None) or read (``IoDirection.READ``) in this process: orbax's
+    ``get_tensorstore_raw_bytes``, from the metrics' Prometheus text form."""
     import tensorstore as ts
 
     wanted = "read" if getattr(direction, "value", "write") == "read" else "written"
@@ -84,23 +86,46 @@ def tensorstore_io_bytes(direction=None) -> int:
     return total
 
 
-def _use_freed_io_metrics() -> None:
-    """Points orbax's byte counter at `tensorstore_io_bytes` (once; orbax versions without that
-    counter, or a tensorstore without the text form, keep their own)."""
+def kvstore_spec_to_json(spec, include_defaults: bool = False):
+    """``tensorstore.KvStore.Spec.to_json``, read back from the spec's repr,
+    ``KvStore.Spec({...})``, where that holds no escape (tensorstore's own for anything else:
+    defaults included; a non-ASCII path, which the repr spells as escaped UTF-8 bytes)."""
+    original = kvstore_spec_to_json.tensorstore_original
+    if not include_defaults:
+        text = repr(spec)
+        if text.startswith("KvStore.Spec(") and text.endswith(")") and "\\" not in text:
+            try:
+                value = ast.literal_eval(text[len("KvStore.Spec("):-1])
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                value = None
+            if isinstance(value, dict):
+                return value
+    return original(spec, include_defaults=include_defaults)
+
+
+def _use_freed_tensorstore_calls() -> None:
+    """Once: orbax's byte counter reads `tensorstore_io_bytes`, and ``KvStore.Spec.to_json`` is
+    `kvstore_spec_to_json` (each left as it is where this orbax or tensorstore lacks what it
+    replaces or reads)."""
     try:
         import tensorstore as ts
         from orbax.checkpoint._src.serialization import tensorstore_utils
     except ImportError:
         return
-    original = getattr(tensorstore_utils, "get_tensorstore_raw_bytes", None)
-    if (original is None or original is tensorstore_io_bytes
-            or not hasattr(ts, "experimental_collect_prometheus_format_metrics")):
-        return
-    tensorstore_io_bytes.orbax_original = original  # for the test that the totals agree
-    tensorstore_utils.get_tensorstore_raw_bytes = tensorstore_io_bytes
+    counter = getattr(tensorstore_utils, "get_tensorstore_raw_bytes", None)
+    if (counter is not None and counter is not tensorstore_io_bytes
+            and hasattr(ts, "experimental_collect_prometheus_format_metrics")):
+        tensorstore_io_bytes.orbax_original = counter  # for the test that the totals agree
+        tensorstore_utils.get_tensorstore_raw_bytes = tensorstore_io_bytes
+    spec_class = getattr(getattr(ts, "KvStore", None), "Spec", None)
+    to_json = getattr(spec_class, "__dict__", {}).get("to_json")
+    if to_json is not None and to_json is not kvstore_spec_to_json:
+        kvstore_spec_to_json.tensorstore_original = to_json
+        with contextlib.suppress(TypeError, AttributeError):  # a tensorstore whose classes are immutable
+            spec_class.to_json = kvstore_spec_to_json
 
 
-_use_freed_io_metrics()
+_use_freed_tensorstore_calls()
 
 
 def _item_handler(backend: str) -> ocp.StandardCheckpointHandler:
