@@ -419,12 +419,15 @@ def test_pallas_tpu_flash_in_interpret_mode():
             def copy(x_ref, o_ref):
                 o_ref[...] = x_ref[...]
 
-            pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(
-                jnp.zeros((8, 128), jnp.float32))
+            jax.block_until_ready(pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(
+                jnp.zeros((8, 128), jnp.float32)))
     except Exception as e:  # noqa: BLE001 - the interpreter itself is unavailable here
         pytest.skip(f"Pallas TPU interpret mode does not run here: {type(e).__name__}: {e}")
+    # Each interpreted call is waited for before anything else is dispatched: the interpreter's
+    # callbacks run JAX operations of their own on the device's queue, and an operation queued
+    # behind the interpreted call meanwhile left both waiting (the test hung, now and then).
     with pltpu.force_tpu_interpret_mode():
-        got = _pallas_tpu_flash(q, k, v, spec)
+        got = jax.block_until_ready(_pallas_tpu_flash(q, k, v, spec))
     want = dot_product_attention(q, k, v, spec.materialize(), impl="reference")[0]
     np.testing.assert_allclose(got, want, atol=2e-5)
     # Queries that see no key get zeros, as on every backend; the kernel gave them an average of
@@ -440,7 +443,7 @@ def test_pallas_tpu_flash_in_interpret_mode():
     for mask, (q_, k_, v_) in ((left_padded, (q, k, v)), (cross, (q2, k2, v2)), (one_row, (q2, k2, v2))):
         assert _pallas_tpu_supports(mask, *mask.materialize().shape[2:])
         with pltpu.force_tpu_interpret_mode():
-            got = _pallas_tpu_flash(q_, k_, v_, mask)
+            got = jax.block_until_ready(_pallas_tpu_flash(q_, k_, v_, mask))
         want = dot_product_attention(q_, k_, v_, mask.materialize(), impl="reference")[0]
         assert (np.abs(np.asarray(want)).max(axis=(2, 3)) == 0).any()  # some rows see no key
         np.testing.assert_allclose(got, want, atol=2e-5)
