@@ -7,8 +7,8 @@ checkpoint every ``--checkpoint-every`` steps (5 kept), samples the child's ``/p
 ``--interval`` seconds, and prints one JSON object (also written to ``--out``):
 
 * ``rss_mb_first`` / ``rss_mb_last``: resident memory at the first sample after the first
-  checkpoint and at the last sample before the last checkpoint (after it, the run evaluates on the
-  test set);
+  checkpoint and at the last sample before the last checkpoint (after it, the run's final
+  evaluation);
 * ``rss_kb_per_checkpoint``: the least-squares slope of resident memory against checkpoints saved,
   over the last three quarters of those samples (the first quarter holds caches filling and the
   allocator settling); what a run of days grows by with each save;
@@ -89,7 +89,7 @@ def run(steps: int, checkpoint_every: int, workdir: str, data_dir: str, interval
         with open(os.path.join(workdir, "train.log")) as f:
             tail = f.read()[-3000:]
         raise SystemExit(f"train.py exited with status {child.returncode}:\n{tail}")
-    training = [s for s in samples if s["checkpoints"] < steps // checkpoint_every]  # not the final test
+    training = [s for s in samples if s["checkpoints"] < steps // checkpoint_every]  # before the final eval
     late = training[len(training) // 4:]
     if len(late) < 2:
         raise SystemExit(f"only {len(training)} samples between the first and the last checkpoint: "
