@@ -344,17 +344,19 @@ def test_enfr_builtin_end_to_end(data_dir, tmp_path):
     english = lambda split: {r["en"] for r in builders.data_source(
         builders.builtin_builder("enfr_builtin", data_dir, "small"), split)}
     assert not english("train") & english("test") and not english("validation") & english("test")
-    rev = inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small",
-                                     reverse=True), str(tmp_path), shard=shard())
-    # fr -> en: every evaluation source is a French sentence of the corpus and its target the
-    # English one it pairs with.
     builder = builders.builtin_builder("enfr_builtin", data_dir, "small")
     every = {(r["en"].decode(), r["fr"].decode()) for split in ("train", "validation", "test")
              for r in builders.data_source(builder, split)}
-    row = rev.eval_batches[0]
-    decoded = [(rev.tokenizer.decode(row["targets"][i]), rev.tokenizer.decode(row["inputs"][i]))
-               for i in range(len(row["inputs"])) if row["inputs"][i].any()]
-    assert decoded and all(pair in every for pair in decoded), decoded[:3]
+    # fr -> en, asked for three ways (one language set alone takes the other for the other side; it
+    # took the default's, a French -> French copy task): every evaluation source is a French
+    # sentence of the corpus and its target the English one it pairs with.
+    for direction in (dict(reverse=True), dict(source_lang="fr"), dict(target_lang="en")):
+        rev = inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small", **direction),
+                                    str(tmp_path), shard=shard())
+        row = rev.eval_batches[0]
+        decoded = [(rev.tokenizer.decode(row["targets"][i]), rev.tokenizer.decode(row["inputs"][i]))
+                   for i in range(len(row["inputs"])) if row["inputs"][i].any()]
+        assert decoded and all(pair in every for pair in decoded), (direction, decoded[:3])
 
 
 def test_stdlib_lm_end_to_end(data_dir, tmp_path):
@@ -502,9 +504,12 @@ def test_config_errors(data_dir, tmp_path):
     with pytest.raises(ValueError, match="not prepared.*lm1b"):
         inputs.build_datasets(_cfg("lm1b", str(tmp_path / "none")), str(tmp_path),
                               shard=shard())
-    with pytest.raises(ValueError, match="language 'xx'"):
+    with pytest.raises(ValueError, match="dataset.source_lang='xx'.*no language 'xx'"):
         inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small",
                                    source_lang="xx"), str(tmp_path), shard=shard())
+    with pytest.raises(ValueError, match="source_lang and dataset.target_lang are both 'fr'"):
+        inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small", source_lang="fr",
+                                   target_lang="fr"), str(tmp_path), shard=shard())
 
 
 def test_missing_eval_split_is_an_error_not_replaced(data_dir, tmp_path):

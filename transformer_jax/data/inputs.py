@@ -53,7 +53,8 @@ def default_dataset_config(name: str = "enfr_builtin") -> ml_collections.ConfigD
     cfg.train_files = ()  # 'tsv' / 'text': paths
     cfg.eval_files = ()
     # Translation direction: source_lang -> target_lang (feature names of the dataset);
-    # '' = the dataset's default (en -> fr, en -> de, source -> target).
+    # '' = the dataset's default (en -> fr, en -> de, source -> target); one of them set alone
+    # takes the dataset's other language for the other (source_lang='fr' on en-fr: fr -> en).
     cfg.source_lang = ""
     cfg.target_lang = ""
     cfg.reverse = False  # swap source and target
@@ -89,13 +90,30 @@ class Datasets:
 
 
 def _direction(cfg, default: tuple[str, str], available) -> tuple[str, str]:
-    src, tgt = cfg.source_lang or default[0], cfg.target_lang or default[1]
+    """(source, target) language of a translation dataset with the two languages ``available``.
+
+    One side set alone takes the dataset's other language as the other side (``source_lang='fr'``
+    on en-fr is fr -> en), neither set is ``default``, and both set to the same language is an
+    error: a copy task, whose loss falls and whose BLEU looks high, teaches no translation.
+    """
+    src, tgt = cfg.source_lang, cfg.target_lang
+    for key, lang in (("source_lang", src), ("target_lang", tgt)):
+        if lang and lang not in available:
+            raise DataError(f"dataset.{key}={lang!r}: dataset {cfg.name!r} has no language {lang!r}; "
+                            f"it has {sorted(available)}")
+    other = lambda lang: next(x for x in available if x != lang)  # noqa: E731
+    if src and not tgt:
+        tgt = other(src)
+    elif tgt and not src:
+        src = other(tgt)
+    elif not src:
+        src, tgt = default
+    if src == tgt:
+        raise DataError(f"dataset.source_lang and dataset.target_lang are both {src!r}: a translation "
+                        f"needs two languages (dataset {cfg.name!r} has {sorted(available)}); set one "
+                        f"of them, or neither for {default[0]} -> {default[1]}")
     if cfg.reverse:
         src, tgt = tgt, src
-    for lang in (src, tgt):
-        if lang not in available:
-            raise DataError(f"Dataset {cfg.name!r} has no language {lang!r}; it has "
-                            f"{sorted(available)}")
     return src, tgt
 
 
