@@ -445,6 +445,25 @@ def test_a_tiny_temperature_samples_the_likeliest_token():
     assert np.all(np.asarray(tokens) == 7)
 
 
+@pytest.mark.parametrize("temperature", [1e-29, 1e-38, 1e-50])
+def test_a_tiny_temperature_is_greedy_and_keeps_masked_tokens_masked(temperature):
+    """Below ~1e-28 every real logit over the temperature fell under the masks' NEG_INF, and EOS, the
+    likeliest token but forbidden before min_new_tokens, was drawn first; at 1e-38 the positive
+    ones overflowed to +inf and any of them was drawn; 1e-50, 0 in float32, divided by zero. Each
+    is now greedy decoding with EOS held back."""
+    row = jnp.asarray([0.0, 60.0, 5.0, 10.0, 9.9, 9.95, -3.0, -40.0, 0.0, 1.0, 2.0])
+    prompts = jnp.full((32, 1), 2, jnp.int32)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=3, eos_id=EOS, pad_id=PAD)
+    for offset in (0.0, -70.0):  # positive logits and negative ones
+        table = jnp.tile(row + offset, (V, 1))
+        greedy = generate(bigram_step, table, bigram_cache(32), prompts, jnp.ones(32, jnp.int32), **kwargs)
+        out = generate(bigram_step, table, bigram_cache(32), prompts, jnp.ones(32, jnp.int32),
+                       rng=jax.random.key(0), temperature=temperature, **kwargs)
+        assert np.asarray(greedy.tokens)[0].tolist() == [3, 3, 3, EOS]
+        np.testing.assert_array_equal(out.tokens, greedy.tokens, err_msg=str(offset))
+        np.testing.assert_allclose(out.logprobs, greedy.logprobs, rtol=1e-6)
+
+
 def test_sampling_draws_one_random_number_per_row():
     """Gumbel-max sampling (`jax.random.categorical`) draws one random number per token and takes
     two logarithms of each: ~5.7 ms for [8, 50257] on this CPU, half a decoding step. The sampler

@@ -326,10 +326,18 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
         return tokens, -log_total
     col_max = jnp.max(logits_t, axis=0, keepdims=True)
     log_total = jnp.log(jnp.sum(jnp.exp(logits_t - col_max), axis=0))  # logsumexp - max
-    # greedy=None: a traced temperature, which may be 0 (argmax) or not (sampling).
-    scaled = logits / (temperature if greedy is not None else jnp.where(temperature > 0, temperature, 1.0))
-    # Masked logits (EOS before min_new_tokens, banned tokens: NEG_INF) stay masked whatever the
-    # temperature: divided by a huge one they would come near 0 and be drawn again.
+    # greedy=None: a traced temperature, which may be 0 (argmax) or not (sampling). One that is 0
+    # in float32 (1e-50) divides as its smallest normal number: the limit, argmax.
+    divisor = temperature if greedy is not None else jnp.where(temperature > 0, temperature, 1.0)
+    divisor = jnp.maximum(divisor, jnp.finfo(jnp.float32).tiny)
+    # The row's maximum is taken off before dividing (a finite one; a +inf logit stays +inf and takes
+    # all the mass): the likeliest token's value is 0 and no other overflows to +inf at any
+    # temperature, and the others are held at 0.5 * NEG_INF or above, over the masked logits (EOS
+    # before min_new_tokens, banned tokens: NEG_INF). Divided by a tiny temperature, real logits
+    # fell under NEG_INF and the masked tokens were drawn (1e-29), or overflowed and were drawn
+    # alike (1e-38); divided by a huge one, the masked came near 0: they are set back to NEG_INF.
+    shift = jnp.where(jnp.isfinite(col_max), col_max, 0.0).T
+    scaled = jnp.maximum((logits - shift) / divisor, 0.5 * NEG_INF)
     scaled = jnp.where(logits <= NEG_INF, NEG_INF, scaled)
     if top_k:
         scaled = _top_k_mask(scaled, top_k)
