@@ -106,6 +106,8 @@ def test_sampled_text_does_not_depend_on_the_batch_size(tmp_path):
     assert by_three == run_cli(*common, "--batch_size=5")
     assert len(set(by_three)) == len(texts) and by_three != run_cli(*common[:3])  # greedy differs
     assert by_three != run_cli(*common[:-1], "--seed=6", "--batch_size=3")
+    # All 64 bits of the seed count: 5 + 2**32 sampled what 5 did (jax.random.key keeps 32 bits).
+    assert by_three != run_cli(*common[:-1], f"--seed={5 + 2**32}", "--batch_size=3")
 
 
 def _library_decode(directory, text, new_tokens, seed=None, **kwargs):

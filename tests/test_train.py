@@ -169,11 +169,13 @@ def test_the_seed_sets_the_initial_parameters_and_the_dropout_key(tmp_path, monk
                                     num_decoder_layers=1, max_len=8))
     mesh = parallel.create_mesh(data=-1)
     states = [jax.device_get(state_lib.create_train_state(model, optax.sgd(0.1), mesh, seed)[0])
-              for seed in (0, 0, 1)]
+              for seed in (0, 0, 1, 2**32, -(2**63))]
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     assert same(states[0], states[1])
-    assert not np.allclose(states[0].params["embed"]["embedding"], states[2].params["embed"]["embedding"])
-    assert not np.array_equal(states[0].rng, states[2].rng)
+    # Seeds that differ only above the low 32 bits differ too (jax.random.PRNGKey kept those alone).
+    for other in states[2:]:
+        assert not np.allclose(states[0].params["embed"]["embedding"], other.params["embed"]["embedding"])
+        assert not np.array_equal(states[0].rng, other.rng)
     assert int(states[2].step) == 0
 
     seeds = []
@@ -1086,3 +1088,23 @@ def test_dataset_settings_the_dataset_does_not_read_are_named():
     config.dataset.reverse = False
     assert [w.split("=")[0] for w in unread_dataset_settings(config)] == [
         "WARNING: config.dataset.builder_config"]
+
+
+def test_key_from_seed_uses_all_64_bits_of_the_seed():
+    """`key_from_seed` is JAX's key for the seed with 64-bit integers on: jax.random.key(seed) in
+    [0, 2**32), and distinct keys where JAX's default keeps the low 32 bits (0, 2**32, -2**63 and
+    -1, 2**32 - 1 fell together)."""
+    from transformer_jax.params import key_from_seed
+
+    seeds = (0, 1, 2**32 - 1, 2**32, 2**32 + 1, -1, -(2**63), 2**63 - 1)
+    data = [tuple(np.asarray(jax.random.key_data(key_from_seed(s))).tolist()) for s in seeds]
+    assert len(set(data)) == len(seeds), data
+    assert data[3] == (1, 0) and data[5] == (2**32 - 1, 2**32 - 1)
+    for s in (0, 1, 2**31, 2**32 - 1):
+        np.testing.assert_array_equal(jax.random.key_data(key_from_seed(s)),
+                                      jax.random.key_data(jax.random.key(s)))
+        np.testing.assert_array_equal(key_from_seed(s, legacy=True), jax.random.PRNGKey(s))
+    assert key_from_seed(2**32).dtype == jax.random.key(0).dtype
+    for bad in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match=r"must be in \[-2\*\*63, 2\*\*63\)"):
+            key_from_seed(bad)

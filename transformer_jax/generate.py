@@ -463,6 +463,8 @@ def generate_texts(
     """
     import jax
 
+    from transformer_jax.params import key_from_seed
+
     opts.check()
     encoded = encode_inputs(gen, texts, opts)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
@@ -473,7 +475,7 @@ def generate_texts(
 
         chunks = tqdm(chunks, desc="generate", unit="batch", file=sys.stderr)
     outputs: list[str] = [""] * len(encoded)
-    rng = jax.random.key(opts.seed)
+    rng = key_from_seed(opts.seed)  # all 64 bits: seeds 0 and 2**32 differ
     for chunk in chunks:
         # Input i samples with fold_in(key(seed), i): its text does not depend on --batch_size or
         # on the inputs that share its batch.

@@ -1,13 +1,34 @@
-"""Parameter shapes and counts without allocating memory (`jax.eval_shape`)."""
+"""Parameter shapes and counts without allocating memory (`jax.eval_shape`), and the key a seed
+initialises them from."""
 
 from __future__ import annotations
 
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.config import ModelConfig
+
+
+def key_from_seed(seed: int, *, legacy: bool = False) -> jax.Array:
+    """The PRNG key for an integer ``seed`` in [-2**63, 2**63): the key JAX makes for it with 64-bit
+    integers on (``jax.random.key(seed)`` for a seed in [0, 2**32), as ever).
+
+    With them off (JAX's default) ``jax.random.key`` keeps a seed's low 32 bits, so seeds 0 and 2**32
+    (or -2**63) gave the same key. ``legacy``: the raw uint32 key of ``jax.random.PRNGKey`` instead
+    of a typed one.
+    """
+    seed = operator.index(seed)
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed={seed}: must be in [-2**63, 2**63)")
+    make = jax.random.PRNGKey if legacy else jax.random.key
+    if 0 <= seed < 2**32:
+        return make(seed)
+    with jax.enable_x64(True):
+        return make(np.int64(seed))
 
 
 def build_model(config: ModelConfig):

@@ -18,10 +18,11 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from transformer_jax import parallel
-from transformer_jax.params import dummy_inputs
+from transformer_jax.params import dummy_inputs, key_from_seed
 
 
 @flax.struct.dataclass
@@ -49,8 +50,10 @@ class TrainState:
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seed: int, loss_scale: float | None):
     """() -> TrainState with ``nn.Partitioned`` boxes still on params and moments."""
 
+    key = np.asarray(key_from_seed(seed, legacy=True))  # a constant of the program, on every host
+
     def init():
-        params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
+        params_key, dropout_key = jax.random.split(key)
         params = model.init(params_key, *dummy_inputs(model))["params"]
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=dropout_key,
