@@ -188,9 +188,10 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(data_dir, tmp_path, re
 
 
 def test_a_stop_between_logging_steps_logs_the_steps_before_it(data_dir, tmp_path, reference, monkeypatch):
-    """Logging every 4 steps, stopped after step 6: steps 5-6 are logged at the stop (they were
-    dropped, and the resume starts after them), and the resumed run logs 7-8 at step 8. The figures
-    returned at the stop say which step their evaluation is of (4, not the stop's 6)."""
+    """Logging every 4 steps, a checkpoint every 5, stopped after step 6: step 5 is logged with its
+    checkpoint and step 6 at the stop (they were dropped, and the resume starts after them), and the
+    resumed run logs 7-8 at step 8. The figures returned at the stop say which step their evaluation
+    is of (4, not the stop's 6)."""
     from transformer_jax.training import checkpoint as ckpt_lib
     from transformer_jax.training import metrics
 
@@ -211,12 +212,35 @@ def test_a_stop_between_logging_steps_logs_the_steps_before_it(data_dir, tmp_pat
     monkeypatch.undo()
     assert committed_at_message and committed_at_message[0][-1] == 6, committed_at_message
     assert final["step"] == 6 and final["eval_step"] == 4 and "eval_loss" in final
-    assert sorted(train_losses(workdir)) == [4, 6] and Checkpointer(workdir).latest_step() == 6
+    assert sorted(train_losses(workdir)) == [4, 5, 6] and Checkpointer(workdir).latest_step() == 6
     train_and_evaluate(tiny_config(data_dir, log_every_steps=4, num_train_steps=8), workdir)
     losses, each = train_losses(workdir), reference[0]  # the reference logs every step
-    assert sorted(losses) == [4, 6, 8]
-    for step, first in [(4, 1), (6, 5), (8, 7)]:
+    assert sorted(losses) == [4, 5, 6, 8]
+    for step, first in [(4, 1), (5, 5), (6, 6), (8, 7)]:
         window = [each[s] for s in range(first, step + 1)]
+        np.testing.assert_allclose(losses[step], np.mean(window), rtol=1e-5)
+
+
+def test_a_run_resumed_from_any_checkpoint_logs_the_lines_of_an_uninterrupted_one(data_dir, tmp_path,
+                                                                                  reference):
+    """Logging every 4 steps with a checkpoint every 5: each checkpoint ends a logging window too
+    (lines at 4, 5, 8, 10, 12). Resumed from step 5 after a crash lost checkpoints 10 and 12, the run
+    drops its lines after 5 and logs the same ones again. A window ran across a checkpoint: the
+    dropped line at 8 covered steps 5-8 and the resumed run's 6-8 alone, step 5 in no line."""
+    import shutil
+
+    workdir = str(tmp_path / "w")
+    config = tiny_config(data_dir, log_every_steps=4, num_train_steps=12)
+    train_and_evaluate(config, workdir)
+    first = train_losses(workdir)
+    for step in (10, 12):
+        shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
+    assert Checkpointer(workdir).latest_step() == 5
+    train_and_evaluate(config, workdir)
+    losses, each = train_losses(workdir), reference[0]  # the reference logs every step
+    assert sorted(losses) == [4, 5, 8, 10, 12] and losses == first
+    for step, start in [(4, 1), (5, 5), (8, 6), (10, 9), (12, 11)]:
+        window = [each[s] for s in range(start, step + 1)]
         np.testing.assert_allclose(losses[step], np.mean(window), rtol=1e-5)
 
 

@@ -553,7 +553,8 @@ def test_non_finite_stops_or_skips(data_dir, tmp_path, monkeypatch):
         data_dir, num_train_steps=8, log_every_steps=1, checkpoint_every_steps=2, inject_nan_at_step=5
     )
     config.optimizer.warmup_steps = 10  # a rising rate: the rate of each step differs
-    with pytest.raises(FloatingPointError, match=r"step 5 .*Last good checkpoint: step 4"):
+    # Numbered from 1, as metrics.jsonl numbers the step (its records[5] below): "step 5 (0-based)"
+    with pytest.raises(FloatingPointError, match=r"at step 6\. Last good checkpoint: step 4"):
         train_and_evaluate(config, str(tmp_path / "stop"))
     assert closed, "the input pipeline of a run that failed was left open"
     closed.clear()
@@ -578,6 +579,10 @@ def test_log_window_leaves_out_skipped_steps():
     assert window["tokens_per_sec"] == 30 and "real_tokens" not in window  # skipped steps ran
     only_skipped = loop._summarise([step(np.nan, 0)], 1.0, 0.0, None)
     assert np.isnan(only_skipped["loss"]) and only_skipped["skipped"] == 1
+    # The window's perplexity is exp of its nll, as each step's is (the mean of exp(nll) exceeds it).
+    nll = lambda value: {**step(value, 1), "nll": value, "perplexity": np.exp(value)}
+    window = loop._summarise([nll(5.0), nll(7.0), nll(6.24)], 1.0, 0.0, None)
+    assert window["nll"] == pytest.approx(6.08) and window["perplexity"] == pytest.approx(np.exp(6.08))
 
 
 def test_window_throughput_counts_real_tokens_and_mfu_every_step_of_it():

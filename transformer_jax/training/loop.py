@@ -140,7 +140,9 @@ def _compile_steps(model, tx, schedule, settings, shardings, mesh):
 
 def _summarise(history: list, seconds: float, flops: float, peak, num_devices=None) -> dict:
     """Means of the per-step metrics since the last log, plus throughput and MFU; the learning rate
-    is the logged step's own (a mean over a warm-up window is no step's rate). tokens/s counts each
+    is the logged step's own (a mean over a warm-up window is no step's rate), the perplexity
+    exp(the window's nll) (the mean of each step's exp(nll) exceeded it: 443 against
+    exp(6.08) = 437). tokens/s counts each
     step's ``real_tokens`` (source and target tokens that are not padding, over the global batch).
     The MFU is against ``peak`` TFLOP/s on each of ``num_devices`` (the mesh's; default every device).
 
@@ -157,6 +159,8 @@ def _summarise(history: list, seconds: float, flops: float, peak, num_devices=No
     for key in ("learning_rate", "loss_scale"):  # the logged step's own
         if key in host[-1]:
             out[key] = float(host[-1][key])
+    if "nll" in out and "perplexity" in out:  # exp of the window's nll, not the mean of each step's
+        out["perplexity"] = float(np.exp(out["nll"]))
     overflowed = sum(bool(h.get("overflow", 0)) for h in host)
     out["skipped"] = len(host) - len(finite) - overflowed
     if "overflow" in host[0]:
@@ -436,12 +440,17 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
                 if pending is not None and _non_finite_step(pending[1]):
                     skipped += _non_finite(config, pending[0], checkpointer, log)
                 pending = None
+                if history:
+                    # A checkpoint ends the logging window (a line here too where checkpoint_every_steps
+                    # is not a multiple of log_every_steps, or at a stop): a run resumed from it logs the
+                    # lines an uninterrupted run does. A window across it lost its steps up to the
+                    # checkpoint when a crash dropped its line, the resumed run's line covering the rest.
+                    summary = log_window(done)
+                    history, last_log = [], time.time()
                 # Keep-best ranks a checkpoint only by an evaluation of this very step; one saved
                 # between evaluations (at preemption) has no metrics and is kept while it is the latest.
                 checkpointer.save(state, data.train_iter, eval_metrics if evaluated else None, force=stop)
-            if stop:
-                if history:  # the steps since the last line: the resume starts after them
-                    summary = log_window(done)
+            if stop:  # (its steps since the last line were logged with the checkpoint)
                 # The save runs in the background: "saved" only once it has committed (a scheduler's
                 # SIGKILL at the end of its grace period may follow the line at once).
                 checkpointer.wait()
@@ -495,14 +504,16 @@ def _non_finite_step(step_metrics: dict) -> bool:
 
 
 def _non_finite(config, step: int, checkpointer, log) -> int:
-    """Skips (returns 1) or stops with the step number and the last good checkpoint."""
+    """Skips (returns 1) or stops with the step number and the last good checkpoint. ``step`` is
+    0-based (the updates before it); the messages number it from 1, as metrics.jsonl, the
+    evaluations and the checkpoints do."""
     if config.skip_nonfinite:
-        log.message(f"step {step}: non-finite loss, gradients or update; step skipped (state unchanged).")
+        log.message(f"step {step + 1}: non-finite loss, gradients or update; step skipped (state unchanged).")
         return 1
     checkpointer.wait()
     last = checkpointer.latest_step()
     where = f"step {last} in {checkpointer.directory}" if last is not None else "none yet"
     raise FloatingPointError(
-        f"Non-finite loss, gradients or update at step {step} (0-based). Last good checkpoint: {where}. "
+        f"Non-finite loss, gradients or update at step {step + 1}. Last good checkpoint: {where}. "
         "Lower the learning rate, enable optimizer.grad_clip_norm, or set config.skip_nonfinite=True."
     )
