@@ -13,7 +13,8 @@ def sinusoidal_encoding(positions, d_model: int, layout: str = "interleaved", ma
 
     positions: integer array [...]; returns float32 [..., D]. `layout='interleaved'` is the paper's
     (sin on even dimensions, cos on odd); `'concat'` puts all sines first, then all cosines (the
-    layout of Marian / fairseq checkpoints). Same frequencies either way.
+    layout of Marian checkpoints). Same frequencies either way (fairseq's sinusoids are not these:
+    their frequencies are 10000^(-i/(D/2 - 1)) and their positions start after the padding id).
     """
     i = jnp.arange(d_model // 2, dtype=jnp.float32)
     inv_freq = 1.0 / (max_timescale ** (2.0 * i / d_model))
