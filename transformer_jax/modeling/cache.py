@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import operator
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.modeling import native
@@ -102,19 +104,37 @@ def _count(name: str, value) -> int:
     return value
 
 
+def _split_over_mesh(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """``x`` split by the logical axis ``names`` under `parallel.sharding_context` (a mesh and its
+    rules in scope), as the activations that fill it are; ``x`` as it is without them. A dimension
+    the mesh does not divide (a batch of 3 on 8 devices, one key/value head on a tensor axis of 2)
+    stays whole. Without this a decoding cache was whole on every device of the mesh."""
+    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return x
+    spec = []
+    for dim, axes in zip(x.shape, nn.logical_to_mesh_axes(names, rules), strict=True):
+        named = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = int(np.prod([mesh.shape[a] for a in named])) if set(named) <= set(mesh.shape) else 0
+        spec.append(axes if named and size and dim % size == 0 else None)
+    if not any(spec):
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
+
+
 def empty_layers(config: ModelConfig, batch_size: int, max_length: int, dtype=None):
     batch_size, max_length = _count("batch_size", batch_size), _count("max_length", max_length)
     dtype = cache_dtype(config) if dtype is None else dtype
     if not jnp.issubdtype(dtype, jnp.floating):  # an integer cache truncated every key and value
         raise ValueError(f"the cache dtype must be a floating-point type, got {jnp.dtype(dtype).name}")
     shape = (batch_size, config.kv_heads, max_length, config.qk_dim)
+    names = ("batch", "kv_heads", "length", "kv")
     if config.scan_layers:
-        shape = (batch_size, config.num_decoder_layers) + shape[1:]
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-    return tuple(
-        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-        for _ in range(config.num_decoder_layers)
-    )
+        shape, names = (batch_size, config.num_decoder_layers) + shape[1:], ("batch", "layers") + names[1:]
+    zeros = lambda: _split_over_mesh(jnp.zeros(shape, dtype), names)  # noqa: E731
+    if config.scan_layers:
+        return {"k": zeros(), "v": zeros()}
+    return tuple({"k": zeros(), "v": zeros()} for _ in range(config.num_decoder_layers))
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -125,5 +145,5 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     """
     return KVCache(
         layers=empty_layers(config, batch_size, max_length, dtype),
-        lengths=jnp.zeros((batch_size,), jnp.int32),
+        lengths=_split_over_mesh(jnp.zeros((batch_size,), jnp.int32), ("batch",)),
     )
