@@ -462,6 +462,15 @@ def test_a_tiny_temperature_is_greedy_and_keeps_masked_tokens_masked(temperature
         assert np.asarray(greedy.tokens)[0].tolist() == [3, 3, 3, EOS]
         np.testing.assert_array_equal(out.tokens, greedy.tokens, err_msg=str(offset))
         np.testing.assert_allclose(out.logprobs, greedy.logprobs, rtol=1e-6)
+    # A +inf logit takes all the mass: a finite 50 overflowed to +inf too and shared the draw.
+    from transformer_jax.decoding.sampling import _choose
+
+    forced = jnp.tile(jnp.asarray([[jnp.inf, 50.0, 0.0, -1.0]]), (256, 1))
+    for greedy in (False, None):  # a Python temperature, and a traced one
+        tokens, _ = _choose(forced, jax.random.key(0), jnp.int32(0), jnp.float32(temperature),
+                            jnp.float32(1.0), jnp.int32(0), greedy=greedy, top_k=0, use_top_p=False,
+                            eos_id=None)
+        assert (np.asarray(tokens) == 0).all(), (greedy, np.bincount(np.asarray(tokens)))
 
 
 def test_sampling_draws_one_random_number_per_row():

@@ -59,3 +59,16 @@ def test_caches_on_a_mesh_are_split_as_their_activations_are():
                 for leaf in jax.tree.leaves(cache.layers):
                     assert {s.data.shape for s in leaf.addressable_shards} == {
                         (rows, cfg.kv_heads // 2, 16, cfg.qk_dim)}, (batch_size, leaf.sharding)
+
+
+def test_a_cache_made_inside_shard_map_takes_no_constraint():
+    """Inside jax.shard_map the mesh's axes are Manual: the cache's placement (for Auto axes only)
+    is left out there; a constraint naming a Manual axis is an error."""
+    from jax.sharding import PartitionSpec as P
+
+    config = tj.presets.tiny(norm="pre", num_encoder_layers=0)
+    mesh = parallel.create_mesh(data=4, tensor=2)
+    with parallel.sharding_context(mesh):
+        per_shard = jax.shard_map(lambda x: x + tj.init_cache(config, 2, 4).lengths, mesh=mesh,
+                                  in_specs=P("data"), out_specs=P("data"))
+        np.testing.assert_array_equal(jax.jit(per_shard)(np.arange(8, dtype=np.int32)), np.arange(8))

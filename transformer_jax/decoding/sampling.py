@@ -330,14 +330,18 @@ def _choose(logits, rng, step, temperature, top_p, min_new_tokens, *, greedy, to
     # in float32 (1e-50) divides as its smallest normal number: the limit, argmax.
     divisor = temperature if greedy is not None else jnp.where(temperature > 0, temperature, 1.0)
     divisor = jnp.maximum(divisor, jnp.finfo(jnp.float32).tiny)
-    # The row's maximum is taken off before dividing (a finite one; a +inf logit stays +inf and takes
-    # all the mass): the likeliest token's value is 0 and no other overflows to +inf at any
+    # The row's maximum is taken off before dividing (a finite one; rows with a +inf logit below):
+    # the likeliest token's value is 0 and no other overflows to +inf at any
     # temperature, and the others are held at 0.5 * NEG_INF or above, over the masked logits (EOS
     # before min_new_tokens, banned tokens: NEG_INF). Divided by a tiny temperature, real logits
     # fell under NEG_INF and the masked tokens were drawn (1e-29), or overflowed and were drawn
     # alike (1e-38); divided by a huge one, the masked came near 0: they are set back to NEG_INF.
     shift = jnp.where(jnp.isfinite(col_max), col_max, 0.0).T
     scaled = jnp.maximum((logits - shift) / divisor, 0.5 * NEG_INF)
+    # A row with a +inf logit: those tokens alone (a finite one over a tiny temperature overflowed
+    # to +inf as well and shared the draw).
+    forced = jnp.where(logits == jnp.inf, 0.0, 0.5 * NEG_INF)
+    scaled = jnp.where(jnp.isposinf(col_max.T), forced, scaled)
     scaled = jnp.where(logits <= NEG_INF, NEG_INF, scaled)
     if top_k:
         scaled = _top_k_mask(scaled, top_k)

@@ -112,10 +112,13 @@ def _split_over_mesh(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return x
+    # Only Auto axes take a constraint (not the Manual axes inside a shard_map, nor Explicit ones).
+    auto = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if kind == jax.sharding.AxisType.Auto}
     spec = []
     for dim, axes in zip(x.shape, nn.logical_to_mesh_axes(names, rules), strict=True):
         named = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        size = int(np.prod([mesh.shape[a] for a in named])) if set(named) <= set(mesh.shape) else 0
+        size = int(np.prod([mesh.shape[a] for a in named])) if set(named) <= auto else 0
         spec.append(axes if named and size and dim % size == 0 else None)
     if not any(spec):
         return x
@@ -137,6 +140,11 @@ def empty_layers(config: ModelConfig, batch_size: int, max_length: int, dtype=No
     return tuple({"k": zeros(), "v": zeros()} for _ in range(config.num_decoder_layers))
 
 
+def empty_lengths(batch_size: int) -> jax.Array:
+    """The tokens held per row of an empty cache: zeros [batch_size], split over the batch axes."""
+    return _split_over_mesh(jnp.zeros((batch_size,), jnp.int32), ("batch",))
+
+
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
     """An empty cache for `TransformerLM` holding up to `max_length` tokens per row.
 
@@ -145,5 +153,5 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     """
     return KVCache(
         layers=empty_layers(config, batch_size, max_length, dtype),
-        lengths=_split_over_mesh(jnp.zeros((batch_size,), jnp.int32), ("batch",)),
+        lengths=empty_lengths(batch_size),
     )

@@ -17,7 +17,7 @@ from transformer_jax.config import ModelConfig
 from transformer_jax.modeling import masks
 from transformer_jax.modeling.attention import projection
 from transformer_jax.modeling.blocks import TransformerBlock
-from transformer_jax.modeling.cache import KVCache, cache_dtype, empty_layers
+from transformer_jax.modeling.cache import KVCache, cache_dtype, empty_layers, empty_lengths
 from transformer_jax.modeling.layers import Embed, make_norm
 from transformer_jax.modeling.positional import sinusoidal_encoding
 
@@ -570,7 +570,7 @@ class Transformer(nn.Module):
         cross = jax.tree.map(lambda a: a.astype(dtype), self.decoder.cross_kv(memory))
         return KVCache(
             layers=empty_layers(self.config, src.shape[0], max_length, dtype),
-            lengths=jnp.zeros((src.shape[0],), jnp.int32),
+            lengths=empty_lengths(src.shape[0]),
             cross=cross,
             source_mask=self.encoder.valid_tokens(src, src_segment_ids),
         )
