@@ -34,7 +34,7 @@ so a run killed at a time limit keeps everything measured before it; no row star
 (default 420 s, for a 10-minute limit), and `--only` runs only some sections (a rerun). Nothing here
 imports the data stack (grain, tensorflow-datasets, ml_collections): a machine with only jax, flax
 and optax runs it.
-`--smoke` shrinks every size (a 2-layer model, 256 tokens) so the whole path runs on CPU in under a
+`--smoke` shrinks every size (a 2-layer model, 256 tokens) so the whole path runs on CPU in about a
 minute; tests/test_benchmarks.py runs it.
 """
 
@@ -450,7 +450,8 @@ def summary(results: dict, limits: dict) -> list[dict]:
             continue
         mfu = train.get("mfu_exact", train["mfu"])
         lines.append(dict(workload="train ~350M decoder bf16", tokens_per_s=train["tokens_per_s"],
-                          ratio=train["mfu"], target=TARGETS["train_mfu"], met=mfu >= TARGETS["train_mfu"]))
+                          ratio=train["mfu"], target=TARGETS["train_mfu"], met=mfu >= TARGETS["train_mfu"],
+                          ratio_causal=train.get("mfu_causal")))
     for row in results.get("decode", {}).get("rows") or []:
         if not _measured(row, "roofline_frac"):
             continue
@@ -505,6 +506,32 @@ def _hardware(sizes: dict, meta: dict, key: str) -> dict | None:
     return None if "error" in meta[key] else meta[key]
 
 
+def _software(device) -> dict:
+    """Versions a figure depends on: the packages, the backend's own (the CUDA or TPU runtime, as
+    the client reports it), and an NVIDIA driver where `nvidia-smi` answers."""
+    import importlib.metadata
+    import subprocess
+
+    versions = {}
+    for package in ("jaxlib", "flax", "optax"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    try:
+        versions["platform_version"] = str(device.client.platform_version)
+    except Exception:  # a backend without the attribute
+        versions["platform_version"] = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+        versions["driver"] = lines[0] if lines else None
+    except (OSError, subprocess.SubprocessError):
+        versions["driver"] = None
+    return versions
+
+
 def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | None = None,
         remat: str = "dots_saveable", decode_model: str = "1.3b") -> dict:
     """The whole suite; `save(report)` (if given) is called with the report so far after every
@@ -517,7 +544,8 @@ def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | Non
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 platform=platform, device_kind=str(device.device_kind),
                 device_count=jax.device_count(), jax=jax.__version__, smoke=smoke,
-                xla_flags=os.environ.get("XLA_FLAGS", ""), remat=remat, decode_model=decode_model)
+                xla_flags=os.environ.get("XLA_FLAGS", ""), remat=remat, decode_model=decode_model,
+                **_software(device))
     results = {}
     report = dict(meta=meta, targets=TARGETS, results=results, summary=[])
 
@@ -549,6 +577,8 @@ def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | Non
                 achieved = train.get("achieved_flops", train["achieved_tflops"] * 1e12)
                 train["mfu_exact"] = achieved / limits["peak_bf16_flops"]
                 train["mfu"] = round(train["mfu_exact"], 3)
+                if "causal_share" in train:  # the masked half of causal attention left out
+                    train["mfu_causal"] = round(train["mfu_exact"] * train["causal_share"], 3)
         for row in results.get("decode", {}).get("rows") or []:
             if _measured(row, "bytes_per_step", "decode_step_s"):
                 row["roofline_frac_exact"] = (row["bytes_per_step"] / limits["bandwidth_bytes_s"]

@@ -61,6 +61,9 @@ def bench_one(impl: str, length: int, *, heads=8, head_dim=64, batch=1, dtype="f
         row["forward_ms"] = round(1e3 * seconds, 3)
         flops = 4 * batch * heads * length * length * head_dim  # QK^T and PV over the full square
         row["forward_tflops"] = round(flops / seconds / 1e12, 3)  # from the unrounded time
+        # The causal triangle only ((L+1)/2 keys a query on average): the work left to a kernel that
+        # skips masked blocks, which the full-square rate above can show above the matmul peak.
+        row["forward_tflops_causal"] = round(flops * (length + 1) / (2 * length) / seconds / 1e12, 3)
         del q, k, v
     # The gradient program is compiled for its memory figure only, after the forward pass is timed:
     # compiling it can fail where the forward pass ran (on a GPU, XLA autotunes each product on

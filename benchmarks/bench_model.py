@@ -13,6 +13,9 @@ output projection; the cross-attention key and value kernels count for source to
 tables and norms are excluded), and 'keys seen' = the full key length
 (causal masking is not discounted). For a decoder-only model this is 6*N*T + 12*layers*L*D*T.
 MFU = model FLOPs / step time / the peak matmul FLOP/s measured in the same run and dtype.
+`causal_share` = the same count with a causal self-attention's keys seen (L+1)/2 on average (the
+work left to a kernel that skips masked blocks) over the count above: `mfu * causal_share` is
+the MFU by that count.
 """
 
 from __future__ import annotations
@@ -65,14 +68,17 @@ def matmul_params(abstract_params, config) -> tuple[int, int, int]:
     return stack("encoder"), stack("decoder") + (embed if config.tie_output else 0), cross_kv
 
 
-def model_flops(config, abstract_params, batch: int, source_len: int, target_len: int) -> float:
-    """FLOPs of one training step (see the module docstring)."""
+def model_flops(config, abstract_params, batch: int, source_len: int, target_len: int,
+                causal: bool = False) -> float:
+    """FLOPs of one training step (see the module docstring); `causal`: the decoder's
+    self-attention counts only the keys a query may see, (target_len + 1) / 2 on average."""
     n_enc, n_dec, n_cross_kv = matmul_params(abstract_params, config)
     src_tokens, tgt_tokens = batch * source_len, batch * target_len
     # The cross-attention keys and values are projections of the source tokens.
     n_enc, n_dec = n_enc + n_cross_kv, n_dec - n_cross_kv
     HK = config.num_heads * config.qk_dim  # the width of the scores' products (d_model in the paper)
-    attention = 12 * config.num_decoder_layers * HK * target_len * tgt_tokens  # decoder self
+    keys_seen = (target_len + 1) / 2 if causal else target_len
+    attention = 12 * config.num_decoder_layers * HK * keys_seen * tgt_tokens  # decoder self
     if config.num_encoder_layers:
         attention += 12 * config.num_encoder_layers * HK * source_len * src_tokens  # encoder self
         attention += 12 * config.num_decoder_layers * HK * source_len * tgt_tokens  # cross
@@ -137,7 +143,9 @@ def bench_train(config, batch: int, length: int, *, steps: int = 5, peak_flops: 
         params, opt_state, loss = jax.block_until_ready(step(params, opt_state, data))
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    flops = model_flops(config, abstract, batch, length if config.num_encoder_layers else 0, length)
+    source_len = length if config.num_encoder_layers else 0
+    flops = model_flops(config, abstract, batch, source_len, length)
+    causal_flops = model_flops(config, abstract, batch, source_len, length, causal=True)
     tokens = batch * length * (2 if config.num_encoder_layers else 1)
     if peak_flops is None:
         peak_flops = peak_matmul_flops(config.dtype)
@@ -147,6 +155,7 @@ def bench_train(config, batch: int, length: int, *, steps: int = 5, peak_flops: 
         tokens_per_s=round(tokens / step_s, 1), model_tflops_per_step=round(flops / 1e12, 4),
         achieved_tflops=round(flops / step_s / 1e12, 4), mfu=round(flops / step_s / peak_flops, 3),
         achieved_flops=flops / step_s,  # unrounded, for ratios computed later
+        causal_share=causal_flops / flops,
         first_step_s=round(compile_s, 2), loss=round(float(loss), 3),
     )
 

@@ -203,6 +203,8 @@ def against_run_limits(results, peaks: dict, bandwidth_gb_s: float) -> tuple[dic
         else:
             r["mfu_exact"] = r["mfu"] * r["peak_tflops"] / peak
         r["mfu"] = round(r["mfu_exact"], 3)
+        if "causal_share" in r:  # the MFU with the causal self-attention's masked half left out
+            r["mfu_causal"] = round(r["mfu_exact"] * r["causal_share"], 3)
         r["run_peak_tflops"] = round(peak, 4)
     bandwidth_gb_s = max([bandwidth_gb_s] + [r["bandwidth_gb_s"] for r in decode])
     for r in decode:

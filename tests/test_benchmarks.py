@@ -51,6 +51,12 @@ def test_accelerator_script_smoke_run_reports_every_section(tmp_path):
     [train] = results["train"]["rows"]
     assert train["attention_impl"] == accelerator.fused_attention_impl(report["meta"]["platform"])
     assert 0 < train["mfu"] < 1 and train["tokens_per_s"] > 0 and math.isfinite(train["loss"])
+    # by the causal count, the masked half of the self-attention is no work: a lower MFU
+    assert 0 < train["causal_share"] < 1
+    assert train["mfu_causal"] == round(train["mfu_exact"] * train["causal_share"], 3) < train["mfu"]
+    assert report["summary"][1]["ratio_causal"] == train["mfu_causal"]
+    assert {"jaxlib", "flax", "optax", "platform_version", "driver"} <= set(report["meta"])
+    assert report["meta"]["flax"] and report["meta"]["optax"]
     decode = {(row["kernel_layout"], row["single_row"], row["batch"], row["fused_qkv"]): row
               for row in results["decode"]["rows"]}
     assert list(decode) == [accelerator.variant_key(v) for v in accelerator.DECODE_VARIANTS]
@@ -68,6 +74,11 @@ def test_accelerator_script_smoke_run_reports_every_section(tmp_path):
         assert decode[layout, "vector", 1, True]["bytes_per_step"] == one_row
     impls = {row["impl"] for row in results["attention"]["rows"]}
     assert {"xla", "chunked"} <= impls
+    for row in results["attention"]["rows"]:  # the causal rate counts the triangle, just over half
+        if row.get("forward_ms"):
+            share = (row["length"] + 1) / (2 * row["length"])
+            expected = pytest.approx(share * row["forward_tflops"], rel=0.02, abs=2e-3)
+            assert row["forward_tflops_causal"] == expected
     # the checks: every backend against the reference for three masks, cached decoding, and the
     # decode section's batch-1 variants
     checks = results["checks"]["rows"]
@@ -87,7 +98,7 @@ def test_rows_are_set_against_the_highest_reading_of_the_run():
 
     row = dict(batch=8, new_tokens=64, decode_tok_s=350.0, decode_step_ms=22.9)
     results = {
-        "train": {"rows": [dict(dtype="float32", peak_tflops=0.2, mfu=0.6),
+        "train": {"rows": [dict(dtype="float32", peak_tflops=0.2, mfu=0.6, causal_share=0.75),
                            dict(dtype="float32", peak_tflops=0.3, mfu=0.5)]},
         # the first row's bandwidth was read low under outside load: 20 against 25 elsewhere
         "decode": {"rows": [dict(row, bandwidth_gb_s=20.0, roofline_frac=0.64),
@@ -100,6 +111,7 @@ def test_rows_are_set_against_the_highest_reading_of_the_run():
     assert high["roofline_frac"] == 0.5 and high["run_bandwidth_gb_s"] == 25.0
     first, second = results["train"]["rows"]
     assert first["mfu"] == 0.4 and first["mfu_adjacent"] == 0.6 and second["mfu"] == 0.5
+    assert first["mfu_causal"] == 0.3 and "mfu_causal" not in second  # 0.4 of which 3/4 is causal work
     table = run.summarise(results | {"train": {"rows": []}}, peaks, bandwidth)
     assert [line["ratio"] for line in table] == [0.512, 0.5]
     assert table[0]["target_met"] is False  # 0.64 against its own low reading would have met 0.6
@@ -282,8 +294,8 @@ def test_decode_rows_divide_their_bytes_by_the_bandwidth_and_one_step_per_new_to
     import transformer_jax as tj
     from benchmarks import bench_decode
 
-    monkeypatch.setattr(bench_decode, "best_time", lambda fn, repeats: 0.5)  # prefill / encoding
-    monkeypatch.setattr(bench_decode, "timed_generate", lambda *args: (1.0, 2.5))  # compile, whole run
+    monkeypatch.setattr(bench_decode, "best_time", lambda fn, repeats, setup=None: 0.5)  # prefill / encoding
+    monkeypatch.setattr(bench_decode, "timed_generate", lambda *args, **kw: (1.0, 2.5))  # compile, whole run
     ones = jax.numpy.ones((1, 8), jax.numpy.int32)
     # seq2seq, batch 3, 5 new tokens: (2.5 - 0.5) s / 5 steps
     config = tj.presets.tiny()
@@ -312,6 +324,34 @@ def test_decode_rows_divide_their_bytes_by_the_bandwidth_and_one_step_per_new_to
     assert row["roofline_frac"] == round(row["bytes_per_step"] / 2e9 / 0.5, 3)  # bytes, not bits
 
 
+def test_decoding_timings_leave_out_making_the_cache(monkeypatch):
+    """A fresh cache is allocated before the clock starts: the prefill's tokens per second (and
+    the steps, the whole generation less the prefill) count the model's work, not the
+    allocation. On a clock that only moves when the cache is made, every timing is zero."""
+    import transformer_jax as tj
+    from benchmarks import bench_decode
+
+    clock = [0.0]
+    monkeypatch.setattr(bench_decode.time, "perf_counter", lambda: clock[0])
+    slow = lambda: clock.__setitem__(0, clock[0] + 10.0) or "cache"
+    assert bench_decode.best_time(lambda cache: cache, 3, setup=slow) == 0.0
+    assert bench_decode.best_time(lambda: slow(), 3) == 10.0  # without setup it is timed
+    seen = {}
+    def fake_best_time(fn, repeats, setup=None):
+        seen.setdefault("setup", []).append(setup)
+        return 0.5
+    monkeypatch.setattr(bench_decode, "best_time", fake_best_time)
+    monkeypatch.setattr(bench_decode, "timed_generate", lambda *args, **kw: seen.update(kw) or (1.0, 2.5))
+    config = tj.presets.tiny(num_encoder_layers=0)
+    model = tj.TransformerLM(config)
+    params = bench_decode.random_params(model, jax.numpy.ones((1, 8), jax.numpy.int32), dtype="float32")
+    prompt = jax.numpy.ones((2, bench_decode.PROMPT), jax.numpy.int32)
+    bench_decode.lm_row(config, model, params, prompt, jax.numpy.full((2,), bench_decode.PROMPT), 5, 2e9, 1)
+    [setup] = seen["setup"]  # the prefill's cache comes from setup, outside the timed call
+    assert setup is not None and setup().layers[0]["k"].shape[0] == 2
+    assert not seen.get("time_cache")  # the generation's cache too
+
+
 def test_a_decoding_row_whose_steps_vanish_in_the_timing_noise_is_not_measured(monkeypatch):
     """A generation timed no longer than its prefill (a tiny model under outside load) has no step
     time to give: the row says so, in run.py's table too, instead of a ratio of noise."""
@@ -323,12 +363,12 @@ def test_a_decoding_row_whose_steps_vanish_in_the_timing_noise_is_not_measured(m
     params = bench_decode.random_params(model, jax.numpy.ones((1, 8), jax.numpy.int32), dtype="float32")
     prompt = jax.numpy.ones((2, bench_decode.PROMPT), jax.numpy.int32)
     lengths = jax.numpy.full((2,), bench_decode.PROMPT)
-    monkeypatch.setattr(bench_decode, "best_time", lambda fn, repeats: 0.0015)  # the prefill
+    monkeypatch.setattr(bench_decode, "best_time", lambda fn, repeats, setup=None: 0.0015)  # the prefill
     for total in (0.0012, 0.0015, 0.0019):  # shorter than, as long as, 21% longer than the prefill
-        monkeypatch.setattr(bench_decode, "timed_generate", lambda *args, total=total: (1.0, total))
+        monkeypatch.setattr(bench_decode, "timed_generate", lambda *args, total=total, **kw: (1.0, total))
         with pytest.raises(ValueError, match="decoding steps not measured.*prefill alone 1.500 ms"):
             bench_decode.lm_row(config, model, params, prompt, lengths, 5, 2e9, 1)
-    monkeypatch.setattr(bench_decode, "timed_generate", lambda *args: (1.0, 0.0021))  # 29% steps
+    monkeypatch.setattr(bench_decode, "timed_generate", lambda *args, **kw: (1.0, 0.0021))  # 29% steps
     assert bench_decode.lm_row(config, model, params, prompt, lengths, 5, 2e9, 1)["decode_step_s"] == (
         pytest.approx(0.0006 / 4))
     failed = dict(dtype="bfloat16", kernel_layout="out_in", batch=8, cpu_kernels="auto",
@@ -398,6 +438,9 @@ def test_training_flops_count_the_matmuls_and_each_kind_of_attention():
     decoder_self, encoder_self, cross = 12 * 2 * 32 * 6 * 12, 12 * 2 * 32 * 10 * 20, 12 * 2 * 32 * 10 * 12
     attention = decoder_self + encoder_self + cross
     assert bench_model.model_flops(config, abstract, 2, 10, 6) == matmuls + attention
+    # causal: the decoder's self-attention queries see 1..6 keys, 3.5 on average; the rest as before
+    causal = matmuls + 12 * 2 * 32 * 3.5 * 12 + encoder_self + cross
+    assert bench_model.model_flops(config, abstract, 2, 10, 6, causal=True) == causal
     # untied: the output kernel sits in the decoder, the target table is a lookup
     untied = dict(abstract, target_embed=abstract["embed"],
                   decoder=dict(layers=dict(kernel=shape(32, 200)), output=dict(kernel=shape(32, 64))))
