@@ -55,3 +55,46 @@ def test_where_it_cannot_the_process_is_left_alone(monkeypatch, tmp_path):
     assert host_memory.restart_environment() is None
     monkeypatch.setattr(host_memory.sys, "platform", "darwin")
     assert host_memory.huge_page_malloc_problem() == "needs Linux (this is darwin)"
+
+
+@pytest.mark.skipif(host_memory.huge_page_malloc_problem() is not None,
+                    reason=f"no huge pages for malloc here: {host_memory.huge_page_malloc_problem()}")
+@pytest.mark.parametrize("how", ["stdin", "notebook kernel"])
+def test_a_program_a_restart_would_not_run_again_is_left_alone(how):
+    """A script read from standard input (the restarted interpreter would find it read already
+    and exit 0 having done nothing) and a notebook kernel (its cells and state would be lost) go
+    on as they are, without the tunable."""
+    base = {k: v for k, v in os.environ.items() if k != host_memory.ENV}
+    script = _PROBE + "; print('continued')"
+    if how == "stdin":
+        command, stdin = [sys.executable, "-"], script
+    else:
+        kernel = "import sys, types; sys.modules['ipykernel'] = types.ModuleType('ipykernel'); "
+        command, stdin = [sys.executable, "-c", kernel + script], None
+    proc = subprocess.run(command, input=stdin, env=base, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    value, _pid, continued = proc.stdout.split()
+    assert value == "None" and continued == "continued"
+
+
+@pytest.mark.skipif(host_memory.huge_page_malloc_problem() is not None,
+                    reason=f"no huge pages for malloc here: {host_memory.huge_page_malloc_problem()}")
+def test_a_process_with_huge_pages_turned_off_is_told_so():
+    """prctl(PR_SET_THP_DISABLE), which some launchers and sandboxes set (children inherit it),
+    is named as the reason, by the restart's check and by the parameters' placement (which said
+    the kernel had to be Linux 6.1 or later)."""
+    from transformer_jax.decoding import huge_pages
+
+    code = ("import ctypes; assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0; "  # PR_SET_THP_DISABLE
+            "import jax.numpy as jnp; from transformer_jax import host_memory; "
+            "from transformer_jax.decoding import huge_pages; "
+            "print(host_memory.huge_page_malloc_problem()); "
+            "print(huge_pages.place_on_huge_pages(jnp.ones(3 << 20, jnp.float32)).reason)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    problem, placement = proc.stdout.strip().splitlines()[-2:]
+    off = "transparent huge pages are off for this process (prctl PR_SET_THP_DISABLE)"
+    assert problem == off
+    plain = huge_pages._collapse_refused_because().startswith("it needs")  # no other reason here
+    if huge_pages.huge_page_size() is not None and plain:
+        assert placement == f"madvise(MADV_COLLAPSE) refused everywhere (EINVAL): {off}"

@@ -42,7 +42,32 @@ def huge_page_malloc_problem() -> str | None:
         return f"no transparent huge pages ({_THP_ENABLED} is missing)"
     if "[never]" in mode:
         return "transparent huge pages are off ([never])"
+    if _thp_disabled_for_process():
+        return "transparent huge pages are off for this process (prctl PR_SET_THP_DISABLE)"
     return None
+
+
+PR_GET_THP_DISABLE = 42  # <linux/prctl.h>
+
+
+def _thp_disabled_for_process() -> bool:
+    """Whether this process (or the one that started it: the flag is inherited) has turned
+    transparent huge pages off for itself, as some sandboxes and launchers do."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) == 1
+    except Exception:  # no prctl (not Linux), or a C library that cannot be loaded
+        return False
+
+
+def _restartable() -> bool:
+    """Whether starting this process again runs the same program: not for an interactive
+    interpreter or a notebook kernel (their state would be lost, their cells rerun), nor for a
+    script read from standard input (the new process would find it already read, and do nothing)."""
+    if hasattr(sys, "ps1") or sys.flags.interactive or "ipykernel" in sys.modules or "IPython" in sys.modules:
+        return False
+    return len(sys.orig_argv) >= 2 and sys.argv[0] not in ("", "-")
 
 
 def restart_environment() -> dict[str, str] | None:
@@ -56,10 +81,11 @@ def restart_environment() -> dict[str, str] | None:
 def restart_with_huge_page_malloc() -> None:
     """Starts the running script again, same process id, interpreter flags and arguments, with
     ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (see the module doc); returns at once where
-    `restart_environment()` is None. Call it first thing, before any output or work; it does not
-    return when it restarts."""
+    `restart_environment()` is None, and in an interactive interpreter, a notebook kernel or a
+    script read from standard input (``python - < job.py``), which a restart would not run again.
+    Call it first thing, before any output or work; it does not return when it restarts."""
     env = restart_environment()
-    if env is None or len(sys.orig_argv) < 2:  # an interactive interpreter is left alone
+    if env is None or not _restartable():
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import errno
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -52,6 +53,27 @@ def huge_page_size() -> int | None:
         return int(_PAGE_SIZE_FILE.read_text().strip()) or None
     except (OSError, ValueError):
         return None
+
+
+def _collapse_refused_because() -> str:
+    """Why Linux refuses MADV_COLLAPSE everywhere, as far as this process can tell."""
+    from transformer_jax import host_memory
+
+    try:
+        release = tuple(int(part) for part in platform.release().split("-")[0].split(".")[:2])
+    except ValueError:
+        release = ()
+    if release and release < (6, 1):
+        return f"it needs Linux 6.1 or later (this is {platform.release()})"
+    if host_memory._thp_disabled_for_process():
+        return "transparent huge pages are off for this process (prctl PR_SET_THP_DISABLE)"
+    try:
+        mode = Path(host_memory._THP_ENABLED).read_text()
+    except OSError:
+        mode = ""
+    if "[never]" in mode:
+        return "transparent huge pages are off ([never])"
+    return "it needs Linux 6.1 or later, with transparent huge pages not set to 'never'"
 
 
 def _cpu_buffers(tree):
@@ -92,8 +114,7 @@ def place_on_huge_pages(tree) -> HugePages:
         failures[code] = failures.get(code, 0) + 1
     reason = None
     if failures.get(errno.EINVAL) == len(starts):
-        reason = ("madvise(MADV_COLLAPSE) refused everywhere (EINVAL): it needs Linux 6.1 or later, "
-                  "with transparent huge pages not set to 'never'")
+        reason = "madvise(MADV_COLLAPSE) refused everywhere (EINVAL): " + _collapse_refused_because()
     elif failures:
         reason = "; ".join(f"{count} of {len(starts)} ranges not moved: {os.strerror(code)}"
                            for code, count in sorted(failures.items()))
