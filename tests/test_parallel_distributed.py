@@ -9,6 +9,7 @@ import pytest
 from processes import free_port
 
 from transformer_jax import parallel
+from transformer_jax.config import ConfigError
 from transformer_jax.parallel import distributed
 
 
@@ -92,6 +93,37 @@ def test_initialize_passes_the_settings_and_auto_detects_unless_forbidden(monkey
         dict(coordinator_address="h:1", num_processes=2, process_id=1, **common,
              initialization_timeout=300, heartbeat_timeout_seconds=5),
     ]
+
+
+def test_process_0_names_a_coordinator_port_that_is_taken_or_malformed(monkeypatch):
+    """Process 0 serves the coordinator at the address's port: another program listening there
+    is a ConfigError naming the address, before JAX's runtime (which logged one gRPC line and
+    crashed the process with a segmentation fault, the other processes waiting in silence). A
+    port another process would use is not checked on processes 1 and up; a free one passes."""
+    import socket
+
+    calls = []
+    monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"--coordinator_address .*'127.0.0.1:{port}': port {port} "
+                                              r"on this host .* is in use by another program"):
+            parallel.initialize(f"127.0.0.1:{port}", 2, 0)
+        assert calls == []
+        assert parallel.initialize(f"127.0.0.1:{port}", 2, 1) is True  # process 1 only connects there
+    for address in ("127.0.0.1", "127.0.0.1:http", "127.0.0.1:0", "127.0.0.1:70000", ":1234"):
+        with pytest.raises(ConfigError, match="must be host:port with a port from 1 to 65535"):
+            parallel.initialize(address, 2, 0)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # a port free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert parallel.initialize(f"127.0.0.1:{port}", 2, 0) is True
+    assert [call["process_id"] for call in calls] == [1, 0]
 
 
 # A small encoder-decoder (random weights) and a word tokenizer ("w5 w6" <-> [5, 6]), built alike in

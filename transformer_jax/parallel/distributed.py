@@ -94,6 +94,44 @@ def _check_arguments(address, count, index, cluster) -> None:
                 "(no cluster detected to fill them in); give all three to every process, or none")
 
 
+def _check_coordinator_port(address: str) -> None:
+    """On process 0, which serves the coordinator on every interface at the address's port: a
+    ConfigError if that port is not a number or another program listens on it. JAX's runtime
+    would log a gRPC line and crash the process (a segmentation fault), leaving the other
+    processes waiting for their start-up timeout without a word."""
+    import errno
+    import socket
+
+    said = f"--coordinator_address (${ENV_COORDINATOR})={address!r}"
+    host, _, port_text = address.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not host or not 0 < port < 65536:
+        raise ConfigError(f"{said} must be host:port with a port from 1 to 65535")
+    try:
+        probe = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # both families, as the runtime binds
+        where = ("::", port)
+    except OSError:  # no IPv6 on this host
+        probe, where = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port)
+    with probe:
+        # A port left in TIME_WAIT by an earlier run is free for the runtime, which reuses addresses.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(where)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"{said}: port {port} on this host (process 0 serves the coordinator "
+                                  "there) is in use by another program; choose a free port for every "
+                                  "process") from None
+            if e.errno == errno.EACCES:
+                raise ConfigError(f"{said}: this user may not listen on port {port}; choose a port "
+                                  "above 1023") from None
+            raise
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -136,6 +174,8 @@ def initialize(
         return False
     if explicit:
         _check_arguments(address, count, index, cluster)
+        if index == 0 and address is not None:
+            _check_coordinator_port(address)
     logging.info(
         "jax.distributed.initialize(coordinator=%s, num_processes=%s, process_id=%s, cluster=%s)",
         address,
