@@ -550,6 +550,23 @@ def test_steps_are_sealed_while_a_later_save_is_still_writing(tmp_path, monkeypa
     assert integrity.verify(directory, 2).status == "ok"
 
 
+def test_a_save_seals_the_saves_before_it_at_once(tmp_path):
+    """orbax commits the earlier saves before it starts a new one: their manifests are written
+    then, not at the next step's seal(), so that a process killed while the new save writes (one
+    whole training step or more) leaves no older step without its manifest."""
+    from transformer_jax.training import integrity
+
+    ck = Checkpointer(str(tmp_path), max_to_keep=5)
+    directory = os.path.join(str(tmp_path), "checkpoints")
+    ck.save(_tiny_state(1), force=True)
+    ck.save(_tiny_state(2), force=True)
+    assert integrity.verify(directory, 1).status == "ok"
+    ck.save(_tiny_state(3), force=True)
+    assert integrity.verify(directory, 2).status == "ok"
+    ck.close()
+    assert [integrity.verify(directory, step).status for step in (1, 2, 3)] == ["ok"] * 3
+
+
 def _replicated_state(mesh):
     import jax.numpy as jnp
     import optax

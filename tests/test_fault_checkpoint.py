@@ -545,10 +545,11 @@ def test_a_failed_save_removes_only_its_own_partial_write(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1", "10", "10.orbax-checkpoint-tmp-2", "11"]
 
 
-def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path):
+def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path, capsys):
     """A step committed by orbax but killed before its manifest is sealed once a run restores it
     (with this run's model config, checked against the workdir's first); a read-only reader
-    (inference, averaging) leaves it as it is."""
+    (inference, averaging) leaves it as it is. Both say that its files went unchecked: a changed
+    byte in a step without its manifest (lost in a copy, say) loaded in silence."""
     import numpy as np
 
     from configs import tiny as tiny_config_module
@@ -561,9 +562,13 @@ def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path):
     reader = Checkpointer(workdir, read_only=True, model_config=model)
     reader.restore(_tiny_state(0))
     assert reader.restored_step == 3 and integrity.verify(ckpt(workdir), 3).status == "unsealed"
+    unchecked = "WARNING: checkpoint step 3 has no integrity.json (the run that wrote it stopped before "
+    assert f"{unchecked}sealing it, or the file was lost): restored without checking its files.\n" in (
+        capsys.readouterr().err)
     ck = Checkpointer(workdir, model_config=model)
     state = ck.restore(_tiny_state(0))
     ck.close()
+    assert "restored without checking its files; sealed now as restored." in capsys.readouterr().err
     np.testing.assert_array_equal(state.params["w"], [3.0, 3.0, 3.0])
     assert integrity.verify(ckpt(workdir), 3, model).status == "ok"
     assert integrity.read_manifest(ckpt(workdir), 3)["model_config"] == model.to_dict()

@@ -345,6 +345,10 @@ class Checkpointer:
             # lists, it pruned (max_to_keep, keep-best), and no manifest or failure is theirs.
             listed = set(self.manager.all_steps())
             self._unsealed = [s for s in self._unsealed if s in listed] + [step]
+            # Those earlier saves are committed now: sealed at once, not at the next step's seal(),
+            # so that a process killed while this save writes leaves only this step without its
+            # manifest (restored then on orbax's word alone).
+            self.seal()
         return saved
 
     def _sealed_steps(self) -> list[int]:

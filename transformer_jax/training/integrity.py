@@ -9,8 +9,10 @@ directory plus the ``ModelConfig`` the step was written for. Before a restore we
 
 * ``ok``        every file present with the recorded size and hash, same model config;
 * ``unsealed``  no manifest: the process stopped between orbax's commit and our manifest (a few
-  milliseconds), so orbax's own commit is the guarantee; the restore itself is the check, and the
-  model config is checked against the workdir's ``config.json`` instead;
+  milliseconds: the training loop's checkpointer seals each save as soon as orbax has committed
+  it), or the manifest was lost. orbax's own commit is the guarantee; the restore itself is the
+  check (it catches a file cut short, not a changed byte), with a warning that the files went
+  unchecked, and the model config is checked against the workdir's ``config.json`` instead;
 * ``corrupt``   a file missing, cut short or changed: never restored. The loop falls back to the
   previous good step with a warning (``config.checkpoint_fallback=True``, the default) or stops
   with a message saying how to proceed;
@@ -533,11 +535,23 @@ def _after_restore(checkpointer, step: int, verdict: Verdict, bad: list[Verdict]
     from absl import logging
 
     checkpointer.restored_step = step
-    if getattr(checkpointer, "read_only", False) or not is_local(checkpointer.directory):
+    if not is_local(checkpointer.directory):
         return
     primary = jax.process_index() == 0
-    if primary and verdict.status == "unsealed" and checkpointer.model_config is not None:
-        write_manifest(checkpointer.directory, step, checkpointer.model_config)
+    read_only = getattr(checkpointer, "read_only", False)
+    if primary and verdict.status == "unsealed":
+        # Only a save still being written (the newest step) lacks its manifest legitimately; a
+        # manifest deleted or lost in a copy looks the same. Either way no byte was checked.
+        seals = not read_only and checkpointer.model_config is not None
+        message = (f"checkpoint step {step} has no {MANIFEST_NAME} (the run that wrote it stopped "
+                   f"before sealing it, or the file was lost): restored without checking its files"
+                   + ("; sealed now as restored." if seals else "."))
+        logging.warning("%s", message)
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)  # stdout carries outputs
+        if seals:
+            write_manifest(checkpointer.directory, step, checkpointer.model_config)
+    if read_only:
+        return
     if not bad:
         return
     if primary:
