@@ -411,6 +411,53 @@ def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
         train_and_evaluate(tiny_config(data_dir), str(blocker / "run"))
 
 
+def test_an_unwritable_checkpoint_directory_fails_at_the_start(workdir, data_dir, monkeypatch):
+    """The workdir writable, its checkpoints/ not (another user's): the start-up probe wrote only
+    to the workdir, and the first save then waited 300 s for orbax's background thread."""
+    import builtins
+
+    def refusing_open(path, *args, **kwargs):
+        if str(path).startswith(ckpt(workdir) + os.sep):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(integrity, "open", refusing_open, raising=False)
+    with pytest.raises(integrity.CheckpointWriteError,
+                       match=r"Checkpoint directory .*checkpoints' is not writable \(Permission denied\)"):
+        train_and_evaluate(tiny_config(data_dir, num_train_steps=15), workdir)
+    monkeypatch.undo()
+    assert Checkpointer(workdir).all_steps() == [5, 10]
+
+
+def test_a_checkpoint_directory_that_turns_read_only_stops_the_next_save_at_once(workdir, data_dir,
+                                                                               monkeypatch):
+    """A file system remounted read-only mid-run (ext4's errors=remount-ro): orbax failed to make
+    the step's directory in its background thread, and the save waited 300 s on a signal, then
+    blamed a timeout with errno 5. Now the save names the cause before starting."""
+    real_access, real_statvfs = os.access, os.statvfs
+    directory = ckpt(workdir)
+    saves = []
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+        False if str(path) == directory and saves else real_access(path, mode, **kw)))
+    monkeypatch.setattr(os, "statvfs", lambda path: (
+        types.SimpleNamespace(f_flag=os.ST_RDONLY) if str(path) == directory else real_statvfs(path)))
+    real_save = Checkpointer.save
+
+    def save(self, state, *args, **kwargs):
+        result = real_save(self, state, *args, **kwargs)
+        saves.append(int(state.step))  # read-only from the save after the first
+        return result
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    start = time.monotonic()
+    with pytest.raises(integrity.CheckpointWriteError,
+                       match=r"step 20 .*the file system is read-only.*checkpoints \[5, 10(, 15)?\] are intact"):
+        train_and_evaluate(tiny_config(data_dir, num_train_steps=20), workdir)
+    assert time.monotonic() - start < 120  # (not orbax's 300 s wait)
+    monkeypatch.undo()
+    assert Checkpointer(workdir).all_steps() == [5, 10, 15]
+
+
 def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt(
         workdir, data_dir, capsys):
     """The data iterator's saved position fits only a pipeline of the same shape. A run with

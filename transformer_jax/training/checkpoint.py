@@ -18,6 +18,7 @@ import ast
 import contextlib
 import copy
 import dataclasses
+import errno
 import json
 import logging as pylogging
 import os
@@ -320,6 +321,7 @@ class Checkpointer:
         step = int(jax.device_get(state.step))
         if step in self.manager.all_steps():
             return False
+        self._check_writable(step)
         items = {
             "params": ocp.args.StandardSave(state.params),
             "train": ocp.args.StandardSave(
@@ -350,6 +352,23 @@ class Checkpointer:
             # manifest (restored then on orbax's word alone).
             self.seal()
         return saved
+
+    def _check_writable(self, step: int) -> None:
+        """A checkpoint directory this process may not write to (remounted read-only mid-run, or
+        owned by another user) as a CheckpointWriteError now: orbax fails to create the step's
+        directory in a background thread and the save then waited 300 s on a signal that never
+        came, ending in a timeout blamed on I/O (errno 5)."""
+        if not integrity.is_local(self.directory) or not os.path.isdir(self.directory):
+            return
+        if os.access(self.directory, os.W_OK | os.X_OK):
+            return
+        try:
+            read_only = bool(os.statvfs(self.directory).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        code = errno.EROFS if read_only else errno.EACCES
+        raise integrity.write_error(OSError(code, os.strerror(code), self.directory), step, self.directory,
+                                    self._sealed_steps())
 
     def _sealed_steps(self) -> list[int]:
         return [s for s in self.all_steps() if s not in self._unsealed]

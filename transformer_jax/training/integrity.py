@@ -246,18 +246,33 @@ def move_aside(directory: str, step: int) -> str:
 
 
 def check_writable(workdir: str) -> None:
-    """Creates ``workdir`` and writes a probe file: an unwritable workdir is an error at the start,
-    not after the first N steps of training."""
-    probe = os.path.join(workdir, f".write_probe.{os.getpid()}")
+    """Creates ``workdir`` and writes a probe file in it and in its checkpoint directory, where
+    that exists already (read-only, or another user's): an unwritable workdir is an error at the
+    start, not after the first N steps of training."""
+    from transformer_jax.training.checkpoint import CHECKPOINT_DIRNAME
+
+    os_error = None
     try:
         os.makedirs(workdir, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
     except OSError as e:
+        os_error, where = e, workdir
+    for directory in ([] if os_error else [workdir, os.path.join(workdir, CHECKPOINT_DIRNAME)]):
+        if directory != workdir and not os.path.isdir(directory):
+            continue
+        probe = os.path.join(directory, f".write_probe.{os.getpid()}")
+        try:
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            os_error, where = e, directory
+            break
+    if os_error is not None:
+        what = f"Workdir {workdir!r}" if where == workdir else f"Checkpoint directory {where!r}"
         raise CheckpointWriteError(
-            e.errno, f"Workdir {workdir!r} is not writable ({e.strerror or e}); choose another --workdir"
-        ) from e
+            os_error.errno, f"{what} is not writable ({os_error.strerror or os_error}); choose another "
+            "--workdir" + ("" if where == workdir else " (or fix its permissions)")
+        ) from os_error
 
 
 LOCK_NAME = ".train.lock"
