@@ -84,7 +84,22 @@ def _flag_problem(error: BaseException) -> str:
         field, value = files.groups()
         return (f"--config.{field}={value} is not a tuple of paths: give several files as a Python tuple, "
                 f"e.g. --config.{field}=\"('a.tsv', 'b.tsv')\" (quoted for the shell), one file as its path")
+    parsing = re.match(r"flag --config=(.*?): Error whilst parsing config file:", str(error))
+    if parsing:  # a TypeError or ValueError of get_config(), its traceback in ml_collections' text
+        return _config_file_problem(parsing.group(1).split(":")[0], str(error))
     return str(error)
+
+
+def _config_file_problem(path: str, text: str) -> str:
+    """One line from the traceback text ml_collections wraps a get_config() error in: the exception's
+    last line, at the config file's innermost line in it (a preset's ConfigError raised inside the
+    library is the file's call to the preset)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    last = re.sub(r"^(?:\w+\.)+(\w+):", r"\1:", lines[-1])  # transformer_jax.config.ConfigError: ...
+    mine = [(name, line) for name, line in re.findall(r'File "([^"]+)", line (\d+)', text)
+            if os.path.abspath(name) == os.path.abspath(path)]
+    where = f" (at {mine[-1][0]}:{mine[-1][1]})" if mine else ""
+    return f"reading --config failed{where}: {last}"
 
 
 def _parse_flags(argv):
@@ -96,7 +111,9 @@ def _parse_flags(argv):
         flags.FLAGS.config.keys()  # a file that failed to load raises only when read
         return argv
     except flags.Error as e:  # an unknown flag, or a value of the wrong type (--config.x=abc)
-        print(f"error: {_flag_problem(e)} (--helpshort lists the flags)", file=sys.stderr, flush=True)
+        problem = _flag_problem(e)
+        hint = "" if problem.startswith("reading --config failed") else " (--helpshort lists the flags)"
+        print(f"error: {problem}{hint}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception as e:  # noqa: BLE001 - anything from the user's config file: no traceback
         print(f"error: {_config_problem(e)}", file=sys.stderr, flush=True)

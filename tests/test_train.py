@@ -794,6 +794,13 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
     (tmp_path / "broken.py").write_text("def get_config():\n    return undefined_name\n")
     (tmp_path / "env.py").write_text("import os\n\n\ndef get_config():\n"
                                      "    return os.environ['TJ_NO_SUCH']\n")
+    # a preset's ConfigError and a value of another type, raised inside get_config(): ml_collections
+    # wraps these two kinds with their traceback, which was printed whole (16-21 lines)
+    (tmp_path / "preset.py").write_text("from transformer_jax import presets\n\n\ndef get_config():\n"
+                                        "    return presets.tiny(num_heads=5)\n")
+    (tmp_path / "typed.py").write_text(f"import sys\nsys.path.insert(0, {os.path.join(REPO, 'configs')!r})\n"
+                                       "import tiny\n\n\ndef get_config():\n    c = tiny.get_config()\n"
+                                       "    c.num_train_steps = '2'\n    return c\n")
     cases = {
         ("--config.num_train_stepz=3",):  # the default config file, read as the flag is defined
             "error: a --config.* override names a field the config does not have: 'num_train_stepz' "
@@ -810,6 +817,16 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
         ("--config=" + str(tmp_path / "broken.py"),):
             f"error: reading --config failed (at {tmp_path / 'broken.py'}:2): "
             "NameError: name 'undefined_name' is not defined",
+        ("--config=" + str(tmp_path / "preset.py"),):
+            f"error: reading --config failed (at {tmp_path / 'preset.py'}:5): ConfigError: "
+            "ModelConfig.num_heads=5: d_model=32 is not divisible by it; set head_dim",
+        ("--config=" + str(tmp_path / "typed.py"),):
+            f"error: reading --config failed (at {tmp_path / 'typed.py'}:8): TypeError: Could not override "
+            "field 'num_train_steps' (reference). 2 is of original type <class 'str'> and cannot be casted "
+            "to type <class 'int'>",
+        (tiny_py.replace("tiny.py", "tiny.py:extra"),):  # an argument get_config() does not take
+            "error: reading --config failed: TypeError: get_config() takes 0 positional arguments but 1 "
+            "was given",
         # a value of the wrong type, and a flag train.py does not have: absl alone exits 1
         (tiny_py, "--config.num_train_steps=abc"):
             "error: flag --config.num_train_steps=abc: invalid literal for int() with base 10: 'abc' "
