@@ -754,6 +754,52 @@ def test_lengths_past_a_learned_position_table_are_config_errors():
     check_config(config)
 
 
+def test_a_config_file_s_partial_sections_and_a_tilde_workdir_train(data_dir, tmp_path, monkeypatch):
+    """A config file that replaces config.optimizer with a few keys (after with_defaults), or drops
+    a dataset or mesh key, failed with a KeyError traceback: the rest comes from the defaults. A
+    workdir of '~/run' (the shell leaves '~' after '=') was a directory named '~' in the current one."""
+    import ml_collections
+
+    config = tiny_config(data_dir, num_train_steps=1, eval_every_steps=1, checkpoint_every_steps=1)
+    config.optimizer = ml_collections.ConfigDict({"learning_rate": 1e-3, "schedule": "constant",
+                                                  "warmup_steps": 0})
+    del config.dataset["eval_batch_size"]
+    del config.mesh["tensor"]
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert train_and_evaluate(config, "~/run")["step"] == 1
+    assert os.path.isdir(tmp_path / "home" / "run" / "checkpoints") and not os.path.exists(tmp_path / "~")
+    saved = json.loads((tmp_path / "home" / "run" / "config.json").read_text())
+    assert saved["optimizer"]["grad_accum_steps"] == 1 and saved["optimizer"]["b2"] == 0.98
+    assert saved["optimizer"]["learning_rate"] == 1e-3 and saved["mesh"]["tensor"] == 1
+    assert saved["dataset"]["eval_batch_size"] == 64  # enfr_builtin's default
+
+
+@pytest.mark.parametrize("key, value", [("skip_nonfinite", "no"), ("checkpoint_fallback", "False"),
+                                        ("dataset.pack", 0), ("optimizer.decay_embeddings", "yes"),
+                                        ("progress_bar", None)])
+def test_on_off_settings_must_be_booleans(key, value):
+    """A config file's 'no' for skip_nonfinite is truthy: the run skipped non-finite steps."""
+    import ml_collections
+
+    values = tiny.get_config().to_dict()
+    section = values if "." not in key else values[key.split(".")[0]]
+    section[key.split(".")[-1]] = value
+    config = ml_collections.ConfigDict(values)  # as a config file building its own dict has it
+    with pytest.raises(ConfigError, match=rf"config.{re.escape(key)}={re.escape(repr(value))} must be True "
+                                          "or False"):
+        check_config(config)
+
+
+@pytest.mark.parametrize("value", ["4", 2.0, True, 0])
+def test_beam_size_must_be_a_positive_integer(value):
+    import ml_collections
+
+    config = ml_collections.ConfigDict(dict(tiny.get_config().to_dict(), beam_size=value))
+    with pytest.raises(ConfigError, match=rf"config.beam_size={re.escape(repr(value))} must be an integer"):
+        check_config(config)
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 

@@ -15,11 +15,11 @@ from ml_collections import config_dict
 
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DATASET_NAMES, EOS_ID, PAD_ID
-from transformer_jax.data.inputs import LM_DATASETS, TRANSLATION_DATASETS
+from transformer_jax.data.inputs import LM_DATASETS, TRANSLATION_DATASETS, default_dataset_config
 from transformer_jax.data.tokenizer import MIN_VOCAB_SIZE, TOKENIZER_TYPES
 from transformer_jax.training.checkpoint import check_keep_best_mode, resolve_keep_best_mode
 from transformer_jax.training.evaluate import EVAL_METRICS
-from transformer_jax.training.optimizer import OPTIMIZERS
+from transformer_jax.training.optimizer import OPTIMIZERS, default_optimizer_config
 from transformer_jax.training.schedules import SCHEDULES
 from transformer_jax.training.steps import LOSS_SCALE_MODES, MAX_LOSS_SCALE, MIN_LOSS_SCALE
 
@@ -92,6 +92,7 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     but settable from the command line: ``--config.model.head_dim=32``."""
     out = training_defaults()
     out.update(config)
+    fill_section_defaults(out)
     if isinstance(out.get("model"), ml_collections.ConfigDict):
         optional = _optional_model_fields()
         with out.model.unlocked():
@@ -105,6 +106,28 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
                     continue
                 out.model[name] = config_dict.placeholder(optional[name]) if value is None else value
     return out
+
+
+def fill_section_defaults(config: ml_collections.ConfigDict) -> None:
+    """Fills, in place, the keys that ``config.optimizer``, ``config.dataset`` and ``config.mesh``
+    leave out from their defaults (the paper's optimizer, the named dataset's, one data-parallel
+    mesh): a config file replacing a section with a few keys of its own (after `with_defaults`)
+    otherwise failed with a KeyError traceback. A missing section is left for `check_config`."""
+    dataset = config.get("dataset")
+    name = dataset.get("name", "enfr_builtin") if isinstance(dataset, ml_collections.ConfigDict) else None
+    sections = {"optimizer": default_optimizer_config,
+                "dataset": lambda: default_dataset_config(name) if name in DATASET_NAMES else {},
+                "mesh": lambda: {"data": -1, "fsdp": 1, "tensor": 1}}
+    for section, defaults in sections.items():
+        given = config.get(section)
+        if not isinstance(given, ml_collections.ConfigDict):
+            continue
+        filled = defaults()
+        missing = [key for key in filled if key not in given]
+        if missing:
+            with given.unlocked():
+                for key in missing:
+                    given[key] = filled[key]
 
 
 def _positive_int(config, key: str, minimum: int = 1, prefix: str = "config") -> None:
@@ -125,10 +148,25 @@ def _number_in(config, key: str, prefix: str, low: float, high: float = math.inf
         raise ConfigError(f"{prefix}.{key}={value!r} must be a number in {interval}")
 
 
+# On/off settings: a config file's string ('no', 'False') is truthy, and turned the setting on.
+_SWITCHES = {"config": ("skip_nonfinite", "checkpoint_fallback", "resume_data_position", "compilation_cache",
+                        "use_wandb", "progress_bar"),
+             "config.dataset": ("pack", "reverse"), "config.optimizer": ("decay_embeddings",)}
+
+
+def _check_switches(config) -> None:
+    for prefix, keys in _SWITCHES.items():
+        section = config if prefix == "config" else config[prefix.split(".")[1]]
+        for key in keys:
+            if key in section and not isinstance(section[key], bool | np.bool_):
+                raise ConfigError(f"{prefix}.{key}={section[key]!r} must be True or False")
+
+
 def _check_numbers(config) -> None:
     """Ranges of the numeric settings whose bad values would otherwise run (a negative learning rate
     ascends the loss; max_checkpoints_to_keep=0 keeps no checkpoint) or fail late."""
     ds, opt = config.dataset, config.optimizer
+    _check_switches(config)
     _number_in(opt, "learning_rate", "config.optimizer", 0.0, low_open=True)
     for key in ("b1", "b2"):
         _number_in(opt, key, "config.optimizer", 0.0, 1.0)
@@ -337,8 +375,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         value = config.mesh[key]
         if not isinstance(value, int) or (value < 1 and value != -1):
             raise ConfigError(f"config.mesh.{key}={value!r} must be a positive integer or -1")
-    if config.beam_size < 1:
-        raise ConfigError(f"config.beam_size={config.beam_size} must be >= 1 (1 = greedy)")
+    if isinstance(config.beam_size, bool) or not isinstance(config.beam_size, int) or config.beam_size < 1:
+        raise ConfigError(f"config.beam_size={config.beam_size!r} must be an integer >= 1 (1 = greedy)")
     for key, fixed, why in (
         ("pad_id", PAD_ID, "the model's attention masks would take padding for text"),
         ("eos_id", EOS_ID, "decoding would stop on a token the data never ends with"),

@@ -23,7 +23,11 @@ from transformer_jax.params import build_model
 from transformer_jax.training import checkpoint as ckpt_lib
 from transformer_jax.training import evaluate, integrity, steps
 from transformer_jax.training import metrics as metrics_lib
-from transformer_jax.training.config_checks import check_config, unread_dataset_settings
+from transformer_jax.training.config_checks import (
+    check_config,
+    fill_section_defaults,
+    unread_dataset_settings,
+)
 from transformer_jax.training.optimizer import create_optimizer
 from transformer_jax.training.schedules import create_schedule
 from transformer_jax.training.state import LossScale, count_params, create_train_state, state_shardings
@@ -31,7 +35,8 @@ from transformer_jax.training.state import LossScale, count_params, create_train
 
 def enable_compilation_cache(path: str = "") -> None:
     """The persistent XLA cache: a second run of the same config skips compilation."""
-    path = path or os.path.join(os.path.expanduser("~"), ".cache", "transformer_jax", "xla")
+    default = os.path.join("~", ".cache", "transformer_jax", "xla")
+    path = os.path.expanduser(path or default)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
@@ -227,10 +232,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     and for translation BLEU and exact match on ``config.test_split``.
     """
     # --- setup: checks before anything is compiled -----------------------------------------------
+    fill_section_defaults(config)  # a config file's partial optimizer / dataset / mesh section
     check_config(config)
+    if integrity.is_local(workdir):  # `--workdir=~/run`: the shell leaves a '~' after '=' as it is
+        workdir = os.path.expanduser(workdir)
     # The workdir too: one the hosts see at different paths left process 0 waiting in a collective
     # after writing the tokenizer and the others waiting for it in their own workdir, for good.
-    where = os.path.abspath(os.path.expanduser(workdir)) if integrity.is_local(workdir) else workdir
+    where = os.path.abspath(workdir) if integrity.is_local(workdir) else workdir
     differing = parallel.config_differences({**config.to_dict(), "workdir": where},
                                             ignore=("dataset.data_dir",))
     if differing:  # other values would train on silently, or end in a hang or an abort in a collective
