@@ -78,3 +78,13 @@ def test_built_in_and_file_builders_leave_no_temporary_directories(tmp_path, mon
                                file_format="array_record")]
     assert [b.name for b in made] == ["enfr_builtin", "stdlib_lm", "translation_files", "text_files"]
     assert sorted(p.name for p in scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, valid", [("enfr_builtin", ["default", "small"]),
+                                         ("stdlib_lm", ["py311", "py311_small"])])
+def test_an_unknown_builder_config_is_named_with_the_valid_ones(tmp_path, name, valid):
+    """--config.dataset.builder_config=nosuch was tfds' ValueError traceback from the builder."""
+    with pytest.raises(DataError, match=rf"dataset.builder_config='nosuch' is not a configuration of "
+                                        rf"'{name}'; choose one of {valid!r}".replace("[", r"\[")):
+        builders.builtin_builder(name, str(tmp_path), "nosuch")
+    assert list(tmp_path.iterdir()) == []  # nothing prepared

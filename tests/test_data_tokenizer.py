@@ -208,3 +208,18 @@ def test_training_text_is_cut_per_line_and_stops_at_the_budget():
     one_line = tk.Tokenizer.train(["word " * 5000], tk.TokenizerSettings(vocab_size=300))
     assert one_line.decode(one_line.encode("word word")) == "word word"
     assert len(one_line.encode("word word")) == 2  # 'word' was learnt as a piece
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_tokenizer_files_are_readable_as_the_umask_allows(tmp_path, umask, mode):
+    """Written through a temporary file (mkstemp: 0600 whatever the umask), the tokenizer was the
+    one file of a workdir that a teammate who could read the checkpoints could not."""
+    import os
+
+    old = os.umask(umask)
+    try:
+        tk._atomic_write(tmp_path / "tokenizer.model", b"model")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "tokenizer.model").stat().st_mode & 0o777 == mode
+    assert (tmp_path / "tokenizer.model").read_bytes() == b"model"

@@ -436,10 +436,13 @@ def builtin_builder(name: str, data_dir: str, config: str | None = None,
                     train_files: Sequence[str] = (), eval_files: Sequence[str] = ()):
     """The prepared builder for 'enfr_builtin', 'stdlib_lm', 'tsv' or 'text'."""
     kwargs = dict(data_dir=data_dir, file_format="array_record")
-    if name == "enfr_builtin":
-        return prepare(EnfrBuiltin(config=config or "default", **kwargs))
-    if name == "stdlib_lm":
-        return prepare(StdlibLm(config=config or _PY, **kwargs))
+    for cls, dataset, default in ((EnfrBuiltin, "enfr_builtin", "default"), (StdlibLm, "stdlib_lm", _PY)):
+        if name == dataset:
+            names = [c.name for c in cls.BUILDER_CONFIGS]
+            if config and config not in names:  # tfds: a ValueError traceback from the builder
+                raise DataError(f"dataset.builder_config={config!r} is not a configuration of {name!r}; "
+                                f"choose one of {names} ('' = {default!r})")
+            return prepare(cls(config=config or default, **kwargs))
     if name in ("tsv", "text"):
         if not train_files:
             raise DataError(f"dataset {name!r} needs dataset.train_files")

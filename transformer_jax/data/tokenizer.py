@@ -257,6 +257,11 @@ def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+        # mkstemp's file is the owner's alone (0600): as open() would make it, so that whoever
+        # may read the rest of the workdir may read the tokenizer too
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
