@@ -800,6 +800,41 @@ def test_beam_size_must_be_a_positive_integer(value):
         check_config(config)
 
 
+def test_a_resume_names_the_training_settings_that_changed(data_dir, tmp_path, capsys):
+    """Another learning rate, label smoothing or seed on a resume trained on without a word: a config file
+    edited meanwhile went unnoticed. They are named (not refused: a lower rate is a common choice);
+    num_train_steps, which a resume raises to train on, is not among them."""
+    workdir = str(tmp_path / "run")
+    config = tiny_config(data_dir, num_train_steps=2, checkpoint_every_steps=2, eval_every_steps=2)
+    train_and_evaluate(config, workdir)
+    assert "NOTE: resuming" not in capsys.readouterr().out
+    resumed = tiny_config(data_dir, num_train_steps=3, checkpoint_every_steps=2, eval_every_steps=2)
+    train_and_evaluate(resumed, workdir)
+    assert "NOTE: resuming" not in capsys.readouterr().out  # the same settings, more steps
+    resumed.optimizer.learning_rate = 1e-3
+    resumed.optimizer.label_smoothing = 0.0
+    resumed.seed = 7
+    resumed.num_train_steps = 4
+    train_and_evaluate(resumed, workdir)
+    [note] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("NOTE: resuming")]
+    head = "NOTE: resuming with training settings other than those of the run that wrote the checkpoints: "
+    assert note.startswith(head) and sorted(note[len(head):].split(", ")) == [
+        "optimizer.label_smoothing (0.1 -> 0.0)", "optimizer.learning_rate (0.003 -> 0.001)", "seed (0 -> 7)"]
+
+
+def test_a_unit_learning_rate_outside_the_paper_s_schedule_is_flagged():
+    """learning_rate=1.0 is the paper's multiplier under 'rsqrt_paper'; left in place when switching
+    to 'constant' or 'cosine', it is Adam's step size itself."""
+    config = tiny.get_config()
+    config.optimizer.learning_rate = 1.0
+    assert "optimizer.learning_rate=1.0 is the peak rate itself under schedule 'constant'" in (
+        loop.unit_rate_as_peak(config))
+    config.optimizer.schedule = "rsqrt_paper"
+    assert loop.unit_rate_as_peak(config) is None
+    config.optimizer.schedule, config.optimizer.learning_rate = "cosine", 2e-3
+    assert loop.unit_rate_as_peak(config) is None
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 

@@ -114,6 +114,40 @@ def restretched_schedule(workdir: str, config: ml_collections.ConfigDict, step: 
             f"start; set --config.optimizer.decay_steps={old_steps} to keep the schedule it trained with")
 
 
+# Training settings a resumed run may change on purpose (a lower learning rate, other clipping),
+# but by mistake too (a config file edited meanwhile): named at the resume, not refused.
+TRAINING_KEYS = ("seed", "loss_scale", "skip_nonfinite")
+
+
+def changed_training_settings(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
+    """'KEY (old -> new)' for each optimizer setting (and `TRAINING_KEYS`) that differs from
+    ``DIR/config.json``, the config of the run that wrote the checkpoints ([] without one)."""
+    import json
+
+    try:
+        saved = ckpt_lib.load_config(workdir)
+    except ValueError:
+        return []
+    old = saved.to_dict() if saved is not None else {}
+    new = json.loads(config.to_json_best_effort())
+    changed = [f"optimizer.{key} ({value!r} -> {new['optimizer'][key]!r})"
+               for key, value in (old.get("optimizer") or {}).items()
+               if key in new["optimizer"] and new["optimizer"][key] != value]
+    return changed + [f"{key} ({old[key]!r} -> {new[key]!r})" for key in TRAINING_KEYS
+                      if key in old and key in new and old[key] != new[key]]
+
+
+def unit_rate_as_peak(config: ml_collections.ConfigDict) -> str | None:
+    """A warning for optimizer.learning_rate=1.0, the paper's multiplier under 'rsqrt_paper', left in
+    place under a schedule that takes it as the peak rate itself (Adam at 1.0 diverges)."""
+    opt = config.optimizer
+    if opt.get("schedule") == "rsqrt_paper" or float(opt.get("learning_rate", 0.0)) != 1.0:
+        return None
+    return (f"WARNING: optimizer.learning_rate=1.0 is the peak rate itself under schedule "
+            f"{opt.schedule!r} (it is a multiplier of d_model^-0.5 only under 'rsqrt_paper'); "
+            f"set the rate to train at, e.g. --config.optimizer.learning_rate=3e-4")
+
+
 def unfinished_warmup(config: ml_collections.ConfigDict) -> str | None:
     """A warning when the schedule warms up for longer than the run trains (the learning rate never
     reaches its peak; under 'cosine' this needs a decay_steps longer than the warm-up, which it
@@ -247,6 +281,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
                           f"differing: {'; '.join(differing)}")
     for warning in unread_dataset_settings(config):
         _say(warning)
+    if unit_rate_as_peak(config):
+        _say(unit_rate_as_peak(config))
     if not integrity.is_local(workdir):
         raise ConfigError(
             f"workdir {workdir!r}: URLs are not supported (the tokenizer, metrics and checkpoint "
@@ -340,6 +376,10 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
                  f"pipeline resumes at its saved position, but its batches are not the ones an "
                  f"uninterrupted run would have trained on (config.resume_data_position=False "
                  f"starts it afresh instead)")
+        retuned = changed_training_settings(workdir, config)
+        if retuned:
+            _say(f"NOTE: resuming with training settings other than those of the run that wrote the "
+                 f"checkpoints: {', '.join(retuned)}")
         # (a checkpoint at or past num_train_steps has nothing to train: the warning below says so)
         restretched = (restretched_schedule(workdir, config, checkpointer.restored_step)
                        if checkpointer.restored_step < config.num_train_steps else None)
