@@ -647,7 +647,7 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("optimizer.grad_accum_steps", 0, r"config.optimizer.grad_accum_steps=0 must be an integer >= 1"),
         ("optimizer.b2", 1.0, r"config.optimizer.b2=1.0 must be a number in \[0, 1\)"),
         ("optimizer.label_smoothing", 1.0, r"config.optimizer.label_smoothing=1.0 must be in \[0, 1\)"),
-        ("beam_size", 0, r"config.beam_size=0 must be >= 1"),
+        ("beam_size", 0, r"config.beam_size=0 must be an integer >= 1"),
         # read only by the BLEU evaluation after training: the whole run trained, then a traceback
         ("beam_alpha", -0.6, r"config.beam_alpha=-0.6 must be a number in \[0, inf\)"),
         ("beam_alpha", float("nan"), r"config.beam_alpha=nan must be a number"),
