@@ -129,11 +129,26 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def cpu_model() -> dict:
+    """The CPU's model name and the vector extensions the kernels depend on (Linux), so that a
+    report says which host it measured: hosts of one machine type differ 2x in bandwidth."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return dict(cpu_model=platform.processor() or None, cpu_flags=[])
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    flags = set(fields.get("flags", "").split())
+    return dict(cpu_model=fields.get("model name"), cpu_flags=[f for f in wanted if f in flags])
+
+
 def describe() -> dict:
     device = jax.devices()[0]
     return dict(platform=jax.default_backend(), device_kind=str(device.device_kind),
                 device_count=jax.device_count(), host=platform.machine(), cpus=os.cpu_count(),
-                jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
+                jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), **cpu_model())
 
 
 def measure(repeats: int = 5) -> dict:

@@ -1034,3 +1034,22 @@ def test_soak_benchmark_samples_a_training_run_between_its_checkpoints(tmp_path)
     assert result["threads"][0] >= 1 and result["open_files"][0] >= 3
     with pytest.raises(SystemExit, match="2"):
         bench_soak.main(["--steps", "5", "--checkpoint-every", "10"])
+
+
+def test_reports_name_the_cpu_they_measured(monkeypatch, tmp_path):
+    """Hosts of one machine type differ 2x in bandwidth and in how fast their bf16 instructions
+    are: each report records the CPU model and the extensions the kernels depend on."""
+    import builtins
+
+    from benchmarks import hardware
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\n"
+                       "flags\t\t: fpu avx2 fma avx512f amx_tile\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(
+        cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    assert hardware.cpu_model() == dict(cpu_model="Some CPU @ 2.0GHz",
+                                        cpu_flags=["avx2", "fma", "avx512f", "amx_tile"])
+    monkeypatch.undo()
+    assert {"cpu_model", "cpu_flags"} <= set(hardware.describe())
