@@ -192,6 +192,36 @@ def test_bf16_products_are_measured_and_can_be_set():
 
 
 @needs_kernels
+def test_far_prefetches_follow_the_cpu_vendor_and_change_no_result():
+    """Non-temporal on AMD, into L2 elsewhere (on an Intel Xeon non-temporal prefetches made the
+    weight products 2-3x slower): a hint only, so every kernel gives the same numbers either way."""
+    from pathlib import Path
+
+    vendor = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("vendor_id")), "")
+    try:
+        assert native.set_far_prefetch("auto") == native.far_prefetch() == (
+            "nta" if vendor == "AuthenticAMD" else "t1")
+        rng = np.random.default_rng(0)
+        x32, x16 = _rand(rng, (3, 1000), jnp.float32), _rand(rng, (3, 1024), jnp.bfloat16)
+        w_rows, w_cols = _rand(rng, (300, 1000), jnp.float32), _rand(rng, (1000, 300), jnp.float32)
+        w_packed = native.pack_kernel(_rand(rng, (96, 1024), jnp.bfloat16))
+        products = lambda: [np.asarray(jax.jit(native.rows_matmul)(x32, w_rows)),
+                            np.asarray(jax.jit(native.cols_matmul)(x32, w_cols)),
+                            np.asarray(jax.jit(native.packed_matmul)(x16, w_packed))]
+        got = {}
+        for hint in ("nta", "t1"):
+            assert native.set_far_prefetch(hint) == native.far_prefetch() == hint
+            got[hint] = products()
+        for a, b in zip(got["nta"], got["t1"]):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        native.set_far_prefetch("auto")
+    with pytest.raises(ValueError, match="'l3'.*auto, nta, t1"):
+        native.set_far_prefetch("l3")
+
+
+@needs_kernels
 def test_rows_matmul_gradient_equals_xla():
     rng = np.random.default_rng(0)
     x, w = _rand(rng, (4, 48), jnp.float32), _rand(rng, (20, 48), jnp.float32)

@@ -196,8 +196,8 @@ def _packed_is_fast() -> bool:
     """Whether the 'packed' tiles decode faster here than 'out_in'. The AVX-512 kernel reads them
     with the bf16 dot-product instruction only; on a CPU where that instruction is slow, where
     `native.bf16_products()` widens to float32 FMAs instead (an Intel Xeon with AMX measured here:
-    GPT-2 small in bf16 at batch 1 22.9 ms a step 'packed' against 7.8 'out_in', 11 against 29 GB/s;
-    at batch 8 23.4 against 13.8 ms), 'out_in' on the widening kernel is the faster."""
+    GPT-2 small in bf16 at batch 1 9.2 ms a step 'packed' against 7.1 'out_in'; at batch 8 20.8
+    against 12.7 ms), 'out_in' on the widening kernel is the faster."""
     from transformer_jax.modeling import native
 
     return not (native.isa() == "avx512" and native.bf16_products() == "widen")

@@ -96,12 +96,13 @@ inline void StoreSums(__m512* acc, float* y, int64_t o, bool first) {
 // One pass of a group: output rows o .. o+OR-1 against activation rows R0 .. R0+R-1 of RT, over
 // the input-axis block [i0, i1), adding to y unless `first`. T = uint16_t (bf16 bits) or float.
 // `near` and `far` are the starts of the units to prefetch (into L1 and L2) while this one is
-// read: their row q, offset along the block as this one's (the first pass of a group only). The
-// far prefetch is non-temporal, as the packed kernel's (PackedTiles): the weights, read once a
+// read: their row q, offset along the block as this one's (the first pass of a group only). On AMD
+// the far prefetch is non-temporal, as the packed kernel's (PackedTiles): the weights, read once a
 // step, do not push the KV cache and the activations out of L2 and L3. Whole GPT-2-small steps on
 // AMD Zen 5, the two hints alternated in one process (medians of 8-10 rounds, ms): bf16 batch 8
-// 6.78 against 7.04, batch 1 4.76 against 5.06; float32 batch 8 14.21 against 14.54. (The column
-// kernel below prefetches in the order it reads instead: ColBlock.)
+// 6.78 against 7.04, batch 1 4.76 against 5.06; float32 batch 8 14.21 against 14.54. Elsewhere it
+// goes into L2 (FarPrefetchNta, native_kernels.cc: on an Intel Xeon a non-temporal prefetch cost
+// these kernels 2-3x). (The column kernel below prefetches in the order it reads instead: ColBlock.)
 template <int RT, int R0, int R, int OR, typename T, bool kPrefetch>
 inline void RowPass(const T* w, const T* x, float* y, int64_t I, int64_t o, int64_t i0, int64_t i1,
                     bool first, const char* near, const char* far) {
@@ -121,11 +122,12 @@ inline void RowPass(const T* w, const T* x, float* y, int64_t I, int64_t o, int6
   constexpr int S = AccumulatorSets<R, OR>();
   __m512 more[(S - 1) * OR * R + 1];
   for (int k = 0; k < (S - 1) * OR * R; ++k) more[k] = _mm512_setzero_ps();
+  const bool nta = FarPrefetchNta();
   auto pass = [&](int64_t i, __m512* sums) __attribute__((always_inline)) {
     const int64_t ahead = (i - i0) * (int64_t)sizeof(T);
     for (int q = 0; q < OR && kPrefetch; ++q) {
       if constexpr (PrefetchL1<RT, T>()) _mm_prefetch(near + q * stride + ahead, _MM_HINT_T0);
-      _mm_prefetch(far + q * stride + ahead, _MM_HINT_NTA);
+      FarPrefetch(far + q * stride + ahead, nta);
     }
     if constexpr (sizeof(T) == 2) {
       __m512bh a[OR];
@@ -323,6 +325,7 @@ __attribute__((noinline)) void ColBlock(const T* w, const float* x, float* part,
   // do more than kColPassRows rows (`Once` false), whose second pass reads the task's run again.
   constexpr bool kInOrder = sizeof(T) == 4 && Once;
   const bool in_order = kInOrder && ahead != nullptr;
+  const bool nta = FarPrefetchNta();
   const int64_t stride = O * (int64_t)sizeof(T), width = 16 * V * (int64_t)sizeof(T), rows = i1 - i0;
   int64_t next_row = 0, next_col = 0, lo = i0, hi = i1;  // the line kColPrefetchReads reads on
   if (in_order) {
@@ -338,7 +341,7 @@ __attribute__((noinline)) void ColBlock(const T* w, const float* x, float* part,
     for (int v = 0; v < V; ++v) a[v] = LoadWeights(row + 16 * v, m[v], Whole);
     if (in_order) {
       const char* line = base + next_row * stride + next_col;
-      for (int v = 0; v < V; ++v) _mm_prefetch(line + 64 * v, _MM_HINT_NTA);
+      for (int v = 0; v < V; ++v) FarPrefetch(line + 64 * v, nta);
       if (++next_row == hi) {
         next_row = lo;
         next_col += width;
@@ -497,16 +500,18 @@ inline void PackedTiles(const uint16_t* w, const uint16_t* x, float* y, int64_t 
   const int64_t pairs = I / 2;
   // The group's run is prefetched into L1 kPackedPrefetchBytes512 per tile ahead, and on past its
   // end into the next group: the thread's next task. `Once` (a decoding step, which reads each
-  // weight once): the prefetches are non-temporal, so the weight streaming through does not push
-  // out of L2 and L3 what the step reads again: the KV cache, the activations, the logits. A
+  // weight once): on AMD the prefetches are non-temporal, so the weight streaming through does not
+  // push out of L2 and L3 what the step reads again: the KV cache, the activations, the logits
+  // (elsewhere into L2: FarPrefetchNta). A
   // prefill (PackedChunks) reads a group once per chunk of rows, from L2, and keeps plain
   // prefetches, as do a decoding step's passes over more than kPackedPassRows rows.
   const char* ahead = reinterpret_cast<const char*>(group) + T * kPackedPrefetchBytes512;
+  const bool nta = FarPrefetchNta();
   auto step = [&](int64_t p, __m512* sums) __attribute__((always_inline)) {
     __m512bh a[T];
     for (int t = 0; t < T; ++t) {
       if constexpr (Once) {
-        _mm_prefetch(ahead + 64 * (T * p + t), _MM_HINT_NTA);
+        FarPrefetch(ahead + 64 * (T * p + t), nta);
       } else {
         _mm_prefetch(ahead + 64 * (T * p + t), _MM_HINT_T0);
       }
