@@ -148,7 +148,7 @@ def main(argv):
         config.profile_start_step = _PROFILE_START.value
     if _PROFILE_STEPS.value is not None:
         config.profile_num_steps = _PROFILE_STEPS.value
-    workdir = os.path.expanduser(_WORKDIR.value or _default_workdir())  # '~' after '=' stays for the shell
+    workdir = _WORKDIR.value or _default_workdir()  # (train_and_evaluate expands a '~')
     try:
         final = train_and_evaluate(config, workdir)
     except KeyboardInterrupt:  # a second Ctrl-C (the first saves a checkpoint and stops)

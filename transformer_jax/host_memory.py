@@ -35,6 +35,12 @@ def huge_page_malloc_problem() -> str | None:
         numbers = ()
     if libc != "glibc" or numbers < (2, 35):
         return f"needs glibc 2.35 or later (this is {libc or 'an unknown C library'} {version})".rstrip()
+    return transparent_huge_pages_problem()
+
+
+def transparent_huge_pages_problem() -> str | None:
+    """Why this process gets no transparent huge pages at all (none on the system, set to
+    'never', or turned off for the process), or None where it may."""
     try:
         with open(_THP_ENABLED) as f:
             mode = f.read()

@@ -65,14 +65,9 @@ def _collapse_refused_because() -> str:
         release = ()
     if release and release < (6, 1):
         return f"it needs Linux 6.1 or later (this is {platform.release()})"
-    if host_memory._thp_disabled_for_process():
-        return "transparent huge pages are off for this process (prctl PR_SET_THP_DISABLE)"
-    try:
-        mode = Path(host_memory._THP_ENABLED).read_text()
-    except OSError:
-        mode = ""
-    if "[never]" in mode:
-        return "transparent huge pages are off ([never])"
+    problem = host_memory.transparent_huge_pages_problem()
+    if problem is not None:
+        return problem
     return "it needs Linux 6.1 or later, with transparent huge pages not set to 'never'"
 
 

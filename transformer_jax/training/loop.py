@@ -70,21 +70,31 @@ DATA_STREAM_KEYS = (
 )
 
 
-def changed_data_settings(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
-    """'dataset.KEY (old -> new)' for each `DATA_STREAM_KEYS` setting that differs from the one in
-    ``DIR/config.json``, the config of the run that wrote the checkpoints ([] without one)."""
+def _saved_and_current(workdir: str, config: ml_collections.ConfigDict) -> tuple[dict, dict] | None:
+    """(``DIR/config.json``, the config of the run that wrote the checkpoints, and ``config``) as
+    plain dicts with tuples as lists, as config.json has them; None without a readable one."""
     import json
 
     try:
-        saved = ckpt_lib.load_config(workdir).get("dataset")
+        saved = ckpt_lib.load_config(workdir)
     except ValueError:
-        return []
-    if saved is None:
-        return []
-    old = saved.to_dict()
-    new = json.loads(config.dataset.to_json_best_effort())  # tuples as lists, as config.json has them
-    return [f"dataset.{key} ({old[key]!r} -> {new[key]!r})" for key in DATA_STREAM_KEYS
+        return None
+    return saved.to_dict(), json.loads(config.to_json_best_effort())
+
+
+def _differences(old: dict, new: dict, keys, prefix: str = "") -> list[str]:
+    return [f"{prefix}{key} ({old[key]!r} -> {new[key]!r})" for key in keys
             if key in old and key in new and old[key] != new[key]]
+
+
+def changed_data_settings(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
+    """'dataset.KEY (old -> new)' for each `DATA_STREAM_KEYS` setting that differs from the one in
+    ``DIR/config.json``, the config of the run that wrote the checkpoints ([] without one)."""
+    configs = _saved_and_current(workdir, config)
+    if configs is None or configs[0].get("dataset") is None:
+        return []
+    old, new = configs
+    return _differences(old["dataset"], new["dataset"], DATA_STREAM_KEYS, "dataset.")
 
 
 def restretched_schedule(workdir: str, config: ml_collections.ConfigDict, step: int) -> str | None:
@@ -114,27 +124,22 @@ def restretched_schedule(workdir: str, config: ml_collections.ConfigDict, step: 
             f"start; set --config.optimizer.decay_steps={old_steps} to keep the schedule it trained with")
 
 
-# Training settings a resumed run may change on purpose (a lower learning rate, other clipping),
-# but by mistake too (a config file edited meanwhile): named at the resume, not refused.
+# Training settings a resumed run may change on purpose (a lower learning rate), but by mistake too
+# (a config file edited meanwhile): named at the resume, not refused. (Settings that change the
+# optimizer state's structure, clipping or weight decay, are refused by the restore.)
 TRAINING_KEYS = ("seed", "loss_scale", "skip_nonfinite")
 
 
 def changed_training_settings(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
     """'KEY (old -> new)' for each optimizer setting (and `TRAINING_KEYS`) that differs from
     ``DIR/config.json``, the config of the run that wrote the checkpoints ([] without one)."""
-    import json
-
-    try:
-        saved = ckpt_lib.load_config(workdir)
-    except ValueError:
+    configs = _saved_and_current(workdir, config)
+    if configs is None:
         return []
-    old = saved.to_dict() if saved is not None else {}
-    new = json.loads(config.to_json_best_effort())
-    changed = [f"optimizer.{key} ({value!r} -> {new['optimizer'][key]!r})"
-               for key, value in (old.get("optimizer") or {}).items()
-               if key in new["optimizer"] and new["optimizer"][key] != value]
-    return changed + [f"{key} ({old[key]!r} -> {new[key]!r})" for key in TRAINING_KEYS
-                      if key in old and key in new and old[key] != new[key]]
+    old, new = configs
+    optimizer = old.get("optimizer") or {}
+    return (_differences(optimizer, new.get("optimizer") or {}, optimizer, "optimizer.")
+            + _differences(old, new, TRAINING_KEYS))
 
 
 def unit_rate_as_peak(config: ml_collections.ConfigDict) -> str | None:
@@ -281,8 +286,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
                           f"differing: {'; '.join(differing)}")
     for warning in unread_dataset_settings(config):
         _say(warning)
-    if unit_rate_as_peak(config):
-        _say(unit_rate_as_peak(config))
+    if unit_rate := unit_rate_as_peak(config):
+        _say(unit_rate)
     if not integrity.is_local(workdir):
         raise ConfigError(
             f"workdir {workdir!r}: URLs are not supported (the tokenizer, metrics and checkpoint "
