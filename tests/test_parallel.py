@@ -295,6 +295,32 @@ def test_any_non_divisible_dimension_is_replicated_not_only_the_vocabulary():
     assert parallel.logical_to_sharding(boxed, mesh)["wi"].spec == P(None, "tensor")  # 6 % 4
 
 
+def test_a_dimension_replicated_in_many_arrays_is_one_warning_naming_how_many(caplog):
+    import logging
+
+    import optax
+
+    mesh = parallel.create_mesh(1, 1, 8)
+    layer = lambda: {"wi": nn.Partitioned(jax.ShapeDtypeStruct((16, 12), jnp.float32), ("embed", "mlp"))}  # noqa: E731
+    params = {"embedding": nn.Partitioned(jax.ShapeDtypeStruct((37, 16), jnp.float32), ("vocab", "embed")),
+              **{f"layer_{i}": layer() for i in range(6)}}
+    state = {"params": params, "opt_state": jax.eval_shape(optax.adam(1e-3).init, params)}
+    with caplog.at_level(logging.WARNING):
+        shardings = parallel.logical_to_sharding(state, mesh)
+    assert shardings["opt_state"][0].mu["layer_5"]["wi"].spec == P("fsdp", None)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # 18 [16, 12] arrays (weights, mu, nu) and 3 vocabulary tables
+    assert lines[0].startswith("3 arrays (['opt_state'][0].mu['embedding'], "
+                               "['opt_state'][0].nu['embedding'], ['params']['embedding']): "
+                               "dimension of size 37 is not "
+                               "divisible by mesh axes tensor (size 8); replicating it instead. Set "
+                               "ModelConfig.pad_vocab_multiple to a multiple of 8")
+    assert lines[1].startswith("18 arrays (['opt_state'][0].mu['layer_0']['wi'], "
+                               "['opt_state'][0].mu['layer_1']['wi'], "
+                               "['opt_state'][0].mu['layer_2']['wi'] and 15 more): dimension of size "
+                               "12 is not divisible by mesh axes tensor (size 8)")
+
+
 def test_sharding_context_installs_the_rules_for_activation_constraints():
     mesh = parallel.create_mesh(2, 2, 2)
     with parallel.sharding_context(mesh):

@@ -85,41 +85,52 @@ def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
 
 
 def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str,
-                  names: Sequence[str | None] = ()):
-    """Replicates any dimension whose size the assigned mesh axes do not divide (with a warning).
+                  names: Sequence[str | None], replicated: dict):
+    """Replicates any dimension whose size the assigned mesh axes do not divide.
 
     jit refuses uneven shardings, and e.g. a 37,000-token vocabulary is not divisible by a tensor
     axis of 16; replicating that one dimension is the useful fallback (for the vocabulary,
-    `ModelConfig.pad_vocab_multiple` avoids it, and the warning says so).
+    `ModelConfig.pad_vocab_multiple` avoids it, and the warning says so). Each replicated dimension
+    is recorded in ``replicated`` -- ``(size, axes, axes' size, vocab?) -> [where, ...]`` -- for
+    `_warn_replicated`'s one warning per kind of dimension.
     """
     fitted = []
     names = tuple(names) + (None,) * (len(shape) - len(names))
     for dim, axes, name in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), names):
         size = _axis_size(mesh, axes)
         if size > 1 and dim % size:
-            logging.warning(
-                "%s: dimension of size %d is not divisible by mesh axes %s (size %d); "
-                "replicating it instead.%s",
-                where,
-                dim,
-                axes,
-                size,
-                f" Set ModelConfig.pad_vocab_multiple to a multiple of {size} to split it."
-                if name == "vocab" else "",
-            )
+            replicated.setdefault((dim, axes, size, name == "vocab"), []).append(where)
             axes = None
         fitted.append(axes)
     return PartitionSpec(*fitted)
 
 
-def _leaf_sharding(path, leaf, mesh: Mesh, rules: LogicalRules) -> NamedSharding:
+def _warn_replicated(replicated: dict) -> None:
+    """One warning per kind of replicated dimension, with how many arrays have it and a few names
+    (the layers of a deep model and their optimizer moments would otherwise repeat it hundreds of
+    times)."""
+    for (dim, axes, size, vocab), where in replicated.items():
+        shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        logging.warning(
+            "%s: dimension of size %d is not divisible by mesh axes %s (size %d); "
+            "replicating it instead.%s",
+            f"{len(where)} arrays ({shown})" if len(where) > 1 else where[0],
+            dim,
+            axes,
+            size,
+            f" Set ModelConfig.pad_vocab_multiple to a multiple of {size} to split it."
+            if vocab else "",
+        )
+
+
+def _leaf_sharding(path, leaf, mesh: Mesh, rules: LogicalRules, replicated: dict) -> NamedSharding:
     if isinstance(leaf, nn.Partitioned):
         spec = logical_to_mesh_spec(leaf.names, rules)
         shape = getattr(leaf.value, "shape", ())
     else:
         spec, shape = PartitionSpec(), getattr(leaf, "shape", ())
     names = tuple(leaf.names) if isinstance(leaf, nn.Partitioned) else ()
-    spec = _fit_to_shape(spec, shape, mesh, jax.tree_util.keystr(path), names)
+    spec = _fit_to_shape(spec, shape, mesh, jax.tree_util.keystr(path), names, replicated)
     return NamedSharding(mesh, spec)
 
 
@@ -139,11 +150,14 @@ def logical_to_sharding(tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RUL
       This is ``nn.get_partition_spec`` + ``nn.logical_to_mesh_sharding``, plus replication of
       dimensions the mesh does not divide.
     """
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _leaf_sharding(path, leaf, mesh, rules),
+    replicated: dict = {}
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _leaf_sharding(path, leaf, mesh, rules, replicated),
         tree,
         is_leaf=lambda x: isinstance(x, nn.Partitioned),
     )
+    _warn_replicated(replicated)
+    return shardings
 
 
 def batch_sharding(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> NamedSharding:

@@ -395,7 +395,8 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         # a resume refused above, or one that stops before saving, leaves it untouched.
         checkpointer.write_config_on_commit(config)
     else:
-        state, _ = create_train_state(model, tx, mesh, config.seed, loss_scale=loss_scale)
+        state, _ = create_train_state(model, tx, mesh, config.seed, loss_scale=loss_scale,
+                                      shardings=shardings)
         ckpt_lib.save_config(config, workdir)
     start_step = int(jax.device_get(state.step))
     if start_step > config.num_train_steps:

@@ -77,9 +77,11 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh, se
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh, seed: int = 0,
-                       loss_scale: float | None = None):
-    """A freshly initialised TrainState, every array created sharded. -> (state, shardings)."""
-    _, shardings = state_shardings(model, tx, mesh, seed, loss_scale)
+                       loss_scale: float | None = None, shardings: Any = None):
+    """A freshly initialised TrainState, every array created sharded. -> (state, shardings).
+    ``shardings``: `state_shardings`' second result for these arguments, if already at hand."""
+    if shardings is None:
+        _, shardings = state_shardings(model, tx, mesh, seed, loss_scale)
     init = _init_fn(model, tx, seed, loss_scale)
     with parallel.sharding_context(mesh):
         state = jax.jit(lambda: nn.unbox(init()), out_shardings=shardings)()
