@@ -18,7 +18,7 @@ from transformer_jax.decoding.model_steps import (
     encode_source,
     recompute_cache,
 )
-from transformer_jax.decoding.sampling import _generate_jit
+from transformer_jax.decoding.sampling import _generate_donating, _generate_jit
 
 CONFIG = tj.presets.tiny()
 PROMPTS = [[5, 17, 3, 40, 9, 22], [7], [12, 0, 33]]  # token 0 (= pad id) inside a real prompt
@@ -182,6 +182,44 @@ def test_lm_decoding_equals_full_recomputation(lm):
         eos_id=None,
     )
     assert _generate_jit._cache_size() == size
+
+
+def test_a_donated_cache_decodes_in_place_with_the_same_tokens(lm, seq2seq):
+    model, params = lm
+    tokens, lengths = pad_prompts(PROMPTS)
+    width = tokens.shape[1] + STEPS
+    for eos_id in (None, 22):  # the scan and the while loop
+        for sample in ({}, {"temperature": 1.0, "rng": jax.random.key(4)}):
+            cache = tj.init_cache(CONFIG, 3, width)
+            kept = generate(LMStep(model), params, cache, tokens, lengths, max_new_tokens=STEPS,
+                            eos_id=eos_id, **sample)
+            assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(cache))  # usable again
+            donated = generate(LMStep(model), params, cache, tokens, lengths, max_new_tokens=STEPS,
+                               eos_id=eos_id, donate_cache=True, **sample)
+            assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
+            for got, want in zip(donated, kept, strict=True):
+                np.testing.assert_array_equal(got, want)
+    s2s, s2s_params = seq2seq
+    start, ones = jnp.full((3, 1), CONFIG.decoder_start_id, jnp.int32), jnp.ones(3, jnp.int32)
+    encode = lambda: encode_source(s2s, s2s_params, jnp.asarray(SOURCES), STEPS + 1)  # noqa: E731
+    kept, donated = (generate(Seq2SeqStep(s2s), s2s_params, encode(), start, ones, max_new_tokens=STEPS,
+                              donate_cache=donate) for donate in (False, True))
+    for got, want in zip(donated, kept, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    # Memory, from the compiled programs: without donation the loop decodes in a copy of the cache
+    # (XLA may not write into an argument); donated, the cache's own buffers are the loop's.
+    cache = jax.eval_shape(lambda: tj.init_cache(CONFIG, 8, 512))
+    cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
+    args = (LMStep(model), params, cache, jax.ShapeDtypeStruct((8, 16), jnp.int32),
+            jax.ShapeDtypeStruct((8,), jnp.int32), jax.random.key(0), jnp.float32(1), jnp.float32(1),
+            jnp.int32(0), None)
+    static = dict(max_new_tokens=32, greedy=True, top_k=0, use_top_p=False, eos_id=1, pad_id=0)
+    copying = _generate_jit.lower(*args, **static).compile().memory_analysis()
+    in_place = _generate_donating.lower(*args, **static).compile().memory_analysis()
+    assert copying.temp_size_in_bytes >= cache_bytes
+    assert in_place.temp_size_in_bytes < cache_bytes / 8
+    assert in_place.alias_size_in_bytes == cache_bytes
 
 
 SOURCES = [[9, 4, 27, 1], [30, 11, 1, 0], [5, 1, 0, 0]]  # right-padded, ending with EOS

@@ -113,6 +113,8 @@ def test_translate_passes_the_decoding_settings_to_the_decoder(monkeypatch, beam
     want = {"max_new_tokens": 7, "max_new_tokens_per_row": None, "eos_id": EOS_ID, "pad_id": 0}
     if beam_size > 1:
         want.update(beam_size=4, alpha=0.9)
+    else:
+        want.update(donate_cache=True)  # the cache is made for this call alone
     assert kwargs == want
 
     # extra_len: each row at most its source's length (tokens up to EOS: 3, 2, 4; the padding row 0)

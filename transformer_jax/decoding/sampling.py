@@ -376,19 +376,10 @@ def _last_valid(logits: jax.Array, num_valid: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logits, index, axis=1)[:, 0]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "step_fn",
-        "max_new_tokens",
-        "greedy",
-        "top_k",
-        "use_top_p",
-        "eos_id",
-        "pad_id",
-    ),
-)
-def _generate_jit(
+_GENERATE_STATIC = ("step_fn", "max_new_tokens", "greedy", "top_k", "use_top_p", "eos_id", "pad_id")
+
+
+def _generate_program(
     step_fn,
     params,
     cache,
@@ -458,7 +449,7 @@ def _generate_jit(
             return (cache, token, rng, done, step + 1), (token, logprob)
 
         carry = (cache, token, rng, done, jnp.int32(1))
-        _, (tokens, logprobs) = jax.lax.scan(body, carry, None, length=max_new_tokens - 1)
+        (cache, *_), (tokens, logprobs) = jax.lax.scan(body, carry, None, length=max_new_tokens - 1)
         tokens = jnp.concatenate([token[None], tokens], axis=0).T
         logprobs = jnp.concatenate([logprob[None], logprobs], axis=0).T
     else:
@@ -481,12 +472,21 @@ def _generate_jit(
         tokens = jnp.full((max_new_tokens, batch), pad_id, jnp.int32).at[0].set(token)
         logprobs = jnp.zeros((max_new_tokens, batch), jnp.float32).at[0].set(logprob)
         carry = (cache, token, rng, done, jnp.int32(1), tokens, logprobs)
-        *_, tokens, logprobs = jax.lax.while_loop(running, step_once, carry)
+        cache, *_, tokens, logprobs = jax.lax.while_loop(running, step_once, carry)
         tokens, logprobs = tokens.T, logprobs.T
     lengths = _lengths(tokens, eos_id)
     if limits is not None:
         lengths = jnp.minimum(lengths, limits)
-    return GenerateOutput(tokens, lengths, logprobs)
+    return GenerateOutput(tokens, lengths, logprobs), cache
+
+
+# Two programs from `_generate_program`. `_generate_jit` returns the tokens alone: the cache it
+# was given stays the caller's, so the decoding loop works in a copy of it (XLA cannot write into
+# an argument's buffers). `_generate_donating` takes the cache's buffers over and hands them back
+# as its second result, so the loop decodes in them: one cache in memory, not two.
+_generate_jit = jax.jit(functools.wraps(_generate_program)(lambda *a, **k: _generate_program(*a, **k)[0]),
+                        static_argnames=_GENERATE_STATIC)
+_generate_donating = jax.jit(_generate_program, static_argnames=_GENERATE_STATIC, donate_argnames=("cache",))
 
 
 def _lengths(tokens: jax.Array, eos_id: int | None) -> jax.Array:
@@ -715,6 +715,7 @@ def generate(
     max_new_tokens_per_row=None,
     eos_id: int | None | str = FROM_MODEL,
     pad_id: int | str = FROM_MODEL,
+    donate_cache: bool = False,
 ) -> GenerateOutput:
     """Samples up to ``max_new_tokens`` tokens after each prompt.
 
@@ -747,6 +748,10 @@ def generate(
         checkpoint imported with its own ids stops at its own EOS), else 1.
       pad_id: the token written after EOS. Default: the model's ``pad_id`` (if it has none, the EOS
         id, as Hugging Face does; 0 without either).
+      donate_cache: give ``cache``'s buffers to the decoding program, which then decodes in them:
+        decoding holds one cache instead of ``cache`` and a copy of it. ``cache`` cannot be used
+        afterwards (its arrays are deleted), so make a fresh one for each call. Off by default,
+        which leaves ``cache`` as it was, ready for another call.
 
     Returns:
       GenerateOutput(tokens [B, T], lengths [B], logprobs [B, T]).
@@ -764,21 +769,11 @@ def generate(
             raise ValueError("rng (a PRNG key) is required when temperature > 0")
         rng = jax.random.key(0)  # unused by greedy decoding; keeps one traced signature
     rng = _check_rng(rng, prompt_tokens.shape[0])
-    return _generate_jit(
-        step_fn,
-        params,
-        cache,
-        prompt_tokens.astype(jnp.int32),
-        prompt_lengths.astype(jnp.int32),
-        rng,
-        jnp.float32(sampling.temperature if not sampling.greedy else 1.0),
-        jnp.float32(top_p),
-        jnp.int32(min_new_tokens),
-        limits,
-        max_new_tokens=int(max_new_tokens),
-        greedy=sampling.greedy,
-        top_k=int(top_k),
-        use_top_p=sampling.filters_top_p,
-        eos_id=eos_id,
-        pad_id=pad_id,
-    )
+    args = (step_fn, params, cache, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), rng,
+            jnp.float32(sampling.temperature if not sampling.greedy else 1.0), jnp.float32(top_p),
+            jnp.int32(min_new_tokens), limits)
+    static = dict(max_new_tokens=int(max_new_tokens), greedy=sampling.greedy, top_k=int(top_k),
+                  use_top_p=sampling.filters_top_p, eos_id=eos_id, pad_id=pad_id)
+    if donate_cache:
+        return _generate_donating(*args, **static)[0]
+    return _generate_jit(*args, **static)

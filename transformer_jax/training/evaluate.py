@@ -127,6 +127,7 @@ def decode_batch(
         max_new_tokens_per_row=max_new_tokens_per_row,
         eos_id=cfg.eos_id,
         pad_id=cfg.pad_id or 0,
+        donate_cache=True,
     ).tokens
 
 
