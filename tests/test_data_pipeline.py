@@ -351,7 +351,8 @@ def test_enfr_builtin_end_to_end(data_dir, tmp_path):
     # took the default's, a French -> French copy task): every evaluation source is a French
     # sentence of the corpus and its target the English one it pairs with.
     for direction in (dict(reverse=True), dict(source_lang="fr"), dict(target_lang="en")):
-        rev = inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small", **direction),
+        rev = inputs.build_datasets(_cfg("enfr_builtin", data_dir, builder_config="small", max_source_len=64,
+                                         max_target_len=64, **direction),  # none cut short
                                     str(tmp_path), shard=shard())
         row = rev.eval_batches[0]
         decoded = [(rev.tokenizer.decode(row["targets"][i]), rev.tokenizer.decode(row["inputs"][i]))
@@ -587,6 +588,7 @@ def test_wmt_and_lm1b_read_from_prepared_files(tmp_path):
     row = wmt.eval_batches[0]
     assert wmt.tokenizer.decode(row["inputs"][0]).startswith("the cat")  # EN -> DE default
     assert wmt.tokenizer.decode(row["targets"][0]).startswith("die katze")
+    assert wmt.tokenizer.decode(row["targets"][0]).endswith("validation")  # newstest2013's place
     de_en = inputs.build_datasets(_cfg("wmt14_translate/de-en", data_dir, vocab_size=300,
                                        reverse=True), str(tmp_path / "w"), shard=shard())
     assert de_en.tokenizer.decode(de_en.eval_batches[0]["inputs"][0]).startswith("die katze")
@@ -624,6 +626,28 @@ def test_tokenizer_texts_sample_records_evenly_and_read_both_sides():
     # 18 characters a record, 180 in all, 45 wanted: every 5th record (int(180 / 45) + 1)
     assert list(inputs._tokenizer_texts(source, ["a", "b"], 45)()) == [
         "a00000000", "b00000000", "a00000005", "b00000005"]
+
+
+def test_one_huge_record_does_not_thin_out_the_tokenizer_sample():
+    """The spacing came from the probed records' mean length: one 100,000-character line among
+    them spaced the sample 101 records apart (2 of 200 read) though the rest fit the budget. Lines
+    count as training cuts them (4,096 characters), and the spaced records are chosen coarse to
+    fine, so a budget that runs out still leaves a sample of the whole split, in its order."""
+    source = [{"t": ("x" * 100_000 if i == 0 else f"record {i:03d} ".ljust(40, "."))} for i in range(200)]
+    read = list(inputs._tokenizer_texts(source, ["t"], 10_000)())
+    numbers = [int(t.split()[1]) for t in read[1:]]
+    assert read[0] == "x" * 100_000 and numbers == sorted(numbers)
+    # 10,000 - 4,096 (the cut huge line) leaves 147 records of 40 characters and one more, spread
+    # over all 199: every 2nd of them and then some of those between
+    assert len(numbers) == 148 and set(range(2, 200, 2)) <= set(numbers) and numbers[-1] >= 195
+
+
+def test_the_evaluation_split_is_the_validation_split_where_there_is_one(data_dir):
+    """Periodic evaluation and `keep_best_metric` read it: the built-in corpus and WMT defaulted to
+    their test split (WMT's newstest2014), which choosing checkpoints on would bias the test BLEU."""
+    assert inputs._open(_cfg("enfr_builtin", data_dir, builder_config="small"))[2] == "validation"
+    assert builders.STANDARD_TRANSLATION["wmt14_translate/de-en"][2] == "validation"
+    assert builders.STANDARD_LM["lm1b"][2] == "test"  # LM1B has no other
 
 
 def test_editing_a_user_file_rebuilds_the_dataset(data_dir, tmp_path):

@@ -92,6 +92,29 @@ def test_get_or_train_reuses_and_retrains(tmp_path):
     assert len(calls) == 4
 
 
+@pytest.mark.parametrize("record", ["null", "[]", '"x"', "{not json"])
+def test_a_tokenizer_json_that_is_no_record_is_retrained_or_kept_with_checkpoints(tmp_path, record, caplog):
+    """JSON that is not an object (`null`, a list) raised AttributeError from `.get` in both paths."""
+    calls = []
+
+    def texts():
+        calls.append(1)
+        return TEXTS
+
+    first = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+    (tmp_path / tk.METADATA_FILENAME).write_text(record)
+    again = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+    assert len(calls) == 2 and again.model_proto == first.model_proto  # retrained: nothing to trust
+    assert json.loads((tmp_path / tk.METADATA_FILENAME).read_text())["settings"]["corpus_key"] == "c1"
+    (tmp_path / tk.METADATA_FILENAME).write_text(record)
+    (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+    with caplog.at_level("WARNING"):
+        kept = tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "bpe", process_index=0)
+    assert len(calls) == 2 and kept.model_proto == first.model_proto
+    assert f"no readable {tk.METADATA_FILENAME}" in caplog.text
+    assert tk.recorded_model_differs(tmp_path, kept) is None
+
+
 def test_other_processes_wait_for_process_zero(tmp_path):
     results = {}
 

@@ -34,9 +34,12 @@ from transformer_jax.data import translation_corpus
 from transformer_jax.data.errors import DataError
 
 # name -> (feature keys, train split, eval split)
+# (fields, training split, evaluation split): the evaluation split is the one periodic evaluation
+# and `keep_best_metric` read, so it is the validation split (WMT's newstest2013) wherever there is
+# one; the test split (newstest2014) is left for `test_split`. LM1B has no other than 'test'.
 STANDARD_TRANSLATION = {
-    "wmt14_translate/de-en": (("de", "en"), "train", "test"),
-    "wmt17_translate/de-en": (("de", "en"), "train", "test"),
+    "wmt14_translate/de-en": (("de", "en"), "train", "validation"),
+    "wmt17_translate/de-en": (("de", "en"), "train", "validation"),
 }
 STANDARD_LM = {"lm1b": ("text", "train", "test")}
 

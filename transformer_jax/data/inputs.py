@@ -23,7 +23,7 @@ from absl import logging
 
 from transformer_jax.data import builders, pipeline
 from transformer_jax.data.errors import DataError
-from transformer_jax.data.tokenizer import Tokenizer, get_or_train_tokenizer
+from transformer_jax.data.tokenizer import Tokenizer, TokenizerSettings, _as_text, get_or_train_tokenizer
 
 TRANSLATION_DATASETS = ("enfr_builtin", "tsv", *builders.STANDARD_TRANSLATION)
 LM_DATASETS = ("stdlib_lm", "text", *builders.STANDARD_LM)
@@ -73,7 +73,7 @@ def default_dataset_config(name: str = "enfr_builtin") -> ml_collections.ConfigD
     cfg.length_policy = "split" if name in LM_DATASETS else "truncate"
     cfg.seed = 0
     cfg.num_workers = 0  # grain worker processes (0 = in the main process)
-    cfg.eval_split = ""  # '' = the dataset's evaluation split
+    cfg.eval_split = ""  # '' = the dataset's validation split ('test' for lm1b, which has no other)
     cfg.eval_batch_size = batch
     cfg.max_eval_examples = 0  # 0 = all
     return cfg
@@ -135,7 +135,7 @@ def _open(cfg):
     builder = builders.builtin_builder(name, data_dir, cfg.builder_config or None,
                                        cfg.train_files, cfg.eval_files)
     if name == "enfr_builtin":
-        return builder, "train", "test", _direction(cfg, ("en", "fr"), ("en", "fr"))
+        return builder, "train", "validation", _direction(cfg, ("en", "fr"), ("en", "fr"))
     if name == "tsv":
         return builder, "train", "validation", _direction(cfg, ("source", "target"),
                                                           ("source", "target"))
@@ -184,17 +184,41 @@ def resolve_test_split(cfg: ml_collections.ConfigDict, split: str) -> str:
 
 
 def _tokenizer_texts(source, fields, max_chars: int):
-    """Yields the text of ``fields`` from an evenly spaced sample of ``source``."""
+    """Yields the text of ``fields`` from an evenly spaced sample of ``source``, in its order.
+
+    The spacing aims at ``max_chars`` characters in all, from the median that a few records give
+    the tokenizer's training (each line cut as training cuts it): a mean let one huge line among
+    the probed records thin the sample out to a few dozen records. The spaced records are chosen
+    coarse to fine (every 2^k-th of them, then those halfway between, ...) until they hold
+    ``max_chars``, so where the median underestimates, the sample still spans the whole split
+    rather than its beginning.
+    """
+    cut = TokenizerSettings.max_sentence_chars
+
+    def chars(texts) -> int:  # as `tokenizer._training_sentences` counts them
+        return sum(min(len(line), cut) for text in texts for line in text.split("\n") if line.strip())
+
+    def read(i) -> list[str]:
+        record = source[i]
+        return [_as_text(record[f]) for f in fields]
+
     def texts():
         n = len(source)
-        # Estimate characters per record from a few, to take about max_chars in all.
-        probe = [source[i] for i in range(0, n, max(1, n // 20))]
-        chars = sum(len(r[f]) for r in probe for f in fields) / max(1, len(probe))
-        step = max(1, int(n * chars / max_chars) + 1) if chars else 1
-        for i in range(0, n, step):
-            record = source[i]
-            for f in fields:
-                yield record[f].decode("utf-8", errors="replace")
+        probe = sorted(chars(read(i)) for i in range(0, n, max(1, n // 21)))
+        median = probe[len(probe) // 2] if probe else 0
+        step = max(1, int(n * median / max_chars) + 1) if median else 1
+        spaced = (n + step - 1) // step  # records 0, step, 2 step, ...
+        chosen, budget = {}, max_chars
+        stride = 1 << max(0, spaced - 1).bit_length()
+        first = True
+        while stride and budget > 0:
+            for k in range(0, spaced, stride):
+                if (first or k % (2 * stride)) and budget > 0:
+                    chosen[k * step] = read(k * step)
+                    budget -= chars(chosen[k * step])
+            first, stride = False, stride // 2
+        for i in sorted(chosen):
+            yield from chosen[i]
     return texts
 
 

@@ -281,14 +281,23 @@ def _metadata(corpus_key: str, settings: TokenizerSettings) -> dict:
             **dataclasses.asdict(settings)}
 
 
-def _matching_model(workdir: str, metadata: dict) -> Tokenizer | None:
-    model_path = os.path.join(workdir, MODEL_FILENAME)
-    meta_path = os.path.join(workdir, METADATA_FILENAME)
+def _read_metadata(meta_path: str) -> dict | None:
+    """``tokenizer.json``'s record, or None where it is missing or unreadable (not JSON, or JSON
+    that is not an object: `null`, a list, a string)."""
     try:
         with open(meta_path) as f:
             stored = json.load(f)
-        if stored.get("settings") != metadata:
-            return None
+    except (OSError, ValueError):
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
+def _matching_model(workdir: str, metadata: dict) -> Tokenizer | None:
+    model_path = os.path.join(workdir, MODEL_FILENAME)
+    stored = _read_metadata(os.path.join(workdir, METADATA_FILENAME))
+    if stored is None or stored.get("settings") != metadata:
+        return None
+    try:
         tok = Tokenizer.load(model_path)
     except (OSError, ValueError, RuntimeError):
         return None
@@ -300,11 +309,7 @@ def recorded_model_differs(workdir: str | os.PathLike, tok: Tokenizer) -> str | 
     """The path of ``workdir/tokenizer.json`` when the SHA-256 recorded there (as training wrote it
     with the tokenizer) is not ``tok``'s, else None (the same, or nothing readable recorded)."""
     meta_path = os.path.join(workdir, METADATA_FILENAME)
-    try:
-        with open(meta_path) as f:
-            recorded = json.load(f).get("model_sha256")
-    except (OSError, ValueError, AttributeError):
-        return None
+    recorded = (_read_metadata(meta_path) or {}).get("model_sha256")
     if recorded is None or recorded == hashlib.sha256(tok.model_proto).hexdigest():
         return None
     return meta_path
@@ -332,10 +337,8 @@ def _checkpointed_model(workdir: str, metadata: dict) -> Tokenizer:
     model_path = os.path.join(workdir, MODEL_FILENAME)
     meta_path = os.path.join(workdir, METADATA_FILENAME)
     tok = Tokenizer.load(model_path)
-    try:
-        with open(meta_path) as f:
-            stored = json.load(f)
-    except (OSError, ValueError):
+    stored = _read_metadata(meta_path)
+    if stored is None:
         logging.warning("Using %s as it is (no readable %s): %s has checkpoints, so it is not "
                         "retrained.", model_path, METADATA_FILENAME, workdir)
         return tok
