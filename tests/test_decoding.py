@@ -984,6 +984,7 @@ def test_beam_search_compiles_once_and_validates():
         (dict(beam_size=0), "beam_size"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(alpha=-1.0), "alpha"),
+        (dict(alpha=float("inf")), "alpha must be >= 0 and finite, got inf"),  # every score a -0.0 tie
         (dict(min_new_tokens=-1), "min_new_tokens"),
         (dict(max_new_tokens_per_row=[3]), r"max_new_tokens_per_row must be integers of shape \(2,\)"),
         (dict(max_new_tokens_per_row=[3, 6]), r"max_new_tokens_per_row must lie in \[1, max_new_tokens=5\]"),

@@ -4,6 +4,7 @@ training workdir works, and bad input ends with `error: ...` and exit code 2 (no
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -222,6 +223,7 @@ def test_truncate_cuts_long_prompts(capsys):
         (["--prompt=a", "--decoding=beam", "--seed=3", "--top_p=0.9"],
          "--top_p, --seed apply only to --decoding=sample"),
         (["--prompt=a", "--decoding=nucleus"], "--decoding='nucleus': must be one of"),
+        (["--prompt=a", "--decoding=beam", "--alpha=inf"], "--alpha=inf: must be >= 0 and finite"),
         (["--prompt=a", "--decoding=sample", f"--seed={2**64}"],
          f"--seed={2**64}: must be in [-2**63, 2**63)"),
         ([], "give --prompt=TEXT or --input_file=FILE"),
@@ -350,6 +352,19 @@ def test_truncate_without_max_new_tokens_leaves_room_for_the_default_continuatio
     assert cli._new_tokens_limit(lm, cli.DecodeOptions(min_new_tokens=100), 150) == 51
     translation = cli.Generator(lm_config.replace(num_encoder_layers=1), None, Numbers())
     assert cli._new_tokens_limit(translation, cli.DecodeOptions(min_new_tokens=90), 10) == 90
+    # ...and a prompt leaving less room than --min_new_tokens is refused, or with --truncate cut to
+    # leave it: it was cut for the default 64 and then decoded 64, or, uncut, fewer, silently.
+    prompt = " ".join(str(i) for i in range(149))  # 150 tokens with the start token
+    with pytest.raises(cli.GenerateError, match=r"input 1 has 150 tokens with the start token, more than "
+                       r"the 101 this model allows \(.* of the --min_new_tokens=100\); shorten it or pass "
+                       r"--truncate"):
+        cli.encode_inputs(lm, [prompt], cli.DecodeOptions(min_new_tokens=100))
+    [ids] = cli.encode_inputs(lm, [text], cli.DecodeOptions(min_new_tokens=150, truncate=True))
+    assert len(ids) == 51 and cli._new_tokens_limit(lm, cli.DecodeOptions(min_new_tokens=150), 51) == 150
+    with pytest.raises(cli.GenerateError, match=r"--min_new_tokens=200 leaves no room for a prompt"):
+        cli.encode_inputs(lm, ["5"], cli.DecodeOptions(min_new_tokens=200))
+    with pytest.raises(cli.GenerateError, match=r"--min_new_tokens=201 exceeds the model's 200 target"):
+        cli.encode_inputs(translation, ["5"], cli.DecodeOptions(min_new_tokens=201))
 
 
 def test_a_translation_does_not_depend_on_the_sources_batched_with_it_without_a_pad_id(monkeypatch):
@@ -393,6 +408,29 @@ def test_newlines_inside_an_output_are_written_as_backslash_n():
     # A backslash is doubled, so a literal backslash-n (code) differs from a line end.
     assert cli._escape_newlines('print("a\\nb")') == 'print("a\\\\nb")'
     assert cli._escape_newlines('print("a\\nb")') != cli._escape_newlines('print("a\nb")')
+    # Other control characters (a byte-level tokenizer samples them) would reach the terminal (ESC
+    # starts its commands) or make the output a file --input_file refuses (NUL): written as hex.
+    assert (cli._escape_newlines("a\x1b[2Jb\x00c\td\x7fe\x85f\u2028g\u2029h\x0ci")
+            == "a\\x1b[2Jb\\x00c\td\\x7fe\\x85f\\u2028g\\u2029h\\x0ci")
+    assert cli._escape_newlines("café 東京") == "café 東京"
+
+
+def test_outputs_are_utf8_whatever_the_locale_and_standard_input_is_a_file(monkeypatch):
+    """An ASCII or Latin-1 stdout raised UnicodeEncodeError (a traceback, exit 1) after all the
+    decoding had run; and --input_file=- was a file named '-'."""
+    directory = gpt2_checkpoint("gpt2_a")
+    seen = []
+    monkeypatch.setattr(cli, "generate_texts", lambda gen, texts, opts, progress: seen.append(texts)
+                        or [f"café {t}\x1b" for t in texts])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"first\r\nsecond\n"), encoding="ascii"))
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    fv = flags.FlagValues()
+    cli.define_flags(fv)
+    fv(["generate", f"--hf_checkpoint={directory}", "--input_file=-"])
+    cli.run(fv)
+    assert seen == [["first", "second"]]
+    assert stdout.buffer.getvalue() == "café first\\x1b\ncafé second\\x1b\n".encode()
 
 
 def test_an_empty_input_file_is_an_error(capsys, tmp_path):
@@ -451,6 +489,21 @@ def test_bad_model_sources_are_clear_errors(capsys, tmp_path):
     config_json.write_text(json.dumps({"model": {"vocab_size": 300}}))
     err = cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a")
     assert "is a training workdir, not a Hugging Face checkpoint: give it as --workdir" in err, err
+
+
+def test_a_workdir_without_its_tokenizer_files_is_named(capsys, tmp_path, caplog):
+    from transformer_jax.training import restore_for_inference
+
+    _tiny_workdir(str(tmp_path))
+    (tmp_path / "tokenizer.json").unlink()  # nothing to check the tokenizer against: said
+    with caplog.at_level("WARNING"):
+        restore_for_inference(str(tmp_path))
+    assert f"{tmp_path} has no tokenizer.json recording which tokenizer the run trained with" in caplog.text
+    (tmp_path / "tokenizer.model").unlink()
+    err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
+    assert err == (f"error: Workdir {str(tmp_path)!r} has no tokenizer.model: its checkpoints decode only "
+                   f"with the tokenizer training wrote there; copy it (and tokenizer.json) back from the "
+                   f"run's workdir\n"), err
 
 
 def test_a_tokenizer_of_another_model_in_the_workdir_is_refused(capsys, tmp_path):
@@ -538,6 +591,8 @@ def _tiny_workdir(directory):
         ["the tired engineer drank the cold coffee"] * 50, TokenizerSettings(vocab_size=300)
     )
     tokenizer.save(os.path.join(directory, "tokenizer.model"))
+    with open(os.path.join(directory, "tokenizer.json"), "w") as f:  # as training records it
+        json.dump({"model_sha256": hashlib.sha256(tokenizer.model_proto).hexdigest()}, f)
     config = tj.presets.tiny(vocab_size=tokenizer.vocab_size, num_encoder_layers=0, max_len=32)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({"model": config.to_dict(), "seed": 0}, f)

@@ -273,7 +273,7 @@ class DecodeOptions:
             (self.top_k < 0, f"--top_k={self.top_k}: must be >= 0 (0 = off)"),
             (not 0.0 < self.top_p <= 1.0, f"--top_p={self.top_p}: must be in (0, 1]"),
             (self.beam_size < 1, f"--beam_size={self.beam_size}: must be >= 1"),
-            (not self.alpha >= 0.0, f"--alpha={self.alpha}: must be >= 0"),
+            (not 0.0 <= self.alpha < float("inf"), f"--alpha={self.alpha}: must be >= 0 and finite"),
             (self.batch_size < 1, f"--batch_size={self.batch_size}: must be >= 1"),
             (not -2**63 <= self.seed < 2**63, f"--seed={self.seed}: must be in [-2**63, 2**63)"),
         ]
@@ -297,10 +297,12 @@ def _fit_input(
     if len(ids) <= limit:
         return ids
     if not opts.truncate:
+        why = "its max_len" if seq2seq else _LM_LIMIT
+        if not seq2seq and opts.max_new_tokens is None and opts.min_new_tokens > 1:
+            why += f" of the --min_new_tokens={opts.min_new_tokens}"
         raise GenerateError(
             f"input {index + 1} has {len(ids)} tokens{' with the start token' if prefix else ''}, "
-            f"more than the {limit} this model allows ({'its max_len' if seq2seq else _LM_LIMIT}); "
-            "shorten it or pass --truncate"
+            f"more than the {limit} this model allows ({why}); shorten it or pass --truncate"
         )
     # Translation keeps the start of the source (and its EOS); continuation keeps the end.
     if seq2seq:
@@ -315,28 +317,31 @@ def encode_inputs(gen: Generator, texts: Sequence[str], opts: DecodeOptions) -> 
         limit = max_len
     else:
         start = len(gen.prompt_prefix)
+        flag = "--max_new_tokens" if opts.max_new_tokens is not None else "--min_new_tokens"
         if opts.max_new_tokens is not None:
             new = opts.max_new_tokens
         elif opts.truncate:
             # Cut to leave room for the default continuation (64 tokens, or half the positions
-            # after the start token in a shorter model), not for a single token.
-            new = max(1, min(DEFAULT_CONTINUATION, (max_len - start) // 2))
+            # after the start token in a shorter model), not for a single token, and for at
+            # least --min_new_tokens.
+            new = max(1, opts.min_new_tokens, min(DEFAULT_CONTINUATION, (max_len - start) // 2))
         else:
-            new = 1
+            new = max(1, opts.min_new_tokens)  # a prompt with less room is refused, not cut short
         # A prompt of P tokens and N new ones take P + N - 1 positions (the last new token is never
         # fed back). The start token takes a position too: with only it left, --truncate would cut
         # every prompt down to the start token alone and continue from nothing, silently.
         if new + start > max_len:
             held = f" ({start} of them for the start token)" if start else ""
             raise GenerateError(
-                f"--max_new_tokens={new} leaves no room for a prompt within the model's {max_len} "
+                f"{flag}={new} leaves no room for a prompt within the model's {max_len} "
                 f"positions{held}"
             )
         limit = max_len - new + 1
-    if opts.max_new_tokens is not None and gen.is_seq2seq and opts.max_new_tokens > max_len:
-        raise GenerateError(
-            f"--max_new_tokens={opts.max_new_tokens} exceeds the model's {max_len} target positions"
-        )
+    if gen.is_seq2seq:
+        for flag, value in (("--max_new_tokens", opts.max_new_tokens),
+                            ("--min_new_tokens", opts.min_new_tokens)):
+            if value is not None and value > max_len:
+                raise GenerateError(f"{flag}={value} exceeds the model's {max_len} target positions")
     out = []
     for i, text in enumerate(texts):
         if not text.strip():
@@ -456,6 +461,7 @@ def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, ba
             temperature=opts.temperature if sample else 0.0,
             top_k=opts.top_k if sample else 0,
             top_p=opts.top_p if sample else 1.0,
+            donate_cache=True,  # made above for this call alone: decode in it, not in a copy
             **common,
         )
         new_tokens, new_lengths = out.tokens, out.lengths
@@ -544,8 +550,11 @@ def _read_file(input_file: str) -> list[str]:
     \\r), not at the other characters ``str.splitlines`` breaks at (form feed, U+2028, U+0085,
     ...), which would give more outputs than input lines; a UTF-8 byte-order mark is dropped."""
     try:
-        with open(input_file, "rb") as f:
-            data = f.read()
+        if input_file == "-":  # standard input, as for most tools that read files
+            data = sys.stdin.buffer.read()
+        else:
+            with open(input_file, "rb") as f:
+                data = f.read()
     except OSError as e:
         raise GenerateError(f"cannot read --input_file={input_file!r}: {e.strerror or e}") from e
     data = data.removeprefix(b"\xef\xbb\xbf")
@@ -601,11 +610,22 @@ def options_from_flags(flag_values: flags.FlagValues = FLAGS) -> DecodeOptions:
     return opts
 
 
+# Written as \xNN: the control characters other than tab and the line ends (a terminal acts on
+# them: ESC starts a command; NUL makes the output a file --input_file refuses), DEL, and the
+# characters other programs take for line ends (NEL, LINE and PARAGRAPH SEPARATOR, ...).
+_ESCAPED = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+            for c in [*range(0x20), 0x7F, 0x85, 0x2028, 0x2029] if chr(c) not in "\t\n\r"}
+
+
 def _escape_newlines(text: str) -> str:
-    """One output on one line: a line end inside it written as backslash-n, and a backslash as two,
-    so that a literal backslash-n in the text stays distinguishable (unescape the two in one pass)."""
+    """One output on one line, of printable text: a line end inside it written as backslash-n,
+    other control characters (tab apart) and other line separators as backslash-x or -u and their
+    hex code, and a backslash as two, so that a literal backslash-n in the text stays
+    distinguishable (read back in one pass over the backslashes: ``\\\\``, ``\\n``, ``\\xNN``,
+    ``\\uNNNN``)."""
     text = text.replace("\\", "\\\\")
-    return text.replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\n")
+    text = text.replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\n")
+    return text.translate(_ESCAPED)
 
 
 def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
@@ -616,7 +636,12 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
     from transformer_jax.convert import ConversionError
 
     fv = flag_values
-    out = sys.stdout if out is None else out
+    if out is None:
+        out = sys.stdout
+        # The outputs are any Unicode text, which an ASCII or Latin-1 locale's encoding cannot hold.
+        encoding = (getattr(out, "encoding", None) or "").lower().replace("-", "")
+        if encoding != "utf8" and hasattr(out, "reconfigure"):
+            out.reconfigure(encoding="utf-8")
     try:
         _check_flag_combinations(fv)
         opts = options_from_flags(fv)

@@ -247,7 +247,8 @@ def beam_search(
       max_new_tokens: T (the paper uses source length + 50).
       beam_size: K (the paper uses 4). When fewer than K distinct hypotheses exist (tiny
         vocabularies), the missing ones come back with scores of about -1e30.
-      alpha: length-penalty exponent, >= 0 (the paper uses 0.6; 0 ranks by log-probability).
+      alpha: length-penalty exponent, >= 0 and finite (the paper uses 0.6; 0 ranks by
+        log-probability).
       min_new_tokens: EOS is forbidden for the first ``min_new_tokens`` tokens (its
         log-probability set to -inf; the other tokens keep theirs).
       max_new_tokens_per_row: optional int [B], each in [1, T]: row b's hypotheses end at
@@ -264,8 +265,9 @@ def beam_search(
     if not _is_whole(beam_size) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive integer, got {beam_size}")
     _check_max_new_tokens(max_new_tokens)
-    if not isinstance(alpha, jax.core.Tracer) and not alpha >= 0.0:  # traced: checked by the caller
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if not isinstance(alpha, jax.core.Tracer) and not 0.0 <= alpha < float("inf"):  # traced: the caller's
+        # (an infinite alpha scores every hypothesis longer than one token -0.0: an arbitrary tie)
+        raise ValueError(f"alpha must be >= 0 and finite, got {alpha}")
     eos_id, pad_id = resolve_special_ids(step_fn, eos_id, pad_id)
     prompt_tokens = jnp.asarray(prompt_tokens)
     prompt_lengths = jnp.asarray(prompt_lengths)

@@ -39,7 +39,7 @@ from etils import epath
 from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig, first_line
 from transformer_jax.data import DataError, Tokenizer, checkpoint_args
-from transformer_jax.data.tokenizer import recorded_model_differs
+from transformer_jax.data.tokenizer import METADATA_FILENAME, recorded_model_differs
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
 from transformer_jax.training.state import LossScale, TrainState
@@ -720,11 +720,18 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
     if params is None:
         raise ValueError(f"Workdir {workdir!r} has no checkpoint in {directory}.")
     tokenizer_path = os.path.join(workdir, "tokenizer.model")
+    if not os.path.isfile(tokenizer_path):
+        raise ValueError(f"Workdir {workdir!r} has no tokenizer.model: its checkpoints decode only with "
+                         f"the tokenizer training wrote there; copy it (and tokenizer.json) back from "
+                         f"the run's workdir")
     tokenizer = Tokenizer.load(tokenizer_path)
     if tokenizer.vocab_size > model_config.vocab_size:  # another run's: its ids pass the table's end
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} pieces, more than the model's "
                          f"vocab_size={model_config.vocab_size}: it is not the tokenizer this model was "
                          f"trained with")
+    if not os.path.isfile(os.path.join(workdir, METADATA_FILENAME)):
+        logging.warning("%s has no %s recording which tokenizer the run trained with: %s is used "
+                        "unchecked", workdir, METADATA_FILENAME, tokenizer_path)
     recorded = recorded_model_differs(workdir, tokenizer)
     if recorded:  # another run's of no larger vocabulary: its ids fit, and mean other pieces
         raise ValueError(f"{tokenizer_path} is not the tokenizer recorded in {recorded} (sha256 differs): "
