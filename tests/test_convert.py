@@ -4,11 +4,13 @@ with errors that name the problem; pickles are only read with weights_only=True.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import re
 import shutil
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -429,6 +431,8 @@ def test_overrides_that_change_the_function_are_refused():
         with pytest.raises(ConversionError, match=rf"cannot override \['{field}'\].*Overridable"):
             load_hf_config(directory, **{field: value})
     assert load_hf_config(directory, dtype="bfloat16", eos_id=3, scan_layers=True).scan_layers
+    own = load_hf_config(directory)  # a field's own value is no change: allowed
+    assert load_hf_config(directory, max_len=own.max_len, norm_eps=own.norm_eps, norm="pre") == own
     # Marian's positions are computed: a longer max_len is fine there.
     assert load_hf_config(marian_checkpoint("marian_relu"), max_len=4096).max_len == 4096
 
@@ -470,11 +474,13 @@ def test_null_or_out_of_range_token_ids_in_config_json():
     vocab = load_hf_config(gpt2).vocab_size
     outside = _copy_checkpoint(gpt2_checkpoint("gpt2_a"), lambda c: c.update(bos_token_id=vocab,
                                                                               eos_token_id=vocab))
-    with pytest.raises(ConversionError, match=rf"eos_id={vocab}: must be a token id .*config.json's "
-                                              r"eos_token_id: set a token id there, or give "
-                                              r"eos_id=<token id> to load_hf_checkpoint\)"):
+    with pytest.raises(ConversionError, match=rf"token ids outside the vocabulary \[0, {vocab}\): "
+                                              rf"eos_id={vocab} \(config.json's eos_token_id\): give "
+                                              rf"eos_id=<token id> to load_hf_checkpoint; bos_id={vocab} "
+                                              rf"\(config.json's bos_token_id\): give bos_id=.*; "
+                                              rf"decoder_start_id={vocab} \(config.json's bos_token_id\)"):
         load_hf_config(outside)
-    with pytest.raises(ConversionError, match=r"bos_id=.*config.json's bos_token_id: .* give bos_id="):
+    with pytest.raises(ConversionError, match=r"bos_id=.*config.json's bos_token_id\): give bos_id="):
         load_hf_config(outside, eos_id=3)
     config, _ = load_hf_checkpoint(outside, eos_id=3, bos_id=3, decoder_start_id=3)
     assert (config.eos_id, config.bos_id, config.decoder_start_id) == (3, 3, 3)
@@ -484,6 +490,22 @@ def test_null_or_out_of_range_token_ids_in_config_json():
                               lambda c: c.update(decoder_start_token_id=None, eos_token_id=None))
     config = load_hf_config(marian)
     assert (config.eos_id, config.decoder_start_id, config.bos_id) == (0, config.pad_id, config.pad_id)
+    # Both ids null: GPT-2's BOS (and so the decoder's start) comes from its EOS, GPT2Config's 50256
+    # here; one override of the EOS stood in for it alone, and BOS, then the start failed in turn.
+    null = _copy_checkpoint(gpt2_checkpoint("gpt2_a"),
+                            lambda c: c.update(bos_token_id=None, eos_token_id=None))
+    with pytest.raises(ConversionError, match=r"eos_id=50256 \(config.json has no eos_token_id: derived\)"):
+        load_hf_config(null)
+    config = load_hf_config(null, eos_id=4)
+    assert (config.eos_id, config.bos_id, config.decoder_start_id) == (4, 4, 4)
+    # A Marian pad id outside the vocabulary cannot be overridden (its encoder masks by it): said,
+    # not offered as the way out.
+    broken = _copy_checkpoint(marian_checkpoint("marian_swish"),
+                              lambda c: c.update(pad_token_id=999, decoder_start_token_id=None))
+    with pytest.raises(ConversionError, match=r"pad_id=999 \(config.json's pad_token_id\): it cannot "
+                                              r"be overridden \(the encoder masks the source tokens "
+                                              r"equal to it\): fix config.json$"):
+        load_hf_config(broken, bos_id=3, decoder_start_id=3)
 
 
 def test_pad_id_is_overridable_only_where_no_encoder_masks_by_it():
@@ -602,6 +624,91 @@ def test_damaged_weight_files_are_named(tmp_path):
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ConversionError, match="no 'weight_map'"):
         load_hf_checkpoint(directory)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"wte.weight": 3}}))
+    with pytest.raises(ConversionError, match="'weight_map' must map each tensor to a file name"):
+        load_hf_checkpoint(directory)
+
+
+def _safetensors_bytes(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_damaged_pytorch_files_and_safetensors_headers_are_named_as_such(tmp_path):
+    """A .bin cut short or replaced by a web page was reported as a security refusal ("convert the
+    file to safetensors if you trust it"); a safetensors header entry written wrong raised KeyError,
+    TypeError or a numpy error; a config.json that is a directory, IsADirectoryError."""
+    src = gpt2_checkpoint("gpt2_a")
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), directory / "config.json")
+    buffer = io.BytesIO()
+    torch.save(hf_model(src).state_dict(), buffer)
+    whole = buffer.getvalue()
+    page = b"<html><body>502 Bad Gateway</body></html>"
+    for data, message in ((whole[: len(whole) // 2],
+                           "a zip archive without its directory at the end: cut short; download it again"),
+                          (page, r"not a PyTorch weights file \(it starts with b'<htm': a web page or an "
+                                 r"error message saved in its place\?\); download it again")):
+        (directory / "pytorch_model.bin").write_bytes(data)
+        with pytest.raises(ConversionError, match=rf"pytorch_model.bin: {message}$"):
+            load_hf_checkpoint(directory)
+    (directory / "pytorch_model.bin").unlink()
+    for entry in ({"dtype": "F32", "shape": [3]}, [1, 2],
+                  {"dtype": "F32", "shape": "3", "data_offsets": [0, 12]},
+                  {"dtype": "F32", "shape": [3], "data_offsets": [-12, 0]},
+                  {"dtype": "F32", "shape": [3], "data_offsets": [12, 0]}):
+        (directory / "model.safetensors").write_bytes(_safetensors_bytes({"x": entry}, bytes(12)))
+        with pytest.raises(ConversionError, match=r"model.safetensors: not a safetensors file, or a corrupt "
+                                                  r"one: the header's entry for tensor 'x' is "):
+            load_hf_checkpoint(directory)
+    (directory / "model.safetensors").unlink()
+    (directory / "config.json").unlink()
+    (directory / "config.json").mkdir()
+    with pytest.raises(ConversionError, match=r"config.json: cannot be read \(Is a directory\)"):
+        load_hf_checkpoint(directory)
+
+
+def test_a_tensor_of_a_dtype_numpy_lacks_is_an_error_only_if_the_model_reads_it(tmp_path, caplog):
+    """One unused tensor of a valid dtype the reader lacked (U32, float8) refused the whole file."""
+    from transformer_jax.convert.hf_files import Unreadable, read_safetensors
+
+    src = gpt2_checkpoint("gpt2_a")
+    _, want = load_hf_checkpoint(src)
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "config.json")
+    tensors = {**read_safetensors(os.path.join(src, "model.safetensors")), "step": np.array([7], np.uint32)}
+    header, data = {}, b""
+    for name, value in tensors.items():
+        raw = np.ascontiguousarray(value).tobytes()
+        header[name] = {"dtype": {"float32": "F32", "uint32": "U32"}[str(value.dtype)],
+                        "shape": list(value.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    (tmp_path / "model.safetensors").write_bytes(_safetensors_bytes(header, data))
+    with caplog.at_level("WARNING"):
+        _, got = load_hf_checkpoint(tmp_path)
+    assert "checkpoint tensors not used: ['step']" in caplog.text
+    for a, b in zip(_leaves(got), _leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    (tmp_path / "model.safetensors").unlink()
+    state = hf_model(src).state_dict()
+    torch.save({**state, "scale": torch.ones(2).to(torch.float8_e4m3fn)}, tmp_path / "pytorch_model.bin")
+    _, got = load_hf_checkpoint(tmp_path)  # unused: loads
+    for a, b in zip(_leaves(got), _leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    name = next(k for k in state if k.endswith("wte.weight"))
+    torch.save({**state, name: state[name].to(torch.float8_e4m3fn)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match=rf"pytorch_model.bin: tensor '{name}' has dtype "
+                                              r"torch.float8_e4m3fn, which numpy cannot hold"):
+        load_hf_checkpoint(tmp_path)
+    # safetensors' float8 reads through ml_dtypes, as float32 values
+    (tmp_path / "pytorch_model.bin").unlink()
+    header = {"x": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]},
+              "y": {"dtype": "F4_E2M1", "shape": [2], "data_offsets": [2, 3]}}
+    (tmp_path / "t.safetensors").write_bytes(_safetensors_bytes(header, bytes([0x38, 0xB8, 0])))
+    read = read_safetensors(str(tmp_path / "t.safetensors"))
+    np.testing.assert_array_equal(np.asarray(read["x"], np.float32), [1.0, -1.0])
+    assert isinstance(read["y"], Unreadable)
+    assert "dtype F4_E2M1, which this reader does not support" in read["y"].why
 
 
 def test_misspelt_override_is_not_called_a_trained_value():

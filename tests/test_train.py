@@ -180,7 +180,7 @@ def test_the_seed_sets_the_initial_parameters_and_the_dropout_key(tmp_path, monk
 
     seeds = []
 
-    def record(model, tx, mesh, seed=0, loss_scale=None):
+    def record(model, tx, mesh, seed=0, loss_scale=None, shardings=None):
         seeds.append(seed)
         raise KeyboardInterrupt  # the run ends here
 

@@ -45,6 +45,14 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
     directory = os.fspath(path)
     hf_config = read_config(directory)
     converter = _converter(hf_config, directory)
+    # A token id config.json leaves null is derived from another (GPT-2's BOS from its EOS, the
+    # decoder's start from its BOS): an override standing in for the null one stands in for those
+    # derived from it too, rather than each failing in turn on the default they were derived from.
+    stated, hf_config = hf_config, dict(hf_config)
+    for field, value in overrides.items():
+        key = converter.TOKEN_ID_KEYS.get(field)
+        if key is not None and hf_config.get(key) is None:
+            hf_config[key] = value
     try:
         fields = converter.config_fields(hf_config)
     except ConversionError:
@@ -63,7 +71,7 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
     # An encoder masks the source tokens equal to pad_id: only its own value is no change there.
     overridable = set(OVERRIDABLE_FIELDS) - ({"pad_id"} if given["num_encoder_layers"] else set())
     fixed = sorted(k for k in set(overrides) - overridable
-                   if not (k == "pad_id" and overrides[k] == given[k]))
+                   if overrides[k] != given[k])  # its own value is no change
     if given["position"] != "learned" and "max_len" in overrides:
         fixed.remove("max_len")  # computed positions extend to any length
     why = " (the encoder masks the source tokens equal to pad_id)" if "pad_id" in fixed else ""
@@ -72,8 +80,25 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
             f"{directory}: cannot override {fixed}: the checkpoint's weights were trained for its own "
             f"values ({', '.join(f'{k}={given[k]!r}' for k in fixed)}), and other values "
             f"would compute another function{why}. Overridable: {sorted(overridable)}.")
+    merged = {**fields, **overrides}
+    vocab = merged.get("vocab_size")
+    bad_ids = [k for k in converter.TOKEN_ID_KEYS if k not in overrides  # (a bad override: below)
+               and isinstance(merged.get(k), int) and isinstance(vocab, int) and not 0 <= merged[k] < vocab]
+    if bad_ids:  # all of them in one error, each with the way out it has
+        def way_out(k):
+            if k in overridable:
+                return f"give {k}=<token id> to load_hf_checkpoint"
+            return ("it cannot be overridden (the encoder masks the source tokens equal to it): "
+                    "fix config.json")
+        def source(k):
+            key = converter.TOKEN_ID_KEYS[k]
+            if stated.get(key) is not None:
+                return f"config.json's {key}"
+            return f"config.json has no {key}: derived"
+        listed = "; ".join(f"{k}={merged[k]} ({source(k)}): {way_out(k)}" for k in bad_ids)
+        raise ConversionError(f"{directory}: token ids outside the vocabulary [0, {vocab}): {listed}")
     try:
-        return ModelConfig(**{**fields, **overrides})
+        return ModelConfig(**merged)
     except ConfigError as e:
         if e.field in overrides:
             raise ConversionError(f"bad override {overrides}: {e}") from e

@@ -14,7 +14,7 @@ import numpy as np
 from absl import logging
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.convert.hf_files import ConversionError
+from transformer_jax.convert.hf_files import ConversionError, Unreadable
 
 
 def strip_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
@@ -78,6 +78,8 @@ class ParamBuilder:
         if name not in self._tensors:
             raise ConversionError(f"tensor {name!r} (expected shape {shape}) is missing from the checkpoint")
         value = self._tensors[name]
+        if isinstance(value, Unreadable):
+            raise ConversionError(value.why)
         if _shape(value) != shape:
             raise ConversionError(f"tensor {name!r} has shape {_shape(value)}, expected {shape}")
         self._used.add(name)
