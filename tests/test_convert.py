@@ -814,3 +814,11 @@ def test_gpt2_tokenizer_from_merges_keeps_endoftext_one_token(tmp_path):
     text = "the cat<|endoftext|>the dog"
     assert ours.encode(text) == slow(text).input_ids == load_hf_tokenizer(directory).encode(text)
     assert ours.eos_id in ours.encode(text)
+    # config.json's eos_token_id null (transformers writes unset ids so): GPT2Tokenizer's own
+    # '<|endoftext|>' still, where it was split into byte pieces; a list there is named as such.
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
+    assert load_hf_tokenizer(tmp_path).encode(text) == slow(text).input_ids
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [0, 1]}))
+    with pytest.raises(ConversionError, match=r"config.json: eos_token_id=\[0, 1\] is not a token id"):
+        load_hf_tokenizer(tmp_path)

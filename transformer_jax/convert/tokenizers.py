@@ -82,6 +82,8 @@ class ByteLevelBPETokenizer(HFTokenizer):
                                   f"({first_line(e)})") from e
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
+        if eos_id is None:  # config.json leaves it null: GPT2Tokenizer's own EOS, where the vocabulary has it
+            eos_id = tok.token_to_id("<|endoftext|>")
         eos = tok.id_to_token(eos_id) if eos_id is not None else None
         if eos is not None:  # '<|endoftext|>' in a text is one token, as GPT2Tokenizer reads it
             tok.add_special_tokens([eos])
@@ -193,7 +195,11 @@ def load_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
         config = read_config(directory)
         model_type = config.get("model_type")
     if model_type == "gpt2":
-        tokenizer = ByteLevelBPETokenizer.from_directory(directory, config.get("eos_token_id"))
+        eos_id = config.get("eos_token_id")
+        if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)):
+            raise ConversionError(f"{os.path.join(directory, 'config.json')}: eos_token_id={eos_id!r} is not "
+                                  f"a token id (an integer, or null)")
+        tokenizer = ByteLevelBPETokenizer.from_directory(directory, eos_id)
     elif model_type == "marian":
         tokenizer = MarianSentencePieceTokenizer.from_directory(directory)
     else:
