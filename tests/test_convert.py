@@ -455,13 +455,19 @@ def test_unsupported_options_are_all_listed():
                    "activation_function='mish'"):
         assert option in str(e.value)
     # the converter's own list, not wrapped as "a value of the wrong type or out of range"
-    assert str(e.value).startswith("unsupported gpt2 checkpoint options")
+    assert str(e.value).startswith(f"{directory}/config.json: unsupported gpt2 checkpoint options")
     directory = _copy_checkpoint(
         marian_checkpoint("marian_swish"), lambda c: c.update(decoder_attention_heads=6, decoder_vocab_size=7)
     )
     with pytest.raises(ConversionError, match="decoder_attention_heads=6.*\n.*decoder_vocab_size=7") as e:
         load_hf_checkpoint(directory)
-    assert str(e.value).startswith("unsupported marian checkpoint options")
+    assert str(e.value).startswith(f"{directory}/config.json: unsupported marian checkpoint options")
+    # A size config.json lacks is shown as the default the check used, not as None.
+    directory = _copy_checkpoint(marian_checkpoint("marian_swish"),
+                                 lambda c: c.pop("decoder_attention_heads"))
+    with pytest.raises(ConversionError, match=r"encoder_attention_heads=\d+ != decoder_attention_heads=16 "
+                                              r"\(config.json has none: MarianConfig's default\)"):
+        load_hf_checkpoint(directory)
 
 
 def test_null_or_out_of_range_token_ids_in_config_json():

@@ -55,8 +55,8 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
             hf_config[key] = value
     try:
         fields = converter.config_fields(hf_config)
-    except ConversionError:
-        raise  # options the model cannot express, listed by the converter
+    except ConversionError as e:  # options the model cannot express, listed by the converter
+        raise ConversionError(f"{os.path.join(directory, 'config.json')}: {e}") from e
     except KeyError as e:
         raise ConversionError(f"{directory}: config.json has no {e.args[0]!r}, which this model needs") from e
     except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:

@@ -81,7 +81,10 @@ class ParamBuilder:
         if isinstance(value, Unreadable):
             raise ConversionError(value.why)
         if _shape(value) != shape:
-            raise ConversionError(f"tensor {name!r} has shape {_shape(value)}, expected {shape}")
+            raise ConversionError(
+                f"tensor {name!r} has shape {_shape(value)}, expected {shape} from config.json's sizes "
+                f"(where config.json lacks one, transformers' default): the weights and config.json "
+                f"are of different models")
         self._used.add(name)
         return np.asarray(value, np.float32)
 

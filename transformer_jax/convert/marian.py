@@ -35,6 +35,13 @@ ACTIVATIONS = {
 _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which MarianEncoderLayer/DecoderLayer use
 
 
+def _shown(hf: dict, key: str, default) -> str:
+    """``key=value`` as the check used it: config.json's, or MarianConfig's default it stands for."""
+    if key in hf:
+        return f"{key}={hf[key]}"
+    return f"{key}={default} (config.json has none: MarianConfig's default)"
+
+
 def _unsupported(hf: dict) -> list[str]:
     problems = []
     act = hf.get("activation_function", "gelu")
@@ -43,7 +50,7 @@ def _unsupported(hf: dict) -> list[str]:
     pairs = (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim"))
     for enc, dec in pairs:
         if hf.get(enc, 16) != hf.get(dec, 16):
-            problems.append(f"{enc}={hf.get(enc)} != {dec}={hf.get(dec)} (one size for both stacks)")
+            problems.append(f"{_shown(hf, enc, 16)} != {_shown(hf, dec, 16)} (one size for both stacks)")
     if "vocab_size" not in hf:
         raise KeyError("vocab_size")
     decoder_vocab = hf.get("decoder_vocab_size") or hf.get("vocab_size")
@@ -56,7 +63,8 @@ def _unsupported(hf: dict) -> list[str]:
         if hf.get(name, 0.0):
             problems.append(f"{name}={hf[name]} (only 0 is supported)")
     if hf.get("d_model", 1024) % hf.get("encoder_attention_heads", 16):
-        problems.append(f"d_model={hf.get('d_model')} not divisible by encoder_attention_heads")
+        problems.append(f"{_shown(hf, 'd_model', 1024)} not divisible by "
+                        f"{_shown(hf, 'encoder_attention_heads', 16)}")
     if hf.get("pad_token_id") is None:
         problems.append("pad_token_id=None (Marian starts decoding from the pad token)")
     return problems
