@@ -395,7 +395,7 @@ def test_average_checkpoints(reference, data_dir, tmp_path):
         train_and_evaluate(tiny_config(data_dir), out)
 
 
-def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
+def test_average_checks_each_step_and_its_arguments(reference, tmp_path, caplog):
     import shutil
 
     from transformer_jax.training import integrity
@@ -413,6 +413,14 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path):
                  restore_for_inference(out).params, *each)
     with pytest.raises(ValueError, match=r"already holds a checkpoint at step 20 .*--output"):
         average_checkpoints(workdir, last_k=50)  # the same output again: not overwritten
+    # Steps that are not consecutive saves (keep_best_metric keeps the best ones, which may lie far
+    # apart) were averaged as "the last K" without a word.
+    every = json.loads(open(os.path.join(workdir, "config.json")).read())["checkpoint_every_steps"]
+    shutil.rmtree(integrity.step_dir(os.path.join(workdir, "checkpoints"), 20 - every))
+    with caplog.at_level("WARNING"):
+        average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / "gap"))
+    assert (f"are not consecutive saves (one every {every} steps): averaging steps "
+            f"[{20 - 2 * every}, 20]") in caplog.text
     # a flipped byte in the newest step's parameters: refused, like any restore of it
     flip_byte(_biggest_params_file(integrity.step_dir(os.path.join(workdir, "checkpoints"), 20)))
     with pytest.raises(integrity.CheckpointCorruptError, match=r"step 20 .* is corrupt: .*has changed.*"

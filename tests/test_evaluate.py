@@ -125,3 +125,37 @@ def test_translate_passes_the_decoding_settings_to_the_decoder(monkeypatch, beam
                            beam_size=beam_size, alpha=0.9, extra_len=extra)
         assert calls[1][4]["max_new_tokens"] == 7
         np.testing.assert_array_equal(calls[1][4]["max_new_tokens_per_row"], limits)
+
+
+@pytest.mark.parametrize("beam_size", [1, 2])
+def test_each_batch_is_decoded_at_the_width_of_its_longest_source(monkeypatch, beam_size):
+    """The BLEU evaluation reads sources as long as the model takes (cut at the training length,
+    half a sentence was scored against the whole reference); each batch is then decoded at the
+    width of its longest source, rounded up to a power of two, with the same outputs."""
+    import transformer_jax as tj
+
+    assert [evaluate._source_width(n, 64) for n in (1, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
+    assert evaluate._source_width(30, 20) == 20
+    cfg = tj.presets.tiny(dropout_rate=0.0, max_len=64)
+    model = tj.Transformer(cfg)
+    ones = jnp.ones((1, 4), jnp.int32)
+    params = model.init(jax.random.key(0), ones, ones)["params"]
+    params = jax.tree.map(lambda x: 4.0 * x, params)  # spread out, so outputs vary
+    batch = _batch()
+    batch = {k: np.pad(v, ((0, 0), (0, 40 - v.shape[1]))) for k, v in batch.items()}  # rows of 40
+    widths = []
+    encode = evaluate.encode_source
+    def recording_encode(model, params, src, *args):
+        widths.append(src.shape[1])
+        return encode(model, params, src, *args)
+
+    monkeypatch.setattr(evaluate, "encode_source", recording_encode)
+    mesh = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
+    run = lambda: evaluate.translate(model, params, [batch], WordTokenizer(), mesh,  # noqa: E731
+                                     max_new_tokens=6, beam_size=beam_size)
+    trimmed = run()
+    monkeypatch.setattr(evaluate, "_source_width", lambda longest, width: width)
+    whole = run()
+    assert widths == [8, 40]  # trimmed (the longest source has 4 tokens), then whole
+    assert trimmed.hypotheses == whole.hypotheses and trimmed.sources == whole.sources
+    assert len(set(trimmed.hypotheses)) > 1

@@ -367,34 +367,50 @@ def test_a_profile_window_past_the_last_step_still_writes_its_trace(data_dir, tm
         check_config(config)
 
 
-def test_bleu_references_are_not_cut_at_max_target_len(data_dir, tmp_path, monkeypatch):
+def test_bleu_references_and_sources_are_not_cut_at_the_training_lengths(data_dir, tmp_path,
+                                                                         monkeypatch):
     """BLEU and exact match compare with the whole reference, not the reference cut at the
-    training targets' max_target_len (sacreBLEU scores the real text)."""
+    training targets' max_target_len (sacreBLEU scores the real text); and translate the whole
+    source, not the source cut at max_source_len (half a sentence scored against a whole one):
+    only at the model's own max_len, and then the log says how many were cut."""
+    import types
+
     from transformer_jax.training import evaluate
 
-    seen = []
+    seen, sources, messages = [], [], []
 
     def fake_translate(model, params, batches, tokenizer, mesh, **kwargs):
-        refs = [tokenizer.decode([int(t) for t in row if t > 1]) for b in batches for row in b["targets"]]
-        seen.append([r for r in refs if r])
+        def texts(key):
+            return [t for t in (tokenizer.decode([int(i) for i in row if i > 1])
+                                for b in batches for row in b[key]) if t]
+        seen.append(texts("targets"))
+        sources.append(texts("inputs"))
         settings.append(kwargs)
         return evaluate.Translations(seen[-1], seen[-1], seen[-1])
 
     settings = []
 
     monkeypatch.setattr(evaluate, "translate", fake_translate)
-    log = type("Log", (), {"message": lambda self, text: None})()
-    for max_target_len in (64, 6):
-        config = tiny_config(data_dir, **{"dataset.max_target_len": max_target_len,
-                                          "dataset.max_eval_examples": 16})
+    log = type("Log", (), {"message": lambda self, text: messages.append(text)})()
+    for max_len in (64, 6):
+        config = tiny_config(data_dir, **{"dataset.max_target_len": max_len,
+                                          "dataset.max_source_len": max_len, "dataset.max_eval_examples": 16})
         data = build_datasets(config.dataset, str(tmp_path))
-        out = loop._translation_eval(config, str(tmp_path), None, None, data, None, "test", log, 1)
+        model = types.SimpleNamespace(config=types.SimpleNamespace(max_len=64))
+        out = loop._translation_eval(config, str(tmp_path), model, None, data, None, "test", log, 1)
         assert out["test_examples"] == 16
     assert seen[1] == seen[0] and max(len(r.split()) for r in seen[0]) > 5
+    assert sources[1] == sources[0] and max(len(r.split()) for r in sources[0]) > 5
+    assert "were cut" not in messages[-1]
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_len=5))  # a model of 5 positions
+    loop._translation_eval(config, str(tmp_path), model, None, data, None, "test", log, 1)
+    assert sources[-1] != sources[0]
+    assert re.search(r"; \d+ sources cut to 6 tokens \(the longer of the model's max_len and "
+                     r"dataset.max_source_len\)", messages[-1]), messages[-1]
     # the decoding settings: decode_max_len (0: max_target_len) and decode_extra_len (-1: None)
-    assert [s["max_new_tokens"] for s in settings] == [64, 6] and settings[0]["extra_len"] is None
+    assert [s["max_new_tokens"] for s in settings] == [64, 6, 6] and settings[0]["extra_len"] is None
     config.decode_max_len, config.decode_extra_len, config.beam_size, config.beam_alpha = 40, 50, 3, 0.7
-    loop._translation_eval(config, str(tmp_path), None, None, data, None, "test", log, 1)
+    loop._translation_eval(config, str(tmp_path), model, None, data, None, "test", log, 1)
     assert settings[-1] == dict(max_new_tokens=40, beam_size=3, alpha=0.7, extra_len=50, stop=None)
 
 

@@ -806,6 +806,15 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
             logging.warning(
                 "Only %d checkpoints in %s (asked for %d); averaging them all.", len(steps), workdir, last_k
             )
+        every = config.get("checkpoint_every_steps")
+        if isinstance(every, int) and any(b - a > every for a, b in zip(steps, steps[1:])):
+            # The paper averages the last saves, one every checkpoint_every_steps; keep_best_metric
+            # keeps the best ones, which may lie far apart.
+            logging.warning(
+                "The newest %d checkpoints in %s are not consecutive saves (one every %d steps%s): "
+                "averaging steps %s.", len(steps), workdir, every,
+                f"; keep_best_metric={config.get('keep_best_metric')!r} kept the best ones"
+                if config.get("keep_best_metric") else "", steps)
         total = None
         for step in steps:
             # Each step is checked against its manifest first, as every restore is: a damaged one

@@ -131,6 +131,12 @@ def decode_batch(
     ).tokens
 
 
+def _source_width(longest: int, width: int) -> int:
+    """The columns to decode a batch of sources whose longest has ``longest`` tokens: the next power
+    of two (at least 8), within the rows' ``width``."""
+    return min(width, max(8, 1 << max(0, longest - 1).bit_length()))
+
+
 def translate(
     model,
     params,
@@ -165,15 +171,18 @@ def translate(
             order = (jax.process_index() * len(batches) + index) * rows + np.arange(rows, dtype=np.int32)
             glob = to_global_batch({**{k: batch[k] for k in ("inputs", "inputs_segment_ids", "targets")},
                                     "order": order.astype(np.int32)}, mesh)
+            source_len = jnp.sum(glob["inputs_segment_ids"] > 0, axis=1, dtype=jnp.int32)
             limits = None
             if extra_len is not None:
-                source_len = jnp.sum(glob["inputs_segment_ids"] > 0, axis=1, dtype=jnp.int32)
                 limits = jnp.clip(source_len + extra_len, 1, max_new_tokens)
-            # One example per row, right-padded: padding is inferred from pad ids.
+            # One example per row, right-padded: padding is inferred from pad ids. Decoded at the
+            # width of the batch's longest source (a power of two, so a few widths compile), not at
+            # the rows' width, which holds the longest source the model takes.
+            width = _source_width(int(jax.device_get(jnp.max(source_len))), glob["inputs"].shape[1])
             tokens = decode_batch(
                 model,
                 params,
-                glob["inputs"],
+                glob["inputs"][:, :width],
                 None,
                 max_new_tokens=max_new_tokens,
                 beam_size=beam_size,

@@ -18,7 +18,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.data import DataError, build_datasets, to_global_batch
 from transformer_jax.data.inputs import resolve_test_split
-from transformer_jax.data.pipeline import close_train_iterator
+from transformer_jax.data.pipeline import LENGTH_STATS, close_train_iterator
 from transformer_jax.params import build_model
 from transformer_jax.training import checkpoint as ckpt_lib
 from transformer_jax.training import evaluate, integrity, steps
@@ -217,7 +217,8 @@ def _summarise(history: list, seconds: float, flops: float, peak, num_devices=No
 
 
 # BLEU's references are decoded from the evaluation batches' target ids: read them this long,
-# not cut at dataset.max_target_len like the targets of the loss.
+# not cut at dataset.max_target_len like the targets of the loss; and the sources as long as the
+# model takes, up to this (each batch is decoded at the width of its longest source).
 REFERENCE_MAX_TOKENS = 1024
 
 
@@ -225,7 +226,13 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
     dataset_cfg = ml_collections.ConfigDict(config.dataset.to_dict())
     dataset_cfg.eval_split = split
     dataset_cfg.max_target_len = max(dataset_cfg.max_target_len, REFERENCE_MAX_TOKENS)
+    # Whole sources: cut at dataset.max_source_len (a length chosen for training), the model
+    # translated half a sentence and was scored against the whole reference.
+    dataset_cfg.max_source_len = max(dataset_cfg.max_source_len,
+                                     min(model.config.max_len, REFERENCE_MAX_TOKENS))
+    cut_before = LENGTH_STATS.counts.get("eval/inputs/truncated", 0)
     batches = build_datasets(dataset_cfg, workdir).eval_batches
+    cut = LENGTH_STATS.counts.get("eval/inputs/truncated", 0) - cut_before
     start = time.time()
     result = evaluate.translate(
         model,
@@ -248,7 +255,9 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
     log.message(
         f"step {step} {split}: BLEU {out[f'{split}_bleu']:.2f}, exact match "
         f"{100 * result.exact_match:.1f}% of {len(result.references)} "
-        f"({'beam ' + str(config.beam_size) if config.beam_size > 1 else 'greedy'})\n"
+        f"({'beam ' + str(config.beam_size) if config.beam_size > 1 else 'greedy'})"
+        + (f"; {cut} sources cut to {dataset_cfg.max_source_len} tokens (the longer of the model's "
+           f"max_len and dataset.max_source_len)" if cut else "") + "\n"
         + result.examples(config.num_printed_examples)
     )
     return out
