@@ -415,7 +415,8 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path, caplog)
         average_checkpoints(workdir, last_k=50)  # the same output again: not overwritten
     # Steps that are not consecutive saves (keep_best_metric keeps the best ones, which may lie far
     # apart) were averaged as "the last K" without a word.
-    every = json.loads(open(os.path.join(workdir, "config.json")).read())["checkpoint_every_steps"]
+    with open(os.path.join(workdir, "config.json")) as f:
+        every = json.load(f)["checkpoint_every_steps"]
     shutil.rmtree(integrity.step_dir(os.path.join(workdir, "checkpoints"), 20 - every))
     with caplog.at_level("WARNING"):
         average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / "gap"))
