@@ -599,6 +599,16 @@ def test_log_window_leaves_out_skipped_steps():
     nll = lambda value: {**step(value, 1), "nll": value, "perplexity": np.exp(value)}
     window = loop._summarise([nll(5.0), nll(7.0), nll(6.24)], 1.0, 0.0, None)
     assert window["nll"] == pytest.approx(6.08) and window["perplexity"] == pytest.approx(np.exp(6.08))
+    # Per-token figures are weighted by each step's tokens, as the window's own per-token means: a
+    # plain mean of steps gave 75 tokens the weight of 96.
+    tokens = lambda value, n: {**nll(value), "accuracy": value / 10, "num_tokens": float(n)}  # noqa: E731
+    skipped = {**tokens(np.nan, 50), "finite": 0.0}
+    window = loop._summarise([tokens(2.0, 75), tokens(1.0, 96), skipped], 1.0, 0.0, None)
+    want = (2.0 * 75 + 1.0 * 96) / 171
+    assert window["loss"] == pytest.approx(want) and window["nll"] == pytest.approx(want)
+    assert window["accuracy"] == pytest.approx(want / 10)
+    assert window["perplexity"] == pytest.approx(np.exp(want))
+    assert window["num_tokens"] == pytest.approx(85.5)  # the mean step's, as before
 
 
 def test_window_throughput_counts_real_tokens_and_mfu_every_step_of_it():

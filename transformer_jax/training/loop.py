@@ -182,8 +182,15 @@ def _compile_steps(model, tx, schedule, settings, shardings, mesh):
     return train, evaluate_fn
 
 
+# Per-token means of each step (losses.normalize_metrics): a window's is weighted by the steps' tokens.
+_PER_TOKEN = ("loss", "nll", "accuracy", "z_loss")
+
+
 def _summarise(history: list, seconds: float, flops: float, peak, num_devices=None) -> dict:
-    """Means of the per-step metrics since the last log, plus throughput and MFU; the learning rate
+    """Means of the per-step metrics since the last log, plus throughput and MFU; the per-token
+    ones (loss, nll, accuracy, z_loss) weighted by each step's ``num_tokens``, so that they are the
+    window's per-token figures, as evaluation's are (a plain mean of steps gave a step of 75
+    tokens the weight of one of 96); the learning rate
     is the logged step's own (a mean over a warm-up window is no step's rate), the perplexity
     exp(the window's nll) (the mean of each step's exp(nll) exceeded it: 443 against
     exp(6.08) = 437). tokens/s counts each
@@ -200,6 +207,11 @@ def _summarise(history: list, seconds: float, flops: float, peak, num_devices=No
     kept = finite or host
     out = {k: float(np.mean([h[k] for h in kept])) for k in host[0]
            if k not in ("finite", "real_tokens", "overflow")}
+    weights = np.array([float(h.get("num_tokens", 0.0)) for h in kept])
+    if weights.sum() > 0:  # (a window of steps without tokens keeps the plain means)
+        for key in _PER_TOKEN:
+            if key in out:
+                out[key] = float(np.average([float(h[key]) for h in kept], weights=weights))
     for key in ("learning_rate", "loss_scale"):  # the logged step's own
         if key in host[-1]:
             out[key] = float(host[-1][key])
