@@ -432,6 +432,38 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path, caplog)
         restore_for_inference(workdir, step=99)
 
 
+def test_average_reads_the_steps_onto_the_runs_own_mesh(reference, tmp_path, monkeypatch, caplog):
+    """Averaging put the whole model on every device: a model sharded over fsdp because it does not
+    fit one device could not be averaged. It reads onto the mesh the run trained on where the
+    devices allow, else (another machine's mesh) whole on every device, with a warning."""
+    import shutil
+
+    from transformer_jax.training import checkpoint as checkpoint_lib
+
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(reference[1], workdir, ignore=shutil.ignore_patterns("average_last*"))
+    seen = []
+    mean_of_sum = checkpoint_lib._mean_of_sum
+    monkeypatch.setattr(checkpoint_lib, "_mean_of_sum",
+                        lambda total, count: seen.append(total.sharding) or mean_of_sum(total, count))
+    plain = restore_for_inference(average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / "a")))
+    assert {dict(s.mesh.shape)["data"] for s in seen} == {8}  # the run's mesh: data=-1
+    path = os.path.join(workdir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    for mesh, shape in (({"data": 1, "fsdp": 8, "tensor": 1}, {"data": 1, "fsdp": 8, "tensor": 1}),
+                        ({"data": 1, "fsdp": 16, "tensor": 1}, {"data": 8, "fsdp": 1, "tensor": 1})):
+        with open(path, "w") as f:
+            json.dump({**config, "mesh": mesh}, f)
+        seen.clear()
+        caplog.clear()
+        out = average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / f"fsdp{mesh['fsdp']}"))
+        assert {tuple(dict(s.mesh.shape).items()) for s in seen} == {tuple(shape.items())}
+        assert any(not s.is_fully_replicated for s in seen) == (mesh["fsdp"] == 8)  # split, not whole
+        assert ("the run's mesh cannot be made here" in caplog.text) == (mesh["fsdp"] == 16)
+        jax.tree.map(np.testing.assert_array_equal, restore_for_inference(out).params, plain.params)
+
+
 def test_average_never_overwrites_another_runs_files(reference, tmp_path):
     """An --output reused for another workdir's average kept its steps but got this run's config and
     tokenizer over its own: its earlier average could no longer be loaded. Now an error, nothing

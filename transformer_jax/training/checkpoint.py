@@ -774,8 +774,13 @@ def _mean_of_sum(total: jax.Array, count: int) -> jax.Array:
     return jax.device_put(exact, total.sharding)
 
 
-def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None) -> str:
+def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None,
+                        mesh=None) -> str:
     """Averages the params of the last ``last_k`` checkpoints (section 6.1: 5 for base, 20 for big).
+
+    The steps are read onto ``mesh``, by default the run's own (``config.mesh`` of the workdir)
+    where this machine's devices make it, else all devices with the parameters whole on each: a
+    model sharded because it does not fit one device is averaged sharded as it trained.
 
     Writes a new workdir (default ``DIR/average_last{K}``, K the number of steps averaged, which
     is fewer than ``last_k`` when the workdir holds fewer) with the config, tokenizer and one
@@ -794,7 +799,13 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
         raise ValueError(f"last_k={last_k!r} (--last): average at least one checkpoint (an integer >= 1).")
     config = load_config(workdir)
     model_config = _model_config_of(workdir, config)
-    mesh = parallel.create_mesh(data=-1)
+    if mesh is None:
+        try:
+            mesh = parallel.mesh_from_config(config.get("mesh") or {})
+        except (ConfigError, ValueError) as e:  # another machine's mesh: more devices than here
+            logging.warning("Averaging with the parameters whole on every device: the run's mesh "
+                            "cannot be made here (%s).", first_line(e))
+            mesh = parallel.create_mesh(data=-1)
     abstract = abstract_params(model_config, mesh)
     directory = checkpoint_dir(workdir)
     manager = ocp.CheckpointManager(directory, options=_read_only_options())
