@@ -321,6 +321,26 @@ def test_a_dimension_replicated_in_many_arrays_is_one_warning_naming_how_many(ca
                                "12 is not divisible by mesh axes tensor (size 8)")
 
 
+def test_key_value_heads_the_tensor_axis_does_not_divide_are_named_with_the_cost(caplog):
+    """Grouped-query attention with 2 key/value heads on tensor=4 (queries split, keys and values
+    whole) made XLA gather the attention's activations in every step; the replication warning says
+    so, and names the setting. Heads that are whole too cost nothing of the kind: no such hint."""
+    import logging
+
+    mesh = parallel.create_mesh(1, 2, 4)
+    box = lambda shape, names: nn.Partitioned(jax.ShapeDtypeStruct(shape, jnp.float32), names)  # noqa: E731
+    for heads, hinted in ((8, True), (6, False)):
+        params = {"query": box((16, heads, 4), ("embed", "heads", "kv")),
+                  "key": box((16, 2, 4), ("embed", "kv_heads", "kv"))}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            parallel.logical_to_sharding(params, mesh)
+        kv = [r.getMessage() for r in caplog.records if "['key']" in r.getMessage()]
+        assert len(kv) == 1 and kv[0].startswith("['key']: dimension of size 2 is not divisible by mesh "
+                                                 "axes tensor (size 4); replicating it instead.")
+        assert ("a mesh.tensor that divides ModelConfig.num_kv_heads avoids it" in kv[0]) == hinted
+
+
 def test_sharding_context_installs_the_rules_for_activation_constraints():
     mesh = parallel.create_mesh(2, 2, 2)
     with parallel.sharding_context(mesh):

@@ -91,7 +91,7 @@ def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: 
     jit refuses uneven shardings, and e.g. a 37,000-token vocabulary is not divisible by a tensor
     axis of 16; replicating that one dimension is the useful fallback (for the vocabulary,
     `ModelConfig.pad_vocab_multiple` avoids it, and the warning says so). Each replicated dimension
-    is recorded in ``replicated`` -- ``(size, axes, axes' size, vocab?) -> [where, ...]`` -- for
+    is recorded in ``replicated`` -- ``(size, axes, axes' size, logical name) -> [where, ...]`` -- for
     `_warn_replicated`'s one warning per kind of dimension.
     """
     fitted = []
@@ -99,17 +99,28 @@ def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: 
     for dim, axes, name in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), names):
         size = _axis_size(mesh, axes)
         if size > 1 and dim % size:
-            replicated.setdefault((dim, axes, size, name == "vocab"), []).append(where)
+            replicated.setdefault((dim, axes, size, name), []).append(where)
             axes = None
         fitted.append(axes)
     return PartitionSpec(*fitted)
+
+
+_REPLICATION_HINTS = {
+    "vocab": " Set ModelConfig.pad_vocab_multiple to a multiple of {size} to split it.",
+    # measured: grouped-query attention with 2 key/value heads on tensor=4 logged XLA's
+    # "Involuntary full rematerialization" of the projections' outputs in every step
+    "kv_heads": " The queries are split by heads and the keys and values whole: XLA gathers the "
+                "attention's activations in every step ('Involuntary full rematerialization'); a "
+                "mesh.tensor that divides ModelConfig.num_kv_heads avoids it.",
+}
 
 
 def _warn_replicated(replicated: dict) -> None:
     """One warning per kind of replicated dimension, with how many arrays have it and a few names
     (the layers of a deep model and their optimizer moments would otherwise repeat it hundreds of
     times)."""
-    for (dim, axes, size, vocab), where in replicated.items():
+    heads_whole = any(name == "heads" for (*_, name) in replicated)
+    for (dim, axes, size, name), where in replicated.items():
         shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
         logging.warning(
             "%s: dimension of size %d is not divisible by mesh axes %s (size %d); "
@@ -118,8 +129,7 @@ def _warn_replicated(replicated: dict) -> None:
             dim,
             axes,
             size,
-            f" Set ModelConfig.pad_vocab_multiple to a multiple of {size} to split it."
-            if vocab else "",
+            "" if name == "kv_heads" and heads_whole else _REPLICATION_HINTS.get(name, "").format(size=size),
         )
 
 
