@@ -43,10 +43,18 @@ def tiny_config(data_dir, **overrides):
     return config
 
 
-def train_losses(workdir):
+def train_losses(workdir, key="loss"):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return {r["step"]: r[key] for r in records if "loss" in r}
+
+
+def window_loss(reference, first: int, last: int) -> float:
+    """The loss a line logging steps first..last shows: the per-step losses of the reference (which
+    logs every step) weighted by each step's target tokens."""
+    tokens = train_losses(reference[1], "num_tokens")
+    steps = range(first, last + 1)
+    return float(np.average([reference[0][s] for s in steps], weights=[tokens[s] for s in steps]))
 
 
 @pytest.fixture(scope="module")
@@ -214,11 +222,10 @@ def test_a_stop_between_logging_steps_logs_the_steps_before_it(data_dir, tmp_pat
     assert final["step"] == 6 and final["eval_step"] == 4 and "eval_loss" in final
     assert sorted(train_losses(workdir)) == [4, 5, 6] and Checkpointer(workdir).latest_step() == 6
     train_and_evaluate(tiny_config(data_dir, log_every_steps=4, num_train_steps=8), workdir)
-    losses, each = train_losses(workdir), reference[0]  # the reference logs every step
+    losses = train_losses(workdir)
     assert sorted(losses) == [4, 5, 6, 8]
     for step, first in [(4, 1), (5, 5), (6, 6), (8, 7)]:
-        window = [each[s] for s in range(first, step + 1)]
-        np.testing.assert_allclose(losses[step], np.mean(window), rtol=1e-5)
+        np.testing.assert_allclose(losses[step], window_loss(reference, first, step), rtol=1e-5)
 
 
 def test_a_run_resumed_from_any_checkpoint_logs_the_lines_of_an_uninterrupted_one(data_dir, tmp_path,
@@ -237,11 +244,10 @@ def test_a_run_resumed_from_any_checkpoint_logs_the_lines_of_an_uninterrupted_on
         shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
     assert Checkpointer(workdir).latest_step() == 5
     train_and_evaluate(config, workdir)
-    losses, each = train_losses(workdir), reference[0]  # the reference logs every step
+    losses = train_losses(workdir)
     assert sorted(losses) == [4, 5, 8, 10, 12] and losses == first
     for step, start in [(4, 1), (5, 5), (8, 6), (10, 9), (12, 11)]:
-        window = [each[s] for s in range(start, step + 1)]
-        np.testing.assert_allclose(losses[step], np.mean(window), rtol=1e-5)
+        np.testing.assert_allclose(losses[step], window_loss(reference, start, step), rtol=1e-5)
 
 
 @pytest.mark.parametrize("moment", ["start", "last_save", "test_evaluation"])

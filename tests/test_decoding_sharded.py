@@ -116,7 +116,8 @@ def test_sharded_sampling_with_scanned_layers_equals_unsharded():
     mesh = parallel.create_mesh(data=2, fsdp=2, tensor=2)
     shardings = parallel.logical_to_sharding(jax.eval_shape(lambda: boxed), mesh)["params"]
     with parallel.sharding_context(mesh):
-        got = sample(jax.device_put(params, shardings), jax.device_put(prompts, parallel.batch_sharding(mesh)))
+        got = sample(jax.device_put(params, shardings),
+                     jax.device_put(prompts, parallel.batch_sharding(mesh)))
     np.testing.assert_array_equal(got[0], expected[0])
     np.testing.assert_allclose(got[1], expected[1], atol=1e-5)
     assert len(set(expected[0].ravel().tolist())) > 5  # sampled, not one token over and over
