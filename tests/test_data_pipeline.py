@@ -623,23 +623,35 @@ def test_tokenizer_texts_sample_records_evenly_and_read_both_sides():
     source = [{"a": f"a{i:08d}".encode(), "b": f"b{i:08d}".encode()} for i in range(10)]
     everything = [f"{f}{i:08d}" for i in range(10) for f in "ab"]
     assert list(inputs._tokenizer_texts(source, ["a", "b"], 10_000)()) == everything
-    # 18 characters a record, 180 in all, 45 wanted: every 5th record (int(180 / 45) + 1)
+    # 18 characters a record, 180 in all, 45 wanted: records 0, 8 and 4 of the bit-reversed order
+    # (the third overshoots), in the source's order
     assert list(inputs._tokenizer_texts(source, ["a", "b"], 45)()) == [
-        "a00000000", "b00000000", "a00000005", "b00000005"]
+        "a00000000", "b00000000", "a00000004", "b00000004", "a00000008", "b00000008"]
 
 
 def test_one_huge_record_does_not_thin_out_the_tokenizer_sample():
     """The spacing came from the probed records' mean length: one 100,000-character line among
     them spaced the sample 101 records apart (2 of 200 read) though the rest fit the budget. Lines
-    count as training cuts them (4,096 characters), and the spaced records are chosen coarse to
-    fine, so a budget that runs out still leaves a sample of the whole split, in its order."""
+    count as training cuts them (4,096 characters), and records are taken in bit-reversed order, so
+    a budget that runs out still leaves a sample of the whole split, in its order."""
     source = [{"t": ("x" * 100_000 if i == 0 else f"record {i:03d} ".ljust(40, "."))} for i in range(200)]
     read = list(inputs._tokenizer_texts(source, ["t"], 10_000)())
     numbers = [int(t.split()[1]) for t in read[1:]]
     assert read[0] == "x" * 100_000 and numbers == sorted(numbers)
     # 10,000 - 4,096 (the cut huge line) leaves 147 records of 40 characters and one more, spread
-    # over all 199: every 2nd of them and then some of those between
+    # over all 199: every even one, then odd ones spread over the split
     assert len(numbers) == 148 and set(range(2, 200, 2)) <= set(numbers) and numbers[-1] >= 195
+
+
+def test_a_split_that_fits_the_tokenizer_budget_is_read_whole_in_order():
+    """Whatever the records' lengths (many long ones and a few short ones made a median-spaced
+    sample skip half of a split that fitted), a split within the budget is read whole, in order, as
+    before: the tokenizers of existing configs stay the same."""
+    lengths = [1 if i % 7 == 0 else 90 for i in range(2100)]
+    source = [{"t": "é" * n} for n in lengths]  # characters counted, not UTF-8 bytes
+    texts = list(inputs._tokenizer_texts(source, ["t"], sum(lengths))())
+    assert texts == [r["t"] for r in source]
+    assert len(list(inputs._tokenizer_texts(source, ["t"], sum(lengths) // 2)())) < 2100
 
 
 def test_the_evaluation_split_is_the_validation_split_where_there_is_one(data_dir):

@@ -23,7 +23,7 @@ from absl import logging
 
 from transformer_jax.data import builders, pipeline
 from transformer_jax.data.errors import DataError
-from transformer_jax.data.tokenizer import Tokenizer, TokenizerSettings, _as_text, get_or_train_tokenizer
+from transformer_jax.data.tokenizer import Tokenizer, get_or_train_tokenizer, training_lines
 
 TRANSLATION_DATASETS = ("enfr_builtin", "tsv", *builders.STANDARD_TRANSLATION)
 LM_DATASETS = ("stdlib_lm", "text", *builders.STANDARD_LM)
@@ -184,39 +184,26 @@ def resolve_test_split(cfg: ml_collections.ConfigDict, split: str) -> str:
 
 
 def _tokenizer_texts(source, fields, max_chars: int):
-    """Yields the text of ``fields`` from an evenly spaced sample of ``source``, in its order.
-
-    The spacing aims at ``max_chars`` characters in all, from the median that a few records give
-    the tokenizer's training (each line cut as training cuts it): a mean let one huge line among
-    the probed records thin the sample out to a few dozen records. The spaced records are chosen
-    coarse to fine (every 2^k-th of them, then those halfway between, ...) until they hold
-    ``max_chars``, so where the median underestimates, the sample still spans the whole split
-    rather than its beginning.
+    """Yields the text of ``fields`` of the records of ``source`` that tokenizer training takes
+    (``max_chars`` characters, counted as training counts them), in the source's order: all of
+    them where the split fits, else a sample spread evenly over it. The sample is the first records
+    of the bit-reversed order (0, n/2, n/4, 3n/4, ...): any prefix of it is spaced evenly. Spaced
+    by an estimate from a few records instead, one huge line among them thinned the sample to 2 of
+    200 records, and an estimate too low left the end of the split out.
     """
-    cut = TokenizerSettings.max_sentence_chars
-
-    def chars(texts) -> int:  # as `tokenizer._training_sentences` counts them
-        return sum(min(len(line), cut) for text in texts for line in text.split("\n") if line.strip())
-
-    def read(i) -> list[str]:
-        record = source[i]
-        return [_as_text(record[f]) for f in fields]
-
     def texts():
         n = len(source)
-        probe = sorted(chars(read(i)) for i in range(0, n, max(1, n // 21)))
-        median = probe[len(probe) // 2] if probe else 0
-        step = max(1, int(n * median / max_chars) + 1) if median else 1
-        spaced = (n + step - 1) // step  # records 0, step, 2 step, ...
+        bits = max(0, n - 1).bit_length()
         chosen, budget = {}, max_chars
-        stride = 1 << max(0, spaced - 1).bit_length()
-        first = True
-        while stride and budget > 0:
-            for k in range(0, spaced, stride):
-                if (first or k % (2 * stride)) and budget > 0:
-                    chosen[k * step] = read(k * step)
-                    budget -= chars(chosen[k * step])
-            first, stride = False, stride // 2
+        for j in range(1 << bits):
+            if budget <= 0:
+                break
+            i = int(format(j, f"0{bits}b")[::-1], 2) if bits else 0  # j's bits reversed
+            if i < n:
+                record = source[i]
+                chosen[i] = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
+                             for t in (record[f] for f in fields)]
+                budget -= sum(len(line) for text in chosen[i] for line in training_lines(text))
         for i in sorted(chosen):
             yield from chosen[i]
     return texts

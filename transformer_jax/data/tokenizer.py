@@ -233,15 +233,19 @@ def _as_text(text: str | bytes) -> str:
     return text
 
 
+def training_lines(text: str | bytes, max_sentence_chars: int = TokenizerSettings.max_sentence_chars
+                   ) -> Iterator[str]:
+    """The sentences tokenizer training takes from one text: its non-blank lines, each cut to
+    ``max_sentence_chars`` (long lines are cut, not skipped)."""
+    for line in _as_text(text).split("\n"):
+        if line.strip():
+            yield line[:max_sentence_chars]
+
+
 def _training_sentences(texts: Iterable[str], settings: TokenizerSettings) -> Iterator[str]:
     budget = settings.max_training_chars
     for text in texts:
-        text = _as_text(text)
-        # Lines are SentencePiece's sentences; long lines are cut, not skipped.
-        for line in text.split("\n"):
-            if not line.strip():
-                continue
-            line = line[: settings.max_sentence_chars]
+        for line in training_lines(text, settings.max_sentence_chars):  # SentencePiece's sentences
             budget -= len(line)
             yield line
             if budget <= 0:
@@ -348,7 +352,7 @@ def _checkpointed_model(workdir: str, metadata: dict) -> Tokenizer:
             f"{model_path} is not the tokenizer recorded in {meta_path} (sha256 differs), and "
             f"{workdir} has checkpoints, so it is unknown which vocabulary they were trained "
             f"with. Put back the tokenizer.model the run was trained with, or {fresh}.")
-    old = stored.get("settings") or {}
+    old = stored.get("settings") if isinstance(stored.get("settings"), dict) else {}
     # settings_version alone changes with the library, not the data: keep the tokenizer.
     changed = [f"{k} {old.get(k)!r} (tokenizer) -> {v!r} (now)" for k, v in metadata.items()
                if k not in ("settings_version", "corpus_key") and old.get(k) != v]
