@@ -504,6 +504,20 @@ def test_null_or_out_of_range_token_ids_in_config_json():
         load_hf_config(null)
     config = load_hf_config(null, eos_id=4)
     assert (config.eos_id, config.bos_id, config.decoder_start_id) == (4, 4, 4)
+    # ...but an id that only shares or follows a null key changes nothing else: Marian's BOS and
+    # decoder start both read decoder_start_token_id (null: the pad id), and a BOS override leaves
+    # the start at the pad id (it moved it too); nor is Marian's pad id overridable through its
+    # null key (it was).
+    marian = _copy_checkpoint(marian_checkpoint("marian_swish"),
+                              lambda c: c.update(decoder_start_token_id=None))
+    pad = load_hf_config(marian).pad_id
+    config = load_hf_config(marian, bos_id=5)
+    assert (config.bos_id, config.decoder_start_id) == (5, pad)
+    config = load_hf_config(marian, decoder_start_id=5)
+    assert (config.bos_id, config.decoder_start_id) == (5, 5)  # the BOS follows the start it reads
+    no_pad = _copy_checkpoint(marian_checkpoint("marian_swish"), lambda c: c.update(pad_token_id=None))
+    with pytest.raises(ConversionError, match=r"pad_token_id=None \(Marian starts decoding from the pad"):
+        load_hf_config(no_pad, pad_id=7)
     # A Marian pad id outside the vocabulary cannot be overridden (its encoder masks by it): said,
     # not offered as the way out.
     broken = _copy_checkpoint(marian_checkpoint("marian_swish"),
@@ -702,6 +716,13 @@ def test_a_tensor_of_a_dtype_numpy_lacks_is_an_error_only_if_the_model_reads_it(
     for a, b in zip(_leaves(got), _leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
     name = next(k for k in state if k.endswith("wte.weight"))
+    # a tied head stored in float8: not read (the table is), and not compared with the table either
+    assert "lm_head.weight" in state
+    torch.save({**state, "lm_head.weight": state[name].to(torch.float8_e4m3fn)},
+               tmp_path / "pytorch_model.bin")
+    _, got = load_hf_checkpoint(tmp_path)
+    for a, b in zip(_leaves(got), _leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
     torch.save({**state, name: state[name].to(torch.float8_e4m3fn)}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ConversionError, match=rf"pytorch_model.bin: tensor '{name}' has dtype "
                                               r"torch.float8_e4m3fn, which numpy cannot hold"):

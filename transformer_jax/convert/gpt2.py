@@ -33,6 +33,9 @@ ACTIVATIONS = {
 # The config.json key each token id is read from (decoding starts from the BOS token).
 TOKEN_ID_KEYS = {"eos_id": "eos_token_id", "bos_id": "bos_token_id", "decoder_start_id": "bos_token_id",
                  "pad_id": "pad_token_id"}
+# The id each key is read into first: an override of it stands in for a null key, and so for the
+# ids derived from it (the BOS from the EOS, the decoder's start from the BOS).
+ID_SOURCES = {"eos_token_id": "eos_id", "bos_token_id": "bos_id"}
 
 
 def config_fields(hf: dict) -> dict:

@@ -204,7 +204,9 @@ def read_torch_bin(path: str) -> dict[str, np.ndarray]:
                 f"{path}: refused to load: torch.load(weights_only=True) failed ({first}). Only plain "
                 "tensor state dicts are accepted; convert the file to safetensors if you trust it."
             ) from e
-        raise ConversionError(f"{path}: cut short or corrupt (torch.load: {first}); download it again") from e
+        raise ConversionError(f"{path}: torch.load(weights_only=True) could not read it ({first}): cut "
+                              f"short, corrupt, or written by a newer PyTorch; download it again, or "
+                              f"convert it to safetensors") from e
     if not isinstance(state, Mapping):
         raise ConversionError(f"{path}: expected a state dict of tensors, got {type(state).__name__}")
     out = {}

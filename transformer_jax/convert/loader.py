@@ -49,10 +49,9 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
     # decoder's start from its BOS): an override standing in for the null one stands in for those
     # derived from it too, rather than each failing in turn on the default they were derived from.
     stated, hf_config = hf_config, dict(hf_config)
-    for field, value in overrides.items():
-        key = converter.TOKEN_ID_KEYS.get(field)
-        if key is not None and hf_config.get(key) is None:
-            hf_config[key] = value
+    for key, field in converter.ID_SOURCES.items():  # only the id read from that key, not those
+        if field in overrides and hf_config.get(key) is None:  # derived from it or sharing it
+            hf_config[key] = overrides[field]
     try:
         fields = converter.config_fields(hf_config)
     except ConversionError as e:  # options the model cannot express, listed by the converter

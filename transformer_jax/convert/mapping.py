@@ -31,6 +31,9 @@ def untie_a_distinct_head(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], t
     silently). Equal or absent: ``cfg`` as it is."""
     if not cfg.tie_output or head not in tensors or table not in tensors:
         return cfg
+    if isinstance(tensors[head], Unreadable) or isinstance(tensors[table], Unreadable):
+        return cfg  # not comparable: reading the table (or the head, if used) names the dtype
+
     if np.array_equal(np.asarray(tensors[head]), np.asarray(tensors[table])):
         return cfg
     logging.warning("The checkpoint's %s differs from %s although its config ties them "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.convert.hf_files import Unreadable
 from transformer_jax.convert.mapping import (
     ParamBuilder,
     check_options,
@@ -73,6 +74,9 @@ def _unsupported(hf: dict) -> list[str]:
 # The config.json key each token id is read from (decoding starts from the pad token by default).
 TOKEN_ID_KEYS = {"eos_id": "eos_token_id", "bos_id": "decoder_start_token_id",
                  "decoder_start_id": "decoder_start_token_id", "pad_id": "pad_token_id"}
+# The id each key is read into first (see gpt2.ID_SOURCES); not the pad id, which no override may
+# change (the encoder masks the source by it).
+ID_SOURCES = {"eos_token_id": "eos_id", "decoder_start_token_id": "decoder_start_id"}
 
 
 def config_fields(hf: dict) -> dict:
@@ -117,10 +121,11 @@ def config_for_tensors(cfg: ModelConfig, tensors: dict) -> ModelConfig:
     ``share_encoder_decoder_embeddings`` stays true): each stack then has its own table; and
     ``tie_output=False`` when a stored ``lm_head.weight`` differs from the table a tied head reuses."""
     t = strip_prefix(tensors, "model.")
-    if cfg.share_embeddings and "shared.weight" in t:
-        shared = np.asarray(t["shared.weight"])
+    readable = {k: v for k, v in t.items() if not isinstance(v, Unreadable)}  # (reading one names it)
+    if cfg.share_embeddings and "shared.weight" in readable:
+        shared = np.asarray(readable["shared.weight"])
         for stack in ("encoder", "decoder"):
-            own = t.get(f"{stack}.embed_tokens.weight")
+            own = readable.get(f"{stack}.embed_tokens.weight")
             if own is not None and not np.array_equal(np.asarray(own), shared):
                 cfg = cfg.replace(share_embeddings=False)
                 break
