@@ -413,6 +413,7 @@ def test_newlines_inside_an_output_are_written_as_backslash_n():
     assert (cli._escape_newlines("a\x1b[2Jb\x00c\td\x7fe\x85f\u2028g\u2029h\x0ci")
             == "a\\x1b[2Jb\\x00c\td\\x7fe\\x85f\\u2028g\\u2029h\\x0ci")
     assert cli._escape_newlines("café 東京") == "café 東京"
+    assert cli._escape_newlines("\x9b31m\x80\xa0") == "\\x9b31m\\x80\xa0"  # C1 (CSI) escaped, NBSP kept
 
 
 def test_outputs_are_utf8_whatever_the_locale_and_standard_input_is_a_file(monkeypatch):

@@ -611,10 +611,10 @@ def options_from_flags(flag_values: flags.FlagValues = FLAGS) -> DecodeOptions:
 
 
 # Written as \xNN: the control characters other than tab and the line ends (a terminal acts on
-# them: ESC starts a command; NUL makes the output a file --input_file refuses), DEL, and the
-# characters other programs take for line ends (NEL, LINE and PARAGRAPH SEPARATOR, ...).
+# them: ESC and CSI start commands; NUL makes the output a file --input_file refuses), DEL, the C1
+# controls (NEL among them, a line end to some programs), and LINE and PARAGRAPH SEPARATOR.
 _ESCAPED = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
-            for c in [*range(0x20), 0x7F, 0x85, 0x2028, 0x2029] if chr(c) not in "\t\n\r"}
+            for c in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029] if chr(c) not in "\t\n\r"}
 
 
 def _escape_newlines(text: str) -> str:

@@ -35,8 +35,8 @@ from transformer_jax.data.errors import DataError
 
 # name -> (feature keys, train split, eval split)
 # (fields, training split, evaluation split): the evaluation split is the one periodic evaluation
-# and `keep_best_metric` read, so it is the validation split (WMT's newstest2013) wherever there is
-# one; the test split (newstest2014) is left for `test_split`. LM1B has no other than 'test'.
+# and `keep_best_metric` read, so it is the validation split (WMT14's newstest2013, WMT17's
+# newstest2016) wherever there is one; the test split is left for `test_split`. LM1B has no other.
 STANDARD_TRANSLATION = {
     "wmt14_translate/de-en": (("de", "en"), "train", "validation"),
     "wmt17_translate/de-en": (("de", "en"), "train", "validation"),

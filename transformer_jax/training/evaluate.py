@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 
 from transformer_jax import parallel
 from transformer_jax.data import EOS_ID, to_global_batch
-from transformer_jax.decoding import beam_search, generate
+from transformer_jax.decoding import beam_search, bucket_length, generate
 from transformer_jax.decoding.model_steps import Seq2SeqStep, encode_source
 from transformer_jax.training import losses
 
@@ -134,7 +134,7 @@ def decode_batch(
 def _source_width(longest: int, width: int) -> int:
     """The columns to decode a batch of sources whose longest has ``longest`` tokens: the next power
     of two (at least 8), within the rows' ``width``."""
-    return min(width, max(8, 1 << max(0, longest - 1).bit_length()))
+    return min(width, bucket_length(max(1, longest)))
 
 
 def translate(

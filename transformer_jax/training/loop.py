@@ -244,7 +244,11 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
                                      min(model.config.max_len, REFERENCE_MAX_TOKENS))
     cut_before = LENGTH_STATS.counts.get("eval/inputs/truncated", 0)
     batches = build_datasets(dataset_cfg, workdir).eval_batches
-    cut = LENGTH_STATS.counts.get("eval/inputs/truncated", 0) - cut_before
+    cut = LENGTH_STATS.counts.get("eval/inputs/truncated", 0) - cut_before  # this process's rows:
+    if jax.process_count() > 1:  # the split's are every process's
+        from jax.experimental import multihost_utils
+
+        cut = int(np.sum(multihost_utils.process_allgather(np.int32(cut))))
     start = time.time()
     result = evaluate.translate(
         model,
@@ -268,8 +272,7 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
         f"step {step} {split}: BLEU {out[f'{split}_bleu']:.2f}, exact match "
         f"{100 * result.exact_match:.1f}% of {len(result.references)} "
         f"({'beam ' + str(config.beam_size) if config.beam_size > 1 else 'greedy'})"
-        + (f"; {cut} sources cut to {dataset_cfg.max_source_len} tokens (the longer of the model's "
-           f"max_len and dataset.max_source_len)" if cut else "") + "\n"
+        + (f"; {cut} sources cut to {dataset_cfg.max_source_len} tokens" if cut else "") + "\n"
         + result.examples(config.num_printed_examples)
     )
     return out
