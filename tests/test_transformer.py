@@ -599,6 +599,14 @@ def test_params_of_another_config_are_refused_not_read_in_part():
         lm.apply({"params": ed_params}, t)
     with pytest.raises(ValueError, match=r"entries that a TransformerLM"):
         jax.jit(lm.apply)({"params": ed_params}, t)  # checked on the structure: inside jit too
+    # Boxes saved as they are and restored by orbax without a target: every leaf a {'value': array}
+    # (the message blamed another config's params).
+    deeper = jax.tree.map(lambda box: {"value": box.value}, params,
+                          is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    with pytest.raises(ValueError, match=r"the params hold every parameter one level deeper, under 'value' "
+                                         r"\(.*\): nn.LogicallyPartitioned boxes saved as they are and "
+                                         r"restored without a target. Save nn.unbox\(params\)"):
+        lm.apply({"params": deeper}, t)
 
 
 def test_building_blocks_name_a_bad_setting():

@@ -1,7 +1,7 @@
 """transformer_jax: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in JAX/Flax.
 
     import transformer_jax as tj
-    config = tj.presets.tiny()
+    config = tj.presets.tiny(num_encoder_layers=0)  # decoder-only
     model = tj.TransformerLM(config)
 
 The sampler is `tj.decoding.generate` (the name `transformer_jax.generate` is the command-line

@@ -286,6 +286,11 @@ def _check_params(module: nn.Module) -> None:
                 f"convert them with transformer_jax.modeling.{convert}(params, config) (or "
                 f"transformer_jax.params.convert_params), or build the model with "
                 f"scan_layers={other.scan_layers}")
+        if {path[:-1] for path in extra if path[-1] == "value"} >= expected:
+            raise ValueError(  # each leaf a dict {'value': array}: how orbax gives boxes back
+                f"the params hold every parameter one level deeper, under 'value' ({named}, ...): "
+                f"nn.LogicallyPartitioned boxes saved as they are and restored without a target. "
+                f"Save nn.unbox(params), or restore with the abstract params as the target")
         raise ValueError(f"the params hold {len(extra)} entries that a {type(module).__name__} of this "
                          f"config does not have ({named}{', ...' if len(extra) > 3 else ''}): they are "
                          f"another config's (num_encoder_layers, num_decoder_layers, share_embeddings, "
