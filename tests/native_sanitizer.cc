@@ -1,6 +1,6 @@
 // Memory-safety and correctness check of the native CPU kernels (transformer_jax/modeling/
 // native_kernels.cc), built with AddressSanitizer and UndefinedBehaviorSanitizer by
-// tests/test_native_kernels.py for each instruction set the CPU runs.
+// tests/test_native_sanitizers.py for each instruction set the CPU runs.
 //
 // It calls the FFI implementation functions (RowsMatmulImpl, ColsMatmulImpl, CacheAttentionImpl,
 // CacheWriteImpl, CacheReorderImpl, GreedyChoiceImpl, BiasActivationImpl, PackedDenseImpl, TrainAttentionFwdImpl,
