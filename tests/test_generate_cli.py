@@ -231,6 +231,13 @@ def test_truncate_cuts_long_prompts(capsys):
         (["--input_file=/nonexistent/in.txt"], "cannot read --input_file='/nonexistent/in.txt'"),
         (["--prompt=a", "--kernel_layout=out-in"], "ModelConfig.kernel_layout='out-in': must be one of"),
         (["--prompt=a", "--dtype=bf16"], "ModelConfig.dtype='bf16': must be one of"),
+        (["--prompt=a", "--mesh=model=2"], "--mesh='model=2': 'model=2' is not AXIS=SIZE with AXIS one of"),
+        (["--prompt=a", "--mesh=tensor"], "'tensor' is not AXIS=SIZE"),
+        (["--prompt=a", "--mesh=tensor=two"], "--mesh='tensor=two': tensor='two' is not an integer"),
+        (["--prompt=a", "--mesh=tensor=2,tensor=4"], "names tensor twice"),
+        (["--prompt=a", "--mesh=tensor=3"], "--mesh='tensor=3': Cannot fill mesh.data=-1"),  # 8 devices
+        (["--prompt=a", "--mesh=data=2,tensor=2"], "multiply to 4, but there are 8 devices"),
+        (["--prompt=a", "--mesh=tensor=0"], "Mesh sizes must be positive or -1"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, args, message):
@@ -766,3 +773,43 @@ def test_auto_layout_keeps_the_checkpoints_where_a_converted_copy_would_not_fit(
     assert "needs another 9.0 GiB, and 10.0 GiB are available" in caplog.text
     monkeypatch.setattr(cli, "_available_memory", lambda: None)  # no /proc/meminfo: no limit known
     assert cli.auto_kernel_layout(config, cli.DecodeOptions(), 1, param_bytes=9 << 30) == "out_in"
+
+
+def test_a_mesh_shards_the_parameters_and_splits_the_batch_with_the_same_text(tmp_path, monkeypatch):
+    """`--mesh`: the parameters sharded as in training (restored straight onto the mesh from a
+    workdir, placed on it after loading a Hugging Face checkpoint or converting one), each batch
+    split over data x fsdp (rounded up to a multiple of it), and the text of one device's decoding:
+    greedy, sampled and beam search, decoder-only and translation."""
+    import jax
+
+    seen = []
+    real = cli._decode_rows
+
+    def spy(gen, rows, opts, batch, keys, placement):
+        leaves = jax.tree.leaves(gen.params)
+        seen.append((batch, placement, sum(not leaf.sharding.is_fully_replicated for leaf in leaves),
+                     {len(leaf.sharding.device_set) for leaf in leaves}))
+        return real(gen, rows, opts, batch, keys, placement)
+
+    monkeypatch.setattr(cli, "_decode_rows", spy)
+    _tiny_workdir(str(tmp_path))
+    prompts = ("--prompt=the tired engineer", "--prompt=the cold", "--prompt=coffee")
+    lm = (f"--workdir={tmp_path}", *prompts, "--max_new_tokens=10")
+    for decoding in (("--decoding=greedy",), ("--decoding=sample", "--seed=3", "--top_p=0.9"),
+                     ("--decoding=beam", "--beam_size=3")):
+        seen.clear()
+        want = run_cli(*lm, *decoding)
+        assert seen[-1][1] is None and seen[-1][0] == 4  # one device's run: nothing placed
+        assert run_cli(*lm, *decoding, "--mesh=data=2,fsdp=2,tensor=2") == want, decoding
+        batch, placement, sharded, devices = seen[-1]
+        assert placement.mesh.shape == {"data": 2, "fsdp": 2, "tensor": 2} and batch == 4
+        assert sharded > 10 and devices == {8}, (sharded, devices)
+    # 3 inputs over 8 batch pieces: a batch of 8; with --dtype the converted parameters are placed
+    assert run_cli(*lm, "--mesh=fsdp=8", "--dtype=float32", "--kernel_layout=out_in") == run_cli(*lm)
+    assert seen[-2][0] == 8 and seen[-2][1].mesh.shape["fsdp"] == 8 and seen[-2][2] > 10
+    directory = marian_checkpoint("marian_swish")
+    mt = (f"--hf_checkpoint={directory}", "--prompt=the cat", "--prompt=a dog sat", "--max_new_tokens=8")
+    for decoding in ("greedy", "beam"):
+        want = run_cli(*mt, f"--decoding={decoding}")
+        assert run_cli(*mt, f"--decoding={decoding}", "--mesh=tensor=2") == want, decoding
+        assert seen[-1][1].mesh.shape == {"data": 4, "fsdp": 1, "tensor": 2} and seen[-1][2] > 10

@@ -86,6 +86,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         "each step reads them ~8% faster; transformer_jax.decoding.huge_pages).",
         flag_values=flag_values,
     )
+    string("mesh", None, "Decode on a device mesh, e.g. 'tensor=4' or 'data=2,tensor=4': the parameters "
+                         "sharded as in training, the batch split over data x fsdp. Axes not named are "
+                         "1, but data, which takes the devices left (-1 fills one named axis); their "
+                         "product is the number of devices. Default: every device holds the whole model.")
     flags.DEFINE_bool(
         "truncate",
         False,
@@ -138,8 +142,9 @@ def load_hf_generator(path: str) -> Generator:
     return Generator(config, params, load_hf_tokenizer(path), banned_ids)
 
 
-def load_workdir_generator(workdir: str, step: int | None = None) -> Generator:
-    """A `Generator` for a training workdir's latest (or given) checkpoint."""
+def load_workdir_generator(workdir: str, step: int | None = None, mesh=None) -> Generator:
+    """A `Generator` for a training workdir's latest (or given) checkpoint, its parameters sharded
+    over ``mesh`` (default: whole on every device)."""
     if not os.path.isdir(workdir):
         raise GenerateError(f"--workdir={workdir!r} is not a directory")
     try:
@@ -147,7 +152,7 @@ def load_workdir_generator(workdir: str, step: int | None = None) -> Generator:
     except ImportError as e:
         raise GenerateError(f"cannot restore a workdir in this build ({e})") from e
     try:
-        bundle = restore_for_inference(workdir, step=step)
+        bundle = restore_for_inference(workdir, step=step, mesh=mesh)
     except (ValueError, FileNotFoundError) as e:
         raise GenerateError(str(e)) from e
     cfg = bundle.model_config
@@ -174,10 +179,60 @@ def for_decoding(gen: Generator, *, dtype: str | None = None, kernel_layout: str
     return dataclasses.replace(gen, config=target, params=convert_params(gen.params, gen.config, target))
 
 
-def _batch_size(opts: DecodeOptions, num_inputs: int) -> int:
+_MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def parse_mesh(value: str | None):
+    """The device mesh ``--mesh`` names (``'tensor=4'``, ``'data=2,fsdp=2,tensor=2'``), None without
+    it. Axes not named are 1 but ``data``, which takes the devices left unless another axis is -1."""
+    if value is None:
+        return None
+    from transformer_jax import parallel
+    from transformer_jax.config import ConfigError
+
+    sizes: dict[str, int] = {}
+    for part in value.split(","):
+        name, equals, size = (t.strip() for t in part.partition("="))
+        if not equals or name not in _MESH_AXES:
+            raise GenerateError(f"--mesh={value!r}: {part.strip()!r} is not AXIS=SIZE with AXIS one of "
+                                f"{', '.join(_MESH_AXES)}")
+        if name in sizes:
+            raise GenerateError(f"--mesh={value!r} names {name} twice")
+        try:
+            sizes[name] = int(size)
+        except ValueError:
+            raise GenerateError(f"--mesh={value!r}: {name}={size!r} is not an integer (a size, or -1 for "
+                                f"the devices left)") from None
+    if "data" not in sizes and -1 not in sizes.values():
+        sizes["data"] = -1
+    try:
+        return parallel.create_mesh(**{"data": 1, "fsdp": 1, "tensor": 1, **sizes})
+    except ConfigError as e:
+        raise GenerateError(f"--mesh={value!r}: {e}") from None
+
+
+def on_mesh(gen: Generator, mesh) -> Generator:
+    """`gen` with its parameters sharded over ``mesh`` as training shards them (a dimension the mesh
+    does not divide stays whole, with a warning)."""
+    import jax
+
+    from transformer_jax.training.checkpoint import abstract_params
+
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_params(gen.config, mesh))
+    return dataclasses.replace(gen, params=jax.device_put(gen.params, shardings))
+
+
+def _batch_size(opts: DecodeOptions, num_inputs: int, mesh=None) -> int:
     """Inputs decoded together: ``opts.batch_size``, or fewer inputs rounded up to a power of two
-    (fewer distinct shapes to compile)."""
-    return min(opts.batch_size, 1 << (max(num_inputs, 1) - 1).bit_length())
+    (fewer distinct shapes to compile); on a ``mesh``, rounded up to a multiple of the pieces its
+    data axes cut the batch into (filler rows repeat the first input)."""
+    batch = min(opts.batch_size, 1 << (max(num_inputs, 1) - 1).bit_length())
+    if mesh is not None:
+        from transformer_jax import parallel
+
+        pieces = parallel.batch_shard_count(mesh)
+        batch = -(-batch // pieces) * pieces
+    return batch
 
 
 def _available_memory() -> int | None:
@@ -394,13 +449,23 @@ def _pad_rows(rows: list[list[int]], width: int, pad: int, batch: int):
     return tokens, lengths
 
 
-def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, keys):
-    """Generated token lists (EOS and padding removed) for up to ``batch`` encoded inputs.
+def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, keys, mesh=None):
+    """Generated token lists (EOS and padding removed) for up to ``batch`` encoded inputs, the
+    batch split over ``mesh``'s data axes where there is one (the parameters placed on it already).
 
     Every row stops at its own limit (`_new_tokens_limit`) and samples with its own key
     (``keys[r]``), so an output does not depend on the inputs batched with it, and a long prompt
     next to a short one never runs past a learned position table while the short one goes on.
     """
+    if mesh is None:
+        return _decode_rows(gen, rows, opts, batch, keys, None)
+    from transformer_jax import parallel
+
+    with parallel.sharding_context(mesh):
+        return _decode_rows(gen, rows, opts, batch, keys, parallel.batch_sharding(mesh))
+
+
+def _decode_rows(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, keys, placement):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -416,6 +481,8 @@ def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, ba
     longest = max(len(r) for r in rows)
     width = min(decoding.bucket_length(longest), cfg.max_len)
     tokens, lengths = _pad_rows(rows, width, pad, batch)
+    if placement is not None:
+        tokens = jax.device_put(tokens, placement)
     limits = [_new_tokens_limit(gen, opts, len(r)) for r in rows]
     if gen.is_seq2seq:
         steps = max(limits) if opts.max_new_tokens else max(min(width + 50, cfg.max_len), max(limits))
@@ -474,11 +541,13 @@ def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, ba
 
 
 def generate_texts(
-    gen: Generator, texts: Sequence[str], opts: DecodeOptions = DecodeOptions(), *, progress: bool = False
+    gen: Generator, texts: Sequence[str], opts: DecodeOptions = DecodeOptions(), *, progress: bool = False,
+    mesh=None,
 ) -> list[str]:
     """Decodes every input; returns the outputs in input order.
 
-    Inputs are sorted by length and decoded ``opts.batch_size`` at a time.
+    Inputs are sorted by length and decoded ``opts.batch_size`` at a time. With a ``mesh`` (the
+    parameters placed on it, `on_mesh`), each batch is split over its data axes.
     """
     import jax
 
@@ -487,7 +556,7 @@ def generate_texts(
     opts.check()
     encoded = encode_inputs(gen, texts, opts)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
-    batch = _batch_size(opts, len(encoded))
+    batch = _batch_size(opts, len(encoded), mesh)
     chunks = [order[i : i + batch] for i in range(0, len(order), batch)]
     if progress:
         from tqdm import tqdm
@@ -499,7 +568,7 @@ def generate_texts(
         # Input i samples with fold_in(key(seed), i): its text does not depend on --batch_size or
         # on the inputs that share its batch.
         keys = [jax.random.fold_in(rng, i) for i in chunk]
-        ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, keys)
+        ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, keys, mesh)
         for i, out in zip(chunk, ids, strict=True):
             outputs[i] = gen.tokenizer.decode(out)
     return outputs
@@ -646,16 +715,22 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
         _check_flag_combinations(fv)
         opts = options_from_flags(fv)
         texts = _read_inputs(fv.prompt, fv.input_file)
+        mesh = parse_mesh(fv.mesh)
         if fv.hf_checkpoint:
             gen = load_hf_generator(fv.hf_checkpoint)
         else:
-            gen = load_workdir_generator(fv.workdir, fv.step)
+            gen = load_workdir_generator(fv.workdir, fv.step, mesh)
         layout = fv.kernel_layout
-        if layout == "auto":
+        if layout == "auto" and mesh is not None and mesh.size > 1:
+            layout = None  # the native CPU kernels stay out of a mesh of several devices
+        elif layout == "auto":
             param_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
             layout = auto_kernel_layout(gen.config, opts, len(texts), param_bytes, fv.dtype)
             logging.info("kernel layout: %s (--kernel_layout=auto)", layout or gen.config.kernel_layout)
+        loaded = gen
         gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=layout, fused_qkv=fv.fused_qkv or None)
+        if mesh is not None and (fv.hf_checkpoint or gen is not loaded):  # a workdir's restores onto it
+            gen = on_mesh(gen, mesh)
         if fv.huge_pages:
             from transformer_jax.decoding.huge_pages import place_on_huge_pages
 
@@ -663,7 +738,7 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
             logging.info("parameters on huge pages: %d of %d MiB (%s)", placed.placed >> 20,
                          placed.requested >> 20, placed.reason or "all moved")
         progress = fv.input_file is not None and len(texts) > opts.batch_size
-        outputs = generate_texts(gen, texts, opts, progress=progress)
+        outputs = generate_texts(gen, texts, opts, progress=progress, mesh=mesh)
     except (GenerateError, ConversionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
