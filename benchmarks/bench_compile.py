@@ -44,12 +44,20 @@ def _packed_batch(config, batch: int, length: int) -> dict:
 
 
 def compile_time(depth: int, scan: bool, batch: int = 8, length: int = 256) -> dict:
+    """The train step compiled with the persistent compilation cache off, even where a cache folder
+    is set (JAX_COMPILATION_CACHE_DIR, common on TPU hosts): JAX decides whether to use the cache at
+    the first compile of a process, so the switch alone, after the run's matmul probes, left it on,
+    and the rows timed loads from it. Resetting the cache makes the next compile decide again."""
+    from jax.experimental.compilation_cache import compilation_cache
+
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         return _compile_time(depth, scan, batch, length)
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
+        compilation_cache.reset_cache()
 
 
 def _compile_time(depth: int, scan: bool, batch: int, length: int) -> dict:

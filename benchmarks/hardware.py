@@ -96,9 +96,10 @@ def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int =
                      cpu_kernels: str = "xla") -> float:
     """Bytes per second of weights read by one jitted program that multiplies a [rows, d_in]
     activation by `count` distinct [d_in, d_out] matrices in turn (~380 MiB in float32, more than the caches
-    hold), stored as `layout` ('in_out': [d_in, d_out], x @ W; 'out_in': [d_out, d_in], through
-    `matmul.contract_transposed` as the model runs it, with the model's `cpu_kernels` setting;
-    'packed': [d_out, d_in] in tiles, through `matmul.contract_packed`): the
+    hold), stored as `layout` ('in_out': [d_in, d_out], through `matmul.contract`; 'out_in':
+    [d_out, d_in], through `matmul.contract_transposed`; 'packed': [d_out, d_in] in tiles, through
+    `matmul.contract_packed`), each as the model runs it, with the model's `cpu_kernels` setting
+    (the native kernels of each layout where they run): the
     rate at which a decoding step's matmuls can stream parameters at batch `rows`, as opposed to
     `memory_bandwidth`, which no matmul kernel need reach."""
     from transformer_jax.decoding.huge_pages import place_on_huge_pages
@@ -111,7 +112,7 @@ def weight_streaming(rows: int, d_in: int = 768, d_out: int = 3072, count: int =
     x = jnp.ones((rows, d_in), dtype)
     # (random values: stored packed, they are any values in another order)
     transposed = contract_packed if layout == "packed" else contract_transposed
-    product = contract if layout == "in_out" else partial(transposed, cpu_kernels=cpu_kernels)
+    product = partial(contract if layout == "in_out" else transposed, cpu_kernels=cpu_kernels)
 
     def chain(x, ws):
         # Each product's input comes from the one before, as layer follows layer in a step: XLA

@@ -353,6 +353,13 @@ def main():
                         help=f"sections to run: {' '.join(SECTIONS)}")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
+    # Checked before the measuring (minutes), not after it, where a bad folder would lose it all.
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out-dir {args.out_dir}: {e}")
+    if not os.access(args.out_dir, os.W_OK | os.X_OK):
+        parser.error(f"--out-dir {args.out_dir}: not a writable folder")
     wanted = set(args.only or SECTIONS)
     # As train.py does: large buffers on huge pages where glibc can (transformer_jax/host_memory.py).
     host_memory.restart_with_huge_page_malloc()
@@ -385,13 +392,12 @@ def main():
                 bandwidth_gb_s=new_bandwidth)
     table = summarise(results, peaks, new_bandwidth)
     text = markdown(table, meta)
-    os.makedirs(args.out_dir, exist_ok=True)
+    print(text, flush=True)  # on the screen first, whatever becomes of the files
     stem = os.path.join(args.out_dir, datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S"))
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, targets=TARGETS, results=results, table=table), f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(text)
-    print(text)
     print(f"wrote {stem}.json and {stem}.md")
 
 

@@ -648,6 +648,72 @@ def test_compile_rows_time_the_training_loop_s_own_step(monkeypatch):
     assert row["compile_s"] > 0 and row["total_s"] >= row["lower_s"] + row["compile_s"] - 0.02
 
 
+def test_compile_rows_stay_out_of_a_persistent_cache_set_before_them(tmp_path):
+    """With a compilation cache folder set and a program compiled before (the run's matmul probes),
+    the compile rows neither read nor write the cache: JAX decides at a process's first compile
+    whether to use it, and switching it off later alone left it on (the rows timed cache loads:
+    ~0.3 s against ~10 s compiled). The cache is back on for what follows."""
+    import jax.numpy as jnp
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from benchmarks import bench_compile
+
+    folder = tmp_path / "cache"
+    settings = {"jax_enable_compilation_cache": True, "jax_compilation_cache_dir": str(folder),
+                "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    saved = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    try:
+        jax.jit(lambda x: x @ x + 3.0)(jnp.ones((8, 8))).block_until_ready()
+        before = set(os.listdir(folder))
+        assert before  # the cache is in use
+        bench_compile.compile_time(1, scan=False, batch=1, length=8)
+        assert set(os.listdir(folder)) == before
+        jax.jit(lambda x: x @ x + 4.0)(jnp.ones((8, 8))).block_until_ready()
+        assert len(os.listdir(folder)) > len(before)  # and in use again after the rows
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+def test_the_weight_streaming_probe_runs_each_layout_on_the_models_kernels(monkeypatch):
+    """The probe that a decoding row's `stream_frac` is set against multiplies by the model's own
+    product for each layout, with the row's `cpu_kernels`: for 'in_out' it ran XLA's product where
+    the row ran the native kernel, and the step streamed "2.03 times faster than the limit"."""
+    from benchmarks import hardware
+    from transformer_jax.modeling import matmul
+
+    seen = []
+    for name in ("contract", "contract_transposed", "contract_packed"):
+        real = getattr(matmul, name)
+        monkeypatch.setattr(matmul, name, lambda x, w, *a, _real=real, _name=name, **kw: seen.append(
+            (_name, kw.get("cpu_kernels"))) or _real(x, w, *a, **kw))
+    for layout in ("in_out", "out_in"):
+        hardware.weight_streaming(1, d_in=16, d_out=32, count=2, repeats=1, layout=layout, cpu_kernels="auto")
+    assert seen == [("contract", "auto")] * 2 + [("contract_transposed", "auto")] * 2
+
+
+def test_run_checks_its_out_dir_before_measuring(monkeypatch, tmp_path, capsys):
+    """--out-dir was made after every section had run: a path that cannot be a folder lost the
+    whole run's measurements to a traceback. It is refused before anything is measured."""
+    import sys
+
+    from benchmarks import hardware, run
+
+    monkeypatch.setattr(hardware, "measure", lambda **kwargs: pytest.fail("measured the hardware"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad in (blocker, blocker / "below"):
+        monkeypatch.setattr(sys, "argv", ["run.py", "--quick", "--only", "compile", "--out-dir", str(bad)])
+        with pytest.raises(SystemExit) as exit_info:
+            run.main()
+        assert exit_info.value.code == 2 and f"--out-dir {bad}" in capsys.readouterr().err
+
+
 def test_accelerator_ratios_are_against_the_higher_reading_of_each_limit(monkeypatch):
     """accelerator.run with its sections replaced: the MFU and roofline are set against the higher
     of the start and end readings, each limit on its own (the peak read higher at the start, the
