@@ -581,6 +581,76 @@ def test_a_manifest_without_its_file_table_is_unreadable(tmp_path, manifest):
     assert verdict.status == "corrupt" and "integrity.json is unreadable" in verdict.describe(), verdict
 
 
+def test_a_full_disk_while_sealing_a_step_or_recording_the_config_is_one_error(tmp_path, monkeypatch):
+    """The disk filling up between orbax's commit of a step and its manifest, or while config.json is
+    written, was an OSError traceback with the .tmp file left on the full disk. Each is now a
+    CheckpointWriteError naming the file and what is intact, its .tmp removed."""
+    import builtins
+
+    from transformer_jax.training import checkpoint as checkpoint_module
+
+    workdir = str(tmp_path)
+    ck = Checkpointer(workdir, async_save=False)
+    ck.save(_tiny_state(1))
+    real_dump = json.dump
+
+    def full_dump(obj, f, **kwargs):
+        f.write("{")  # a partial write, then ENOSPC
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(integrity, "json", types.SimpleNamespace(**{**vars(json), "dump": full_dump}))
+    expected = (r"Could not write .*/2/integrity.json: the disk is full \(No space left on device\)\. "
+                r"Checkpoint step 2 is committed but unsealed .* checkpoints \[1\] are sealed\. Free space")
+    with pytest.raises(integrity.CheckpointWriteError, match=expected):
+        ck.save(_tiny_state(2))
+    assert sorted(os.listdir(integrity.step_dir(ckpt(workdir), 2))) == sorted(
+        n for n in os.listdir(integrity.step_dir(ckpt(workdir), 1)) if n != integrity.MANIFEST_NAME)
+    monkeypatch.setattr(integrity, "json", types.SimpleNamespace(**{**vars(json), "dump": real_dump}))
+    assert integrity.verify(ckpt(workdir), 1).status == "ok"
+    assert integrity.verify(ckpt(workdir), 2).status == "unsealed"
+
+    config = tiny.get_config()
+    checkpoint_module.save_config(config, workdir)
+    with open(os.path.join(workdir, "config.json")) as f:
+        recorded = f.read()
+
+    def full_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        if "w" in mode:
+            f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return f
+
+    monkeypatch.setattr(checkpoint_module, "open", full_open, raising=False)
+    config.seed = 7
+    with pytest.raises(integrity.CheckpointWriteError,
+                       match=r"Could not write .*config.json: the disk is full .*checkpoints are unchanged"):
+        checkpoint_module.save_config(config, workdir)
+    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json"]  # no config.json.tmp
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert f.read() == recorded
+
+
+@pytest.mark.parametrize("kind", ["file", "broken link"])
+def test_a_checkpoint_path_that_is_no_directory_is_named(data_dir, tmp_path, kind):
+    """DIR/checkpoints as a file, or a link to a scratch disk that is not mounted: training ended in
+    a 111-line traceback from orbax's path library, inference said only that there is no
+    checkpoint."""
+    workdir = str(tmp_path / "w")
+    os.makedirs(workdir)
+    path = os.path.join(workdir, "checkpoints")
+    if kind == "file":
+        write(path, "")
+    else:
+        os.symlink(str(tmp_path / "unmounted" / "ckpt"), path)
+    what = "is a file, not a directory" if kind == "file" else "is a broken symbolic link to '.*unmounted/ckpt'"
+    with pytest.raises(integrity.CheckpointWriteError, match=f"Checkpoint directory '.*checkpoints' {what}: move"):
+        train_and_evaluate(tiny_config(data_dir), workdir)
+    write(os.path.join(workdir, "config.json"), json.dumps(tiny_config(data_dir).to_dict()))
+    with pytest.raises(ValueError, match=f"has no checkpoint: .*checkpoints {what}"):
+        restore_for_inference(workdir)
+
+
 def test_a_failed_save_removes_only_its_own_partial_write(tmp_path):
     """Step 1's failed save leaves step 10, 11 and their temporaries alone."""
     names = ["1", "10", "11", "1.orbax-checkpoint-tmp-5", "10.orbax-checkpoint-tmp-2"]

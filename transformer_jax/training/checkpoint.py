@@ -185,10 +185,15 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     if not parallel.is_primary():
         return
     os.makedirs(workdir, exist_ok=True)
-    tmp = os.path.join(workdir, CONFIG_FILENAME + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(tmp, os.path.join(workdir, CONFIG_FILENAME))
+    path = os.path.join(workdir, CONFIG_FILENAME)
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+        os.replace(path + ".tmp", path)
+    except OSError as e:  # a full disk: one line, not a traceback, and no .tmp file left
+        raise integrity.file_write_error(
+            e, path, "The run's config is recorded there (resuming checks against it); the "
+                     "checkpoints are unchanged.") from e
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -406,7 +411,7 @@ class Checkpointer:
             for step in done:
                 if parallel.is_primary() and integrity.is_local(self.directory) and step in listed:
                     with contextlib.suppress(FileNotFoundError):  # deleted meanwhile by the save's pruning
-                        integrity.write_manifest(self.directory, step, self.model_config)
+                        self._write_manifest(step)
             if done:
                 self._write_pending_config()
             return
@@ -421,10 +426,26 @@ class Checkpointer:
         committed = set(self.manager.all_steps())
         for step in self._unsealed:
             if parallel.is_primary() and integrity.is_local(self.directory) and step in committed:
-                integrity.write_manifest(self.directory, step, self.model_config)
+                self._write_manifest(step)
         if committed.intersection(self._unsealed):
             self._write_pending_config()
         self._unsealed = []
+
+    def _write_manifest(self, step: int) -> None:
+        """Seals committed ``step``; a full disk (or lost permissions) is a CheckpointWriteError
+        saying that the step is committed but unsealed, and which steps are sealed."""
+        try:
+            integrity.write_manifest(self.directory, step, self.model_config)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            sealed = [s for s in self._sealed_steps() if s != step]
+            path = os.path.join(integrity.step_dir(self.directory, step), integrity.MANIFEST_NAME)
+            raise integrity.file_write_error(
+                e, path, f"Checkpoint step {step} is committed but unsealed (a resume restores it "
+                         f"without checking its files); "
+                         + (f"checkpoints {sealed} are sealed." if sealed else "no other checkpoint exists.")
+            ) from e
 
     def write_config_on_commit(self, config: ml_collections.ConfigDict) -> None:
         """Writes ``DIR/config.json`` once this checkpointer has committed a step. A resumed run
@@ -718,7 +739,9 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
     if os.path.isdir(directory):
         params, step = _restore_params(directory, step, abstract_params(model_config, mesh), model_config)
     if params is None:
-        raise ValueError(f"Workdir {workdir!r} has no checkpoint in {directory}.")
+        what = integrity.not_a_directory(directory)
+        raise ValueError(f"Workdir {workdir!r} has no checkpoint: {directory} {what}." if what
+                         else f"Workdir {workdir!r} has no checkpoint in {directory}.")
     tokenizer_path = os.path.join(workdir, "tokenizer.model")
     if not os.path.isfile(tokenizer_path):
         raise ValueError(f"Workdir {workdir!r} has no tokenizer.model: its checkpoints decode only with "

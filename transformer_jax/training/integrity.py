@@ -245,6 +245,16 @@ def move_aside(directory: str, step: int) -> str:
     return target
 
 
+def not_a_directory(path: str) -> str | None:
+    """What ``path`` is where a directory should be ('is a file', 'is a broken symbolic link to
+    X'); None where it is a directory or nothing at all."""
+    if os.path.isdir(path) or not os.path.lexists(path):
+        return None
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"is a broken symbolic link to {os.readlink(path)!r}"
+    return "is a file, not a directory"
+
+
 def check_writable(workdir: str) -> None:
     """Creates ``workdir`` and writes a probe file in it and in its checkpoint directory, where
     that exists already (read-only, or another user's): an unwritable workdir is an error at the
@@ -258,6 +268,11 @@ def check_writable(workdir: str) -> None:
         os_error, where = e, workdir
     for directory in ([] if os_error else [workdir, os.path.join(workdir, CHECKPOINT_DIRNAME)]):
         if directory != workdir and not os.path.isdir(directory):
+            what = not_a_directory(directory)
+            if what:  # orbax failed on it with a traceback from deep inside its path library
+                raise CheckpointWriteError(
+                    errno.ENOTDIR, f"Checkpoint directory {directory!r} {what}: move it away (or "
+                    f"mount what the link points to), or choose another --workdir")
             continue
         probe = os.path.join(directory, f".write_probe.{os.getpid()}")
         try:
@@ -352,15 +367,31 @@ def os_error_of(error: BaseException) -> OSError | None:
     return OSError(number, first_line(error))
 
 
+_WRITE_REASONS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+}
+
+
+def file_write_error(error: OSError, path: str, what: str) -> CheckpointWriteError:
+    """A :class:`CheckpointWriteError` for a small file of the workdir (``config.json``, a step's
+    manifest) that could not be written; its temporary file ``path + '.tmp'`` is removed first."""
+    with contextlib.suppress(OSError):
+        os.remove(path + ".tmp")
+    reason = _WRITE_REASONS.get(error.errno, str(error))
+    return CheckpointWriteError(
+        error.errno or errno.EIO,
+        f"Could not write {path}: {reason} ({error.strerror or error}). {what} Free space (or fix "
+        f"permissions) and rerun the same command to resume.",
+    )
+
+
 def write_error(error: OSError, step: int, directory: str, kept: list[int]) -> CheckpointWriteError:
     """A :class:`CheckpointWriteError` saying what failed and what is still intact; the failed save's
     partial write is deleted first."""
-    reason = {
-        errno.ENOSPC: "the disk is full",
-        errno.EDQUOT: "the disk quota is exceeded",
-        errno.EROFS: "the file system is read-only",
-        errno.EACCES: "permission denied",
-    }.get(error.errno, str(error))
+    reason = _WRITE_REASONS.get(error.errno, str(error))
     intact = f"checkpoints {kept} are intact" if kept else "no earlier checkpoint exists"
     try:
         partial = ("The partial write was deleted" if remove_partial_save(directory, step)
@@ -564,7 +595,12 @@ def _after_restore(checkpointer, step: int, verdict: Verdict, bad: list[Verdict]
         logging.warning("%s", message)
         print(f"WARNING: {message}", file=sys.stderr, flush=True)  # stdout carries outputs
         if seals:
-            write_manifest(checkpointer.directory, step, checkpointer.model_config)
+            try:
+                write_manifest(checkpointer.directory, step, checkpointer.model_config)
+            except OSError as e:  # a full disk: the step restored all the same; sealed at a later resume
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(step_dir(checkpointer.directory, step), MANIFEST_NAME + ".tmp"))
+                logging.warning("could not seal checkpoint step %d now (%s); it stays unsealed", step, e)
     if read_only:
         return
     if not bad:
