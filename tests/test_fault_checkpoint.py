@@ -303,6 +303,20 @@ def test_intact_checkpoint_of_another_optimizer_is_a_config_error_not_corruption
         assert json.load(f)["optimizer"]["grad_clip_norm"] == 0.0
 
 
+def test_an_unsealed_step_of_another_optimizer_is_a_config_error_not_corruption(workdir, data_dir):
+    """The same with steps killed before their manifests: step 10, then step 5, were called corrupt,
+    ending in "No usable checkpoint ... move the checkpoints away to train from scratch"."""
+    for step in (5, 10):
+        os.remove(os.path.join(integrity.step_dir(ckpt(workdir), step), integrity.MANIFEST_NAME))
+    config = tiny_config(data_dir, num_train_steps=12)
+    config.optimizer.grad_clip_norm = 1.0
+    with pytest.raises(integrity.CheckpointConfigMismatchError,
+                       match=r"step 10 .* has no integrity.json .*another tree.*config.optimizer.*fresh --workdir"):
+        train_and_evaluate(config, workdir)
+    assert Checkpointer(workdir).all_steps() == [5, 10]
+    assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
+
+
 # A full disk as Python reports it, and as tensorstore does (orbax raises its error as a ValueError;
 # it was a traceback per array in flight, and the partial write stayed on the full disk).
 FULL_DISK = [OSError(errno.ENOSPC, "No space left on device"),

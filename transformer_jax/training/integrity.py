@@ -538,6 +538,18 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
                         f"grad_clip_norm, ...): set those back to the values in the workdir's "
                         f"config.json, or train in a fresh --workdir. The step itself was left as it is."
                     ) from e
+                if verdict.status == "unsealed" and "tree structures do not match" in str(e):
+                    # Files no manifest vouches for, but a damaged file does not change the tree
+                    # its metadata names: another optimizer, as for a sealed step, not damage (the
+                    # advice was to move the checkpoints away and train from scratch).
+                    raise CheckpointConfigMismatchError(
+                        f"Checkpoint step {step} in {directory} has no {MANIFEST_NAME} (its files went "
+                        f"unchecked), and its arrays are another tree than what this run builds "
+                        f"({first_line(e)}). When training, that means another optimizer state (it "
+                        f"follows config.optimizer: name, weight_decay, grad_clip_norm, ...): set those "
+                        f"back to the values in the workdir's config.json, or train in a fresh --workdir. "
+                        f"The step itself was left as it is."
+                    ) from e
                 verdict = Verdict(step, "corrupt", [f"orbax could not restore it ({first_line(e)})"])
             else:
                 _after_restore(checkpointer, step, verdict, bad)
