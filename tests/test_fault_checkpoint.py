@@ -118,8 +118,12 @@ def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, c
     bundle = restore_for_inference(workdir)  # newest *good* step, with a warning
     assert bundle.step == 5
     assert "checkpoint step 10 is corrupt" in capsys.readouterr().err  # stdout carries outputs
-    with pytest.raises(integrity.CheckpointCorruptError, match="step 10 .* corrupt"):
-        restore_for_inference(workdir, step=10)  # asked for by number: refused, never loaded
+    # Asked for by number: refused, never loaded; the message named config.checkpoint_fallback=False,
+    # a setting never made, and said to rerun, which asked for the same step again.
+    with pytest.raises(integrity.CheckpointCorruptError) as refused:
+        restore_for_inference(workdir, step=10)
+    assert re.search(r"step 10 .*, the step asked for, is corrupt: .*Ask for another of its steps \(\[5\]\)",
+                     str(refused.value)) and "fallback" not in str(refused.value), refused.value
 
 
 def _copy_step(workdir, source, target):

@@ -464,7 +464,8 @@ class Checkpointer:
         position is restored in place. Without ``step``, the newest step that verifies."""
         steps, fallback = ([step], False) if step is not None else (self.all_steps()[::-1], self.fallback)
         restore = self._restore_step
-        return integrity.restore_verified(self, steps, fallback, restore, abstract_state, data_iter)
+        return integrity.restore_verified(self, steps, fallback, restore, abstract_state, data_iter,
+                                          asked=step is not None)
 
     def _restore_step(self, abstract_state: TrainState, data_iter, step: int):
         path = integrity.step_dir(self.directory, step)
@@ -699,7 +700,7 @@ def _restore_params(directory: str, step: int | None, abstract, model_config: Mo
             return manager.restore(s, args=args)["params"]
 
         try:
-            params = integrity.restore_verified(reader, steps, step is None, restore)
+            params = integrity.restore_verified(reader, steps, step is None, restore, asked=step is not None)
         except Exception as e:
             # A run training in this workdir prunes old steps. One pruned while it was read failed
             # as if it were corrupt, missing files, or intact but of another optimizer state.

@@ -504,7 +504,7 @@ class StepNumberMismatchError(Exception):
     under another number (treated as a corrupt step)."""
 
 
-def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn, *args):
+def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn, *args, asked: bool = False):
     """Restores the first of ``steps`` (newest first) that verifies and that orbax can read.
 
     A corrupt step is skipped with a warning when ``fallback`` (and moved to
@@ -556,6 +556,14 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
                 return state
         bad.append(verdict)
         older = steps[i + 1 :]
+        if asked:  # a step asked for by number: no fallback, whatever the config says
+            others = sorted(set(checkpointer.manager.all_steps()) - {step})
+            raise CheckpointCorruptError(
+                f"Checkpoint step {step} in {directory}, the step asked for, is corrupt: "
+                f"{verdict.describe()}. "
+                + (f"Ask for another of its steps ({others}), or for none to load the newest good one."
+                   if others else "It is the only step.")
+            )
         if not fallback:
             hint = (
                 f"Set config.checkpoint_fallback=True to resume from the newest good step before it "
