@@ -307,6 +307,23 @@ def test_intact_checkpoint_of_another_optimizer_is_a_config_error_not_corruption
         assert json.load(f)["optimizer"]["grad_clip_norm"] == 0.0
 
 
+def test_switching_keep_best_on_at_a_resume_names_the_steps_it_deletes(workdir, data_dir, capsys):
+    """keep_best_metric ranks the steps by the metric orbax stored with them; the steps of a run
+    without it have none, and were deleted without a word once the steps outnumbered
+    max_checkpoints_to_keep. Switching it off (or changing how many are kept) is named too."""
+    config = tiny_config(data_dir, num_train_steps=20, keep_best_metric="eval_loss", eval_every_steps=5,
+                         max_checkpoints_to_keep=2)
+    train_and_evaluate(config, workdir)
+    out = capsys.readouterr().out
+    assert "keep_best_metric ('' -> 'eval_loss')" in out and "max_checkpoints_to_keep (5 -> 2)" in out
+    assert re.search(r"WARNING: keep_best_metric='eval_loss' .*steps \[5, 10\] were saved without it .*deleted "
+                     r"as soon as the steps outnumber max_checkpoints_to_keep=2", out), out
+    assert Checkpointer(workdir).all_steps() == [15, 20]  # as it warned
+    config.num_train_steps = 25
+    train_and_evaluate(config, workdir)
+    assert "were saved without it" not in capsys.readouterr().out  # every step is ranked
+
+
 def test_an_unsealed_step_of_another_optimizer_is_a_config_error_not_corruption(workdir, data_dir):
     """The same with steps killed before their manifests: step 10, then step 5, were called corrupt,
     ending in "No usable checkpoint ... move the checkpoints away to train from scratch"."""

@@ -320,6 +320,17 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def unranked_steps(self) -> list[int]:
+        """With ``keep_best_metric``: the steps saved without that metric, which are deleted once
+        the steps outnumber ``max_to_keep`` (a step without it is kept only while it is the latest);
+        a run resumed with keep_best_metric switched on lost all its earlier checkpoints so, without
+        a word. [] otherwise, and where only the latest lacks it (a save at SIGTERM, documented)."""
+        if not self.keep_best_metric:
+            return []
+        steps = self.all_steps()
+        unranked = [s for s in steps if self.keep_best_metric not in (self.manager.metrics(s) or {})]
+        return [] if unranked == steps[-1:] else unranked
+
     def save(
         self, state: TrainState, data_iter=None, metrics: dict | None = None, force: bool = False
     ) -> bool:

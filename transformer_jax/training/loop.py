@@ -127,7 +127,8 @@ def restretched_schedule(workdir: str, config: ml_collections.ConfigDict, step: 
 # Training settings a resumed run may change on purpose (a lower learning rate), but by mistake too
 # (a config file edited meanwhile): named at the resume, not refused. (Settings that change the
 # optimizer state's structure, clipping or weight decay, are refused by the restore.)
-TRAINING_KEYS = ("seed", "loss_scale", "skip_nonfinite")
+TRAINING_KEYS = ("seed", "loss_scale", "skip_nonfinite", "max_checkpoints_to_keep", "keep_best_metric",
+                 "keep_best_mode")
 
 
 def changed_training_settings(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
@@ -409,6 +410,13 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         if retuned:
             _say(f"NOTE: resuming with training settings other than those of the run that wrote the "
                  f"checkpoints: {', '.join(retuned)}")
+        unranked = checkpointer.unranked_steps()
+        if unranked:
+            _say(f"WARNING: keep_best_metric={config.keep_best_metric!r} keeps the checkpoints ranked by "
+                 f"the {config.keep_best_metric} saved with them; steps {unranked} were saved without it "
+                 f"(by a run without keep_best_metric, or between evaluations) and are deleted as soon "
+                 f"as the steps outnumber max_checkpoints_to_keep={config.max_checkpoints_to_keep}, "
+                 f"the latest excepted. Copy them out of {checkpointer.directory} to keep them.")
         # (a checkpoint at or past num_train_steps has nothing to train: the warning below says so)
         restretched = (restretched_schedule(workdir, config, checkpointer.restored_step)
                        if checkpointer.restored_step < config.num_train_steps else None)
