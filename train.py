@@ -10,6 +10,7 @@ environment variables). Restarting with the same workdir resumes from the latest
 
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -166,15 +167,21 @@ def main(argv):
             parallel.stop_child_processes()
             os._exit(2)  # the other processes may be inside a collective: no orderly shutdown
         sys.exit(2)
+    stopped_by = final.pop("stopped_by", None)
     if parallel.is_primary():
         print(
-            "final: "
+            ("stopped: " if stopped_by else "final: ")
             + ", ".join(
                 f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(final.items())
             ),
             flush=True,
         )
-    parallel.leave_and_exit(0)  # multi-process: leave together, skip a teardown that can hang
+    # Stopped by a signal (preemption, Ctrl-C) after saving: 128 + its number (SIGTERM 143, SIGINT
+    # 130), as a process the signal ended would, so that `train.py && next-step`, a retry loop or a
+    # batch job's restart policy sees an unfinished run; 0 only for a finished one.
+    code = 128 + signal.Signals[stopped_by].value if stopped_by else 0
+    parallel.leave_and_exit(code)  # multi-process: leave together, skip a teardown that can hang
+    sys.exit(code)  # one process: with the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -485,6 +485,26 @@ def test_non_finite_values_reach_metrics_jsonl_but_not_tensorboard(tmp_path):
     assert b"learning_rate" in last and struct.pack("<f", 0.5) in last and b"loss" not in last
 
 
+def test_training_figures_are_a_line_each_where_no_bar_is_drawn(tmp_path, capsys, monkeypatch):
+    """Without a terminal (a log file, a batch scheduler, a notebook) the bar's frames were carriage
+    returns on one line, and with progress_bar=False no training figure reached the screen at all:
+    each logging window is now a line. On a terminal the bar shows them."""
+    import sys
+    import types
+
+    for progress in (True, False):
+        log = metrics.MetricsLogger(str(tmp_path / str(progress)), 10, progress=progress)
+        log.progress(5, loss=2.5, lr=0.001, tok_s=1234.0)
+        log.close()
+        assert capsys.readouterr().out == "step 5: loss 2.5, lr 0.001, tok_s 1234\n"
+    stream = types.SimpleNamespace(isatty=lambda: True, write=sys.stderr.write, flush=sys.stderr.flush)
+    monkeypatch.setattr(sys, "stderr", stream)
+    log = metrics.MetricsLogger(str(tmp_path / "tty"), 10, progress=True)
+    log.progress(5, loss=2.5)
+    log.close()
+    assert capsys.readouterr().out == ""  # on the bar
+
+
 def test_mfu_counts_the_output_product_over_a_padded_table():
     flops = lambda cfg: metrics.train_flops_per_step(cfg, 1, 10, 10)
     # 6 x 10 target tokens x d_model 512 x (37008 - 37000) padding rows, which the product computes
@@ -1034,6 +1054,23 @@ def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_a
         assert proc.returncode == 2 and "called" not in proc.stdout, proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("signal_name, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_run_stopped_by_a_signal_exits_with_its_status(tmp_path, signal_name, status):
+    """A run stopped by SIGTERM (preemption) or a first Ctrl-C saves, says "stopped:", and exits
+    128 + the signal's number: it printed "final:" and exited 0, so `train.py && generate` decoded a
+    half-trained model and a batch job's restart policy took the run for finished."""
+    stopped = _FAKE_TRAINING.replace(
+        '    return {"step": config.num_train_steps, "loss": 0.25}\n',
+        f'    return {{"step": 2, "loss": 0.25, "stopped_by": "{signal_name}"}}\n')
+    assert stopped != _FAKE_TRAINING
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-c", stopped, os.path.join(REPO, "train.py"),
+                           "--config=" + os.path.join(REPO, "configs", "tiny.py"), f"--workdir={tmp_path}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "stopped: loss 0.25, step 2"
 
 
 def _run_two_processes(command, env, logs_dir, timeout=240, grace=20, attempts=3):

@@ -479,7 +479,8 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         if compile_seconds is not None:
             summary["compile_seconds"], compile_seconds = compile_seconds, None
         log.write(done, summary)
-        log.progress(done, loss=summary["loss"], tok_s=summary["tokens_per_sec"])
+        figures = dict(loss=summary["loss"], lr=summary.get("learning_rate"), tok_s=summary["tokens_per_sec"])
+        log.progress(done, **{k: v for k, v in figures.items() if v is not None})
         return summary
 
     with parallel.sharding_context(mesh):
@@ -554,6 +555,8 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
     if not stop and preemption.requested():  # a signal after the last step's check (or with none to train)
         stop = True
         log.message(f"Stopped by {preemption.signal_name} after step {final['step']}; checkpoint saved.")
+    if stop:  # train.py exits with the signal's status: the run is not finished
+        final["stopped_by"] = preemption.signal_name or "SIGTERM"
     if eval_metrics and evaluated_at != final["step"]:  # stopped between evaluations
         final["eval_step"] = evaluated_at  # the step the evaluation figures are of
     if data.is_translation and final["step"] == config.num_train_steps and test_split and not stop:

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import struct
+import sys
 import time
 from typing import Any
 
@@ -200,6 +201,13 @@ def train_flops_per_step(cfg: ModelConfig, batch_size: int, target_len: int, sou
 # ------------------------------------------------------------------------------------ the logger
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
 class MetricsLogger:
     """Writes logged steps to metrics.jsonl, TensorBoard and (if enabled) W&B; drives the bar."""
 
@@ -231,7 +239,9 @@ class MetricsLogger:
             self._events.session_start(start_step)
         if use_wandb:
             self._wandb = _start_wandb(workdir, config)
-        if progress:
+        # A bar only on a terminal: written to a file (nohup, a batch scheduler's log) its frames
+        # are carriage returns on one line, and the training figures were nowhere else on screen.
+        if progress and _is_terminal(sys.stderr):
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -260,10 +270,13 @@ class MetricsLogger:
         return False
 
     def progress(self, step: int, **values: float) -> None:
+        """The bar's figures, or without a bar one line: ``step N: loss 2.345, ...``."""
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
             self._bar.refresh()
+        else:
+            self.message(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.primary:
