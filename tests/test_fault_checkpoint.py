@@ -316,8 +316,8 @@ def test_switching_keep_best_on_at_a_resume_names_the_steps_it_deletes(workdir, 
     train_and_evaluate(config, workdir)
     out = capsys.readouterr().out
     assert "keep_best_metric ('' -> 'eval_loss')" in out and "max_checkpoints_to_keep (5 -> 2)" in out
-    assert re.search(r"WARNING: keep_best_metric='eval_loss' .*steps \[5, 10\] were saved without it .*deleted "
-                     r"as soon as the steps outnumber max_checkpoints_to_keep=2", out), out
+    assert re.search(r"WARNING: keep_best_metric='eval_loss' .*steps \[5, 10\] were saved without it "
+                     r".*deleted as soon as the steps outnumber max_checkpoints_to_keep=2", out), out
     assert Checkpointer(workdir).all_steps() == [15, 20]  # as it warned
     config.num_train_steps = 25
     train_and_evaluate(config, workdir)
@@ -332,7 +332,8 @@ def test_an_unsealed_step_of_another_optimizer_is_a_config_error_not_corruption(
     config = tiny_config(data_dir, num_train_steps=12)
     config.optimizer.grad_clip_norm = 1.0
     with pytest.raises(integrity.CheckpointConfigMismatchError,
-                       match=r"step 10 .* has no integrity.json .*another tree.*config.optimizer.*fresh --workdir"):
+                       match=r"step 10 .* has no integrity.json .*another tree.*config.optimizer.*fresh "
+                             r"--workdir"):
         train_and_evaluate(config, workdir)
     assert Checkpointer(workdir).all_steps() == [5, 10]
     assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
@@ -650,7 +651,7 @@ def test_a_full_disk_while_sealing_a_step_or_recording_the_config_is_one_error(t
         recorded = f.read()
 
     def full_open(path, mode="r", *args, **kwargs):
-        f = builtins.open(path, mode, *args, **kwargs)
+        f = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 (returned open)
         if "w" in mode:
             f.close()
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -678,8 +679,10 @@ def test_a_checkpoint_path_that_is_no_directory_is_named(data_dir, tmp_path, kin
         write(path, "")
     else:
         os.symlink(str(tmp_path / "unmounted" / "ckpt"), path)
-    what = "is a file, not a directory" if kind == "file" else "is a broken symbolic link to '.*unmounted/ckpt'"
-    with pytest.raises(integrity.CheckpointWriteError, match=f"Checkpoint directory '.*checkpoints' {what}: move"):
+    what = ("is a file, not a directory" if kind == "file"
+            else "is a broken symbolic link to '.*unmounted/ckpt'")
+    with pytest.raises(integrity.CheckpointWriteError,
+                       match=f"Checkpoint directory '.*checkpoints' {what}: move"):
         train_and_evaluate(tiny_config(data_dir), workdir)
     write(os.path.join(workdir, "config.json"), json.dumps(tiny_config(data_dir).to_dict()))
     with pytest.raises(ValueError, match=f"has no checkpoint: .*checkpoints {what}"):
