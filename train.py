@@ -14,6 +14,7 @@ import signal
 import sys
 import traceback
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -109,19 +110,52 @@ def _parse_flags(argv):
     raises from the config file and its overrides."""
     try:
         argv = flags.FLAGS(argv)
-        flags.FLAGS.config.keys()  # a file that failed to load raises only when read
+        config = flags.FLAGS.config
+        if config is not None and not isinstance(config, dict):
+            config.keys()  # a file that failed to load raises only when read
+        if not isinstance(config, ml_collections.ConfigDict):  # (a FrozenConfigDict is one too)
+            print(f"error: get_config() in {flags.FLAGS['config'].config_filename} returned "
+                  f"{type(config).__name__}, not an ml_collections.ConfigDict (return "
+                  f"ml_collections.ConfigDict({{...}}))", file=sys.stderr, flush=True)
+            sys.exit(2)
         return argv
     except flags.Error as e:  # an unknown flag, or a value of the wrong type (--config.x=abc)
-        problem = _flag_problem(e)
-        hint = "" if problem.startswith("reading --config failed") else " (--helpshort lists the flags)"
+        foreign = _not_a_python_config(argv)
+        problem = foreign or _flag_problem(e)
+        hint = ("" if problem.startswith(("reading --config failed", "--config="))
+                else " (--helpshort lists the flags)")
         print(f"error: {problem}{hint}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception as e:  # noqa: BLE001 - anything from the user's config file: no traceback
-        print(f"error: {_config_problem(e)}", file=sys.stderr, flush=True)
+        print(f"error: {_not_a_python_config(argv) or _config_problem(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
+def _not_a_python_config(argv) -> str | None:
+    """For a --config file that failed to load and is no Python file (a MaxText-style YAML, a gin or
+    JSON file, read as Python it failed with a NameError or SyntaxError): what a config is."""
+    paths = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    paths += [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
+    path = paths[-1].split(":")[0] if paths else ""
+    if not path or path.endswith(".py") or not os.path.isfile(path):
+        return None
+    return (f"--config={path} is not a Python file: a config here is a .py file whose get_config() returns "
+            f"an ml_collections.ConfigDict (see configs/); YAML, gin and JSON configs are not read")
+
+
 def main(argv):
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        # The reader of stdout is gone (`train.py | head`): end as a process that SIGPIPE ends,
+        # without a traceback, after flushing nothing more into the closed pipe. A checkpoint write
+        # in flight is cut off as by a kill, which leaves the earlier checkpoints as they were.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os._exit(128 + signal.SIGPIPE)
+
+
+def _main(argv):
     if len(argv) > 1:  # e.g. `train.py configs/tiny.py`: one line, as for every other bad flag
         print(f"error: unexpected arguments {argv[1:]} (a config file is given as --config=FILE; "
               "--helpshort lists the flags)", file=sys.stderr, flush=True)

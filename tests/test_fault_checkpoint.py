@@ -445,6 +445,10 @@ def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(integrity.CheckpointWriteError, match="is not writable.*choose another --workdir"):
         train_and_evaluate(tiny_config(data_dir), str(blocker / "run"))
+    # the workdir itself a file: "is not writable (File exists)" said what was not the problem
+    with pytest.raises(integrity.CheckpointWriteError,
+                       match=r"Workdir '.*a_file' is a file, not a directory: choose another --workdir"):
+        train_and_evaluate(tiny_config(data_dir), str(blocker))
 
 
 def test_an_unwritable_checkpoint_directory_fails_at_the_start(workdir, data_dir, monkeypatch):

@@ -917,6 +917,9 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
     treatment: status 2, one 'error: ...' line naming the problem."""
     tiny_py = "--config=" + os.path.join(REPO, "configs", "tiny.py")
     (tmp_path / "no_get.py").write_text("x = 1\n")
+    (tmp_path / "base.yml").write_text("run_name: test\nsteps: 10\n")
+    (tmp_path / "as_dict.py").write_text("def get_config():\n    return {'seed': 1}\n")
+    (tmp_path / "as_none.py").write_text("def get_config():\n    pass\n")
     (tmp_path / "broken.py").write_text("def get_config():\n    return undefined_name\n")
     (tmp_path / "env.py").write_text("import os\n\n\ndef get_config():\n"
                                      "    return os.environ['TJ_NO_SUCH']\n")
@@ -959,10 +962,25 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
             "(--helpshort lists the flags)",
         ("--wrkdir=x",): "error: Unknown command line flag 'wrkdir'. Did you mean: workdir ? "
             "(--helpshort lists the flags)",
+        # a MaxText-style YAML config (NameError: name 'test' is not defined), and a get_config()
+        # returning a dict (a traceback from the config checks) or nothing
+        ("--config=" + str(tmp_path / "base.yml"),):
+            f"error: --config={tmp_path / 'base.yml'} is not a Python file: a config here is a .py file "
+            "whose get_config() returns an ml_collections.ConfigDict (see configs/); YAML, gin and JSON "
+            "configs are not read",
+        ("--config=" + str(tmp_path / "as_dict.py"),):
+            f"error: get_config() in {tmp_path / 'as_dict.py'} returned dict, not an "
+            "ml_collections.ConfigDict (return ml_collections.ConfigDict({...}))",
     }
     for flags, expected in cases.items():
         code, lines = _train_py_error(tmp_path, *flags)
         assert (code, lines) == (2, [expected]), (flags, lines)
+    # ml_collections warns first, itself
+    code, lines = _train_py_error(tmp_path, "--config=" + str(tmp_path / "as_none.py"))
+    assert (code, lines[-1]) == (2, f"error: get_config() in {tmp_path / 'as_none.py'} returned "
+                                    "NoneType, not an ml_collections.ConfigDict (return "
+                                    "ml_collections.ConfigDict({...}))")
+    assert "did you forget a return statement?" in lines[-2]
 
 
 _FAKE_TRAINING = """
@@ -1071,6 +1089,22 @@ def test_a_run_stopped_by_a_signal_exits_with_its_status(tmp_path, signal_name, 
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == status, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "stopped: loss 0.25, step 2"
+
+
+def test_a_closed_stdout_ends_train_py_as_sigpipe_would(tmp_path):
+    """`train.py | head`: once head has left, the next line printed was a BrokenPipeError traceback
+    (exit status 1); now the run ends quietly with 141 (128 + SIGPIPE), as other programs do."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-c", _FAKE_TRAINING, os.path.join(REPO, "train.py"),
+                               "--config=" + os.path.join(REPO, "configs", "tiny.py"),
+                               f"--workdir={tmp_path}"], cwd=tmp_path, env=env, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=240)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def _run_two_processes(command, env, logs_dir, timeout=240, grace=20, attempts=3):

@@ -262,6 +262,9 @@ def check_writable(workdir: str) -> None:
     from transformer_jax.training.checkpoint import CHECKPOINT_DIRNAME
 
     os_error = None
+    what = not_a_directory(workdir)
+    if what:  # (makedirs said "File exists", read as the workdir not being writable)
+        raise CheckpointWriteError(errno.ENOTDIR, f"Workdir {workdir!r} {what}: choose another --workdir")
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:

@@ -437,7 +437,8 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
              f"with a cosine schedule, set --config.optimizer.decay_steps to the old value to keep its "
              f"curve)")
     _say(
-        f"config:\n{config}\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
+        f"config:\n{config}\nworkdir: {os.path.abspath(workdir)} (checkpoints/, metrics.jsonl, "
+        f"tensorboard/)\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
         f"({jax.devices()[0].device_kind}), processes: {jax.process_count()}\n"
         f"parameters: {count_params(state.params):,}\ntrain examples: {data.train_size:,}, "
         f"eval examples: {data.eval_size:,}, vocabulary: {data.tokenizer.vocab_size}"
@@ -536,7 +537,11 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
                     history, last_log = [], time.time()
                 # Keep-best ranks a checkpoint only by an evaluation of this very step; one saved
                 # between evaluations (at preemption) has no metrics and is kept while it is the latest.
-                checkpointer.save(state, data.train_iter, eval_metrics if evaluated else None, force=stop)
+                saved = checkpointer.save(state, data.train_iter, eval_metrics if evaluated else None,
+                                          force=stop)
+                if saved and not stop:  # (a stop says so once the save has committed)
+                    log.message(f"step {done}: saving a checkpoint to {checkpointer.directory} "
+                                "(in the background)")
             if stop:  # (its steps since the last line were logged with the checkpoint)
                 # The save runs in the background: "saved" only once it has committed (a scheduler's
                 # SIGKILL at the end of its grace period may follow the line at once).
