@@ -1,4 +1,5 @@
-"""Autoregressive sampling with a KV cache: one prefill call, then ``lax.scan`` over new tokens.
+"""Autoregressive sampling with a KV cache: one prefill call, then a ``lax.while_loop`` over new
+tokens that stops once every row has ended (``lax.scan`` of a fixed length without an ``eos_id``).
 
 The sampler knows nothing about the model. It drives a *step function*::
 
