@@ -232,7 +232,12 @@ def test_every_checkpoint_corrupt_is_an_error(workdir):
         restore_for_inference(workdir)
 
 
-def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir):
+def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir, monkeypatch):
+    """... before the datasets are built (it was refused once the data were prepared: minutes for
+    WMT)."""
+    from transformer_jax.training import loop
+
+    monkeypatch.setattr(loop, "build_datasets", lambda *a: pytest.fail("built the datasets first"))
     config = tiny_config(data_dir, num_train_steps=12)
     config.model.d_ff = 96
     config.model.num_heads = 2
@@ -246,13 +251,32 @@ def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir):
         assert json.load(f)["model"]["d_ff"] == 64
 
 
+def test_checkpoints_another_program_wrote_are_named_so_not_corrupt(data_dir, tmp_path, monkeypatch):
+    """A flax- or MaxText-style workdir (checkpoints/<step>/items): each step was "corrupt: orbax
+    could not restore it (KeyError ...)", once the tokenizer had been trained into that workdir."""
+    from transformer_jax.training import loop
+
+    workdir = str(tmp_path / "w")
+    os.makedirs(os.path.join(workdir, "checkpoints", "100", "items"))
+    write(os.path.join(workdir, "checkpoints", "100", "_CHECKPOINT_METADATA"), "{}")
+    monkeypatch.setattr(loop, "build_datasets", lambda *a: pytest.fail("built the datasets first"))
+    with pytest.raises(integrity.CheckpointConfigMismatchError,
+                       match=r"holds checkpoints this project did not write: step 100 has no params/ .*"
+                             r"\['_CHECKPOINT_METADATA', 'items'\]\). Choose another --workdir"):
+        train_and_evaluate(tiny_config(data_dir), workdir)
+    assert not os.path.exists(os.path.join(workdir, "tokenizer.model"))
+
+
 @pytest.mark.parametrize("field, value", [("activation", "gelu"), ("d_ff", 96)])
-def test_unsealed_checkpoint_of_another_model_is_refused_too(workdir, data_dir, field, value):
+def test_unsealed_checkpoint_of_another_model_is_refused_too(workdir, data_dir, field, value, monkeypatch):
     """Steps killed before their manifest record no model: the workdir's config.json (written by the
     run that saved them) does. Same shapes with another activation restored without a word and were
     then sealed as the new model; other shapes were declared corrupt and set aside."""
+    from transformer_jax.training import loop
+
     for step in (5, 10):
         os.remove(os.path.join(ckpt(workdir), str(step), integrity.MANIFEST_NAME))
+    monkeypatch.setattr(loop, "build_datasets", lambda *a: pytest.fail("built the datasets first"))
     config = tiny_config(data_dir, num_train_steps=12)
     assert config.model[field] != value
     config.model[field] = value

@@ -199,6 +199,29 @@ def check_unsealed_against_workdir(directory: str, step: int, model_config: Mode
              f"step {step} has no manifest; the model of the run that wrote it is recorded in {path}")
 
 
+def check_newest_step_model(directory: str, model_config: ModelConfig) -> None:
+    """The model check `verify` makes of the newest step, made before the datasets are built: a
+    resume with another model was refused only once the data were prepared (minutes for WMT). A
+    step whose manifest cannot be read is left to the restore, which falls back past it."""
+    if not os.path.isdir(directory):
+        return
+    steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit() and str(int(n)) == n
+                    and os.path.isdir(os.path.join(directory, n))), reverse=True)
+    if not steps:
+        return
+    manifest = read_manifest(directory, steps[0])
+    items = sorted(os.listdir(step_dir(directory, steps[0])))
+    if manifest is None and "params" not in items:  # (every step this project writes holds params/)
+        raise CheckpointConfigMismatchError(
+            f"{directory} holds checkpoints this project did not write: step {steps[0]} has no params/ "
+            f"and no {MANIFEST_NAME} (it holds {items[:6]}). Choose another --workdir (or convert "
+            f"those parameters and load them with tj.params).")
+    if manifest is None:
+        check_unsealed_against_workdir(directory, steps[0], model_config)
+    elif "unreadable" not in manifest:
+        check_model_config(directory, steps[0], manifest, model_config)
+
+
 def verify(directory: str, step: int, model_config: ModelConfig | None = None) -> Verdict:
     """Checks a step against its manifest; raises :class:`CheckpointConfigMismatchError` on another model."""
     path = step_dir(directory, step)

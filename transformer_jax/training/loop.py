@@ -341,6 +341,7 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     """`train_and_evaluate` once the config is checked and the workdir is this run's alone."""
     if parallel.is_primary():
         integrity.repair_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    integrity.check_newest_step_model(ckpt_lib.checkpoint_dir(workdir), model_cfg)  # before the data
 
     # --- data --------------------------------------------------------------------------------
     data = build_datasets(config.dataset, workdir)
