@@ -108,8 +108,11 @@ def test_a_training_workdir_holds_no_pickles(trained):
         (lambda w: os.remove(biggest_file(w, 10)), "is missing"),
         (lambda w: write(os.path.join(ckpt(w), "10", integrity.MANIFEST_NAME), "{"), "unreadable"),
         (lambda w: _copy_step(w, 5, 10), "records step 5, not 10"),
+        # a changed byte in the manifest, still valid JSON: it read as a checkpoint of another model
+        # (d_model=36), refused with no fallback and advice to set config.model to what it never was
+        (lambda w: _edit_manifest(w, 10, '"d_model": 32', '"d_model": 36'), "its own SHA-256 differs"),
     ],
-    ids=["truncated", "flipped_byte", "missing_file", "bad_manifest", "copied_step"],
+    ids=["truncated", "flipped_byte", "missing_file", "bad_manifest", "copied_step", "edited_manifest"],
 )
 def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, capsys):
     damage(workdir)
@@ -124,6 +127,14 @@ def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, c
         restore_for_inference(workdir, step=10)
     assert re.search(r"step 10 .*, the step asked for, is corrupt: .*Ask for another of its steps \(\[5\]\)",
                      str(refused.value)) and "fallback" not in str(refused.value), refused.value
+
+
+def _edit_manifest(workdir, step, old, new):
+    path = os.path.join(ckpt(workdir), str(step), integrity.MANIFEST_NAME)
+    with open(path) as f:
+        text = f.read()
+    assert old in text
+    write(path, text.replace(old, new))
 
 
 def _copy_step(workdir, source, target):
@@ -798,7 +809,7 @@ def test_packed_kernels_of_the_earlier_order_are_refused(tmp_path, layout):
     manifest = integrity.read_manifest(ckpt(workdir), 2)
     assert manifest["packed_order"] == PACKED_ORDER == 2
     assert integrity.verify(ckpt(workdir), 2, model).status == "ok"
-    del manifest["packed_order"]  # as the earlier versions wrote it
+    del manifest["packed_order"], manifest[integrity.SELF_HASH]  # as the earlier versions wrote it
     write(os.path.join(path, integrity.MANIFEST_NAME), json.dumps(manifest))
     if layout == "out_in":
         assert integrity.verify(ckpt(workdir), 2, model).status == "ok"

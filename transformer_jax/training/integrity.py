@@ -113,6 +113,7 @@ def write_manifest(directory: str, step: int, model_config: ModelConfig | None) 
         "packed_order": PACKED_ORDER,
         "files": files,
     }
+    manifest[SELF_HASH] = _manifest_hash(manifest)
     target = os.path.join(path, MANIFEST_NAME)
     tmp = target + ".tmp"
     with open(tmp, "w") as f:
@@ -121,6 +122,17 @@ def write_manifest(directory: str, step: int, model_config: ModelConfig | None) 
         os.fsync(f.fileno())
     os.replace(tmp, target)
     return target
+
+
+# The manifest's own SHA-256 (of its canonical JSON without this key): a changed byte in its model
+# config, still valid JSON, read as "written for another model", with advice that could not work and no
+# fallback to the older steps. Manifests written before it have none and are read as they are.
+SELF_HASH = "manifest_sha256"
+
+
+def _manifest_hash(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != SELF_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def read_manifest(directory: str, step: int) -> dict | None:
@@ -136,6 +148,8 @@ def read_manifest(directory: str, step: int) -> dict | None:
             if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
                     or not isinstance(entry.get("sha256"), str)):
                 raise ValueError(f"its entry for {rel} has no size and SHA-256")
+        if SELF_HASH in manifest and manifest[SELF_HASH] != _manifest_hash(manifest):
+            raise ValueError("it has changed since it was written: its own SHA-256 differs")
         return manifest
     except (OSError, ValueError) as e:
         return {"unreadable": f"{MANIFEST_NAME} is unreadable ({e})"}
