@@ -92,6 +92,21 @@ def test_get_or_train_reuses_and_retrains(tmp_path):
     assert len(calls) == 4
 
 
+def test_a_tokenizer_smaller_than_asked_is_named(tmp_path, caplog):
+    """A text with fewer pieces than dataset.vocab_size gave a smaller tokenizer in silence, the
+    model keeping embedding rows no token ever reaches (4,643 of 50,000 on the built-in corpus)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        tok = tk.get_or_train_tokenizer(tmp_path, "c1", lambda: ["ab ba"] * 20, 5000, "bpe", process_index=0)
+    assert tok.vocab_size < 5000
+    assert f"The tokenizer has {tok.vocab_size} pieces, fewer than dataset.vocab_size=5000" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        tk.get_or_train_tokenizer(tmp_path / "b", "c1", lambda: TEXTS, 350, "bpe", process_index=0)
+    assert "fewer than dataset.vocab_size" not in caplog.text
+
+
 @pytest.mark.parametrize("record", ["null", "[]", '"x"', "{not json"])
 def test_a_tokenizer_json_that_is_no_record_is_retrained_or_kept_with_checkpoints(tmp_path, record, caplog):
     """JSON that is not an object (`null`, a list) raised AttributeError from `.get` in both paths."""

@@ -420,6 +420,11 @@ def get_or_train_tokenizer(
     tok = Tokenizer.train(texts_fn(), settings)
     logging.info("Trained %s tokenizer for %s: %d pieces in %.1f s.", model_type, corpus_key,
                  tok.vocab_size, time.time() - start)
+    if tok.vocab_size < vocab_size:  # the text holds no more pieces (hard_vocab_limit=False)
+        logging.warning("The tokenizer has %d pieces, fewer than dataset.vocab_size=%d: the text holds "
+                        "no more to learn. Rows of the model's embedding table past %d are never used "
+                        "(set dataset.vocab_size and model.vocab_size to %d to leave them out).",
+                        tok.vocab_size, vocab_size, tok.vocab_size, tok.vocab_size)
     tok.save(os.path.join(workdir, MODEL_FILENAME))
     record = {"settings": metadata, "vocab_size": tok.vocab_size,
               "model_sha256": hashlib.sha256(tok.model_proto).hexdigest()}
