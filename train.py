@@ -111,8 +111,8 @@ def _parse_flags(argv):
     try:
         argv = flags.FLAGS(argv)
         config = flags.FLAGS.config
-        if config is not None and not isinstance(config, dict):
-            config.keys()  # a file that failed to load raises only when read
+        if not isinstance(config, ml_collections.ConfigDict) and type(config).__module__ != "builtins":
+            config.keys()  # a file that failed to load (ml_collections' stand-in) raises only when read
         if not isinstance(config, ml_collections.ConfigDict):  # (a FrozenConfigDict is one too)
             print(f"error: get_config() in {flags.FLAGS['config'].config_filename} returned "
                   f"{type(config).__name__}, not an ml_collections.ConfigDict (return "
@@ -120,14 +120,15 @@ def _parse_flags(argv):
             sys.exit(2)
         return argv
     except flags.Error as e:  # an unknown flag, or a value of the wrong type (--config.x=abc)
-        foreign = _not_a_python_config(argv)
+        foreign = _not_a_python_config(argv) if "Error whilst parsing config file" in str(e) else None
         problem = foreign or _flag_problem(e)
         hint = ("" if problem.startswith(("reading --config failed", "--config="))
                 else " (--helpshort lists the flags)")
         print(f"error: {problem}{hint}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception as e:  # noqa: BLE001 - anything from the user's config file: no traceback
-        print(f"error: {_not_a_python_config(argv) or _config_problem(e)}", file=sys.stderr, flush=True)
+        foreign = _not_a_python_config(argv) if isinstance(e, NameError | SyntaxError) else None
+        print(f"error: {foreign or _config_problem(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -147,12 +148,27 @@ def main(argv):
     try:
         _main(argv)
     except BrokenPipeError:
+        if not _stdout_reader_gone():  # another pipe or socket: an error like any other
+            raise
         # The reader of stdout is gone (`train.py | head`): end as a process that SIGPIPE ends,
         # without a traceback, after flushing nothing more into the closed pipe. A checkpoint write
         # in flight is cut off as by a kill, which leaves the earlier checkpoints as they were.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os._exit(128 + signal.SIGPIPE)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reading end has been closed (poll reports an error
+    condition on the writing end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _main(argv):

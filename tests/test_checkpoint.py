@@ -291,6 +291,7 @@ def test_a_sigterm_before_the_first_or_after_the_last_step_stops_cleanly(data_di
     saved = 1 if moment == "start" else steps
     assert final["step"] == saved and Checkpointer(workdir).latest_step() == saved
     assert not any(key.startswith("test_") for key in final), final
+    assert final["stopped_by"] == "SIGTERM"  # train.py: "stopped:" and status 143, the run unfinished
     if moment == "test_evaluation":
         assert f"Stopped by SIGTERM during the test evaluation after the last step, {steps}" in out
     else:

@@ -272,7 +272,7 @@ def test_checkpoints_another_program_wrote_are_named_so_not_corrupt(data_dir, tm
     write(os.path.join(workdir, "checkpoints", "100", "_CHECKPOINT_METADATA"), "{}")
     monkeypatch.setattr(loop, "build_datasets", lambda *a: pytest.fail("built the datasets first"))
     with pytest.raises(integrity.CheckpointConfigMismatchError,
-                       match=r"holds checkpoints this project did not write: step 100 has no params/ .*"
+                       match=r"holds checkpoints this project did not write: no step has params/ .*"
                              r"\['_CHECKPOINT_METADATA', 'items'\]\). Choose another --workdir"):
         train_and_evaluate(tiny_config(data_dir), workdir)
     assert not os.path.exists(os.path.join(workdir, "tokenizer.model"))
@@ -359,6 +359,22 @@ def test_switching_keep_best_on_at_a_resume_names_the_steps_it_deletes(workdir, 
     assert "were saved without it" not in capsys.readouterr().out  # every step is ranked
 
 
+def test_steps_without_the_metric_are_unranked_only_where_steps_are_deleted(tmp_path):
+    """With max_checkpoints_to_keep=None every step is kept: no warning that any will go. Only the
+    latest without the metric (a save at SIGTERM) is the documented case, no warning either."""
+    workdir = str(tmp_path)
+    for step in (1, 2):
+        _save_tiny(workdir, step)
+    assert Checkpointer(workdir, max_to_keep=2, keep_best_metric="eval_loss").unranked_steps() == [1, 2]
+    assert Checkpointer(workdir, max_to_keep=None, keep_best_metric="eval_loss").unranked_steps() == []
+    assert Checkpointer(workdir, max_to_keep=2).unranked_steps() == []
+    ranked = Checkpointer(str(tmp_path / "r"), async_save=False, max_to_keep=2, keep_best_metric="eval_loss")
+    ranked.save(_tiny_state(1), metrics={"eval_loss": 1.0})
+    ranked.save(_tiny_state(2))  # at SIGTERM, between evaluations
+    assert ranked.unranked_steps() == []
+    ranked.close()
+
+
 def test_an_unsealed_step_of_another_optimizer_is_a_config_error_not_corruption(workdir, data_dir):
     """The same with steps killed before their manifests: step 10, then step 5, were called corrupt,
     ending in "No usable checkpoint ... move the checkpoints away to train from scratch"."""
@@ -372,6 +388,11 @@ def test_an_unsealed_step_of_another_optimizer_is_a_config_error_not_corruption(
         train_and_evaluate(config, workdir)
     assert Checkpointer(workdir).all_steps() == [5, 10]
     assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
+    # A newest step that lost its params/ and manifest (damage) among the project's own steps is not
+    # "another program's": the restore falls back past it, to step 5.
+    shutil.rmtree(os.path.join(ckpt(workdir), "10", "params"))
+    config.optimizer.grad_clip_norm = 0.0
+    assert train_and_evaluate(config, workdir)["step"] == 12
 
 
 # A full disk as Python reports it, and as tensorstore does (orbax raises its error as a ValueError;

@@ -804,6 +804,11 @@ def test_a_mesh_shards_the_parameters_and_splits_the_batch_with_the_same_text(tm
         batch, placement, sharded, devices = seen[-1]
         assert placement.mesh.shape == {"data": 2, "fsdp": 2, "tensor": 2} and batch == 4
         assert sharded > 10 and devices == {8}, (sharded, devices)
+    from transformer_jax import parallel
+
+    four = parallel.create_mesh(data=4, tensor=2)  # a batch of 6 rounds down to 4, of 3 up to 4
+    assert cli._batch_size(cli.DecodeOptions(batch_size=6), 10, four) == 4
+    assert cli._batch_size(cli.DecodeOptions(), 3, four) == cli._batch_size(cli.DecodeOptions(), 1, four) == 4
     # 3 inputs over 8 batch pieces: a batch of 8; with --dtype the converted parameters are placed
     assert run_cli(*lm, "--mesh=fsdp=8", "--dtype=float32", "--kernel_layout=out_in") == run_cli(*lm)
     assert seen[-2][0] == 8 and seen[-2][1].mesh.shape["fsdp"] == 8 and seen[-2][2] > 10

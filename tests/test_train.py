@@ -5,6 +5,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -920,6 +921,8 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
     (tmp_path / "base.yml").write_text("run_name: test\nsteps: 10\n")
     (tmp_path / "as_dict.py").write_text("def get_config():\n    return {'seed': 1}\n")
     (tmp_path / "as_none.py").write_text("def get_config():\n    pass\n")
+    (tmp_path / "as_list.py").write_text("def get_config():\n    return [1, 2]\n")
+    shutil.copy(os.path.join(REPO, "configs", "tiny.py"), tmp_path / "tinycfg")
     (tmp_path / "broken.py").write_text("def get_config():\n    return undefined_name\n")
     (tmp_path / "env.py").write_text("import os\n\n\ndef get_config():\n"
                                      "    return os.environ['TJ_NO_SUCH']\n")
@@ -971,6 +974,13 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
         ("--config=" + str(tmp_path / "as_dict.py"),):
             f"error: get_config() in {tmp_path / 'as_dict.py'} returned dict, not an "
             "ml_collections.ConfigDict (return ml_collections.ConfigDict({...}))",
+        ("--config=" + str(tmp_path / "as_list.py"),):
+            f"error: get_config() in {tmp_path / 'as_list.py'} returned list, not an "
+            "ml_collections.ConfigDict (return ml_collections.ConfigDict({...}))",
+        # a Python config without .py loads; its other mistakes are named as they are
+        ("--config=" + str(tmp_path / "tinycfg"), "--config.num_train_steps=abc"):
+            "error: flag --config.num_train_steps=abc: invalid literal for int() with base 10: 'abc' "
+            "(--helpshort lists the flags)",
     }
     for flags, expected in cases.items():
         code, lines = _train_py_error(tmp_path, *flags)
@@ -1105,6 +1115,13 @@ def test_a_closed_stdout_ends_train_py_as_sigpipe_would(tmp_path):
     finally:
         os.close(write)
     assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # a broken pipe of another kind (a socket, a worker's pipe) is an error as any other
+    other = _FAKE_TRAINING.replace('    return {"step": config.num_train_steps, "loss": 0.25}\n',
+                                   '    raise BrokenPipeError(32, "Broken pipe (a socket)")\n')
+    proc = subprocess.run([sys.executable, "-c", other, os.path.join(REPO, "train.py"),
+                           "--config=" + os.path.join(REPO, "configs", "tiny.py"), f"--workdir={tmp_path}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1 and "BrokenPipeError: [Errno 32] Broken pipe (a socket)" in proc.stderr
 
 
 def _run_two_processes(command, env, logs_dir, timeout=240, grace=20, attempts=3):

@@ -224,14 +224,15 @@ def on_mesh(gen: Generator, mesh) -> Generator:
 
 def _batch_size(opts: DecodeOptions, num_inputs: int, mesh=None) -> int:
     """Inputs decoded together: ``opts.batch_size``, or fewer inputs rounded up to a power of two
-    (fewer distinct shapes to compile); on a ``mesh``, rounded up to a multiple of the pieces its
-    data axes cut the batch into (filler rows repeat the first input)."""
+    (fewer distinct shapes to compile); on a ``mesh``, a multiple of the pieces its data axes cut
+    the batch into: rounded down (``batch_size`` may be what fits in memory), or up to one row per
+    piece (filler rows repeat the first input)."""
     batch = min(opts.batch_size, 1 << (max(num_inputs, 1) - 1).bit_length())
     if mesh is not None:
         from transformer_jax import parallel
 
         pieces = parallel.batch_shard_count(mesh)
-        batch = -(-batch // pieces) * pieces
+        batch = max(batch - batch % pieces, pieces)
     return batch
 
 

@@ -423,7 +423,8 @@ def get_or_train_tokenizer(
     if tok.vocab_size < vocab_size:  # the text holds no more pieces (hard_vocab_limit=False)
         logging.warning("The tokenizer has %d pieces, fewer than dataset.vocab_size=%d: the text holds "
                         "no more to learn. Rows of the model's embedding table past %d are never used "
-                        "(set dataset.vocab_size and model.vocab_size to %d to leave them out).",
+                        "(to leave them out, set dataset.vocab_size and model.vocab_size to %d before "
+                        "the workdir holds checkpoints).",
                         tok.vocab_size, vocab_size, tok.vocab_size, tok.vocab_size)
     tok.save(os.path.join(workdir, MODEL_FILENAME))
     record = {"settings": metadata, "vocab_size": tok.vocab_size,

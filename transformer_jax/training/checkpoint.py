@@ -273,7 +273,7 @@ class Checkpointer:
         # ('min' without a metric: orbax's options take no 'auto', and nothing is ranked)
         keep_best_mode = (resolve_keep_best_mode(keep_best_metric, keep_best_mode) if keep_best_metric
                           else "min")
-        self.keep_best_metric = keep_best_metric
+        self.keep_best_metric, self.max_to_keep = keep_best_metric, max_to_keep
         best_fn = (lambda m: float(m[keep_best_metric])) if keep_best_metric else None
         policy = None
         if best_fn is not None:
@@ -325,7 +325,7 @@ class Checkpointer:
         the steps outnumber ``max_to_keep`` (a step without it is kept only while it is the latest);
         a run resumed with keep_best_metric switched on lost all its earlier checkpoints so, without
         a word. [] otherwise, and where only the latest lacks it (a save at SIGTERM, documented)."""
-        if not self.keep_best_metric:
+        if not self.keep_best_metric or self.max_to_keep is None:  # None: every step is kept
             return []
         steps = self.all_steps()
         unranked = [s for s in steps if self.keep_best_metric not in (self.manager.metrics(s) or {})]
@@ -450,7 +450,8 @@ class Checkpointer:
         except FileNotFoundError:
             raise
         except OSError as e:
-            sealed = [s for s in self._sealed_steps() if s != step]
+            manifests = {s: integrity.read_manifest(self.directory, s) for s in self.all_steps() if s != step}
+            sealed = [s for s, m in manifests.items() if m is not None and "unreadable" not in m]  # on disk
             path = os.path.join(integrity.step_dir(self.directory, step), integrity.MANIFEST_NAME)
             raise integrity.file_write_error(
                 e, path, f"Checkpoint step {step} is committed but unsealed (a resume restores it "

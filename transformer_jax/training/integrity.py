@@ -223,13 +223,14 @@ def check_newest_step_model(directory: str, model_config: ModelConfig) -> None:
                     and os.path.isdir(os.path.join(directory, n))), reverse=True)
     if not steps:
         return
-    manifest = read_manifest(directory, steps[0])
-    items = sorted(os.listdir(step_dir(directory, steps[0])))
-    if manifest is None and "params" not in items:  # (every step this project writes holds params/)
+    ours = [s for s in steps if {"params", MANIFEST_NAME} & set(os.listdir(step_dir(directory, s)))]
+    if not ours:  # every step this project writes holds params/ (a damaged one may have lost it)
+        items = sorted(os.listdir(step_dir(directory, steps[0])))
         raise CheckpointConfigMismatchError(
-            f"{directory} holds checkpoints this project did not write: step {steps[0]} has no params/ "
-            f"and no {MANIFEST_NAME} (it holds {items[:6]}). Choose another --workdir (or convert "
+            f"{directory} holds checkpoints this project did not write: no step has params/ or "
+            f"{MANIFEST_NAME} (step {steps[0]} holds {items[:6]}). Choose another --workdir (or convert "
             f"those parameters and load them with tj.params).")
+    manifest = read_manifest(directory, steps[0])
     if manifest is None:
         check_unsealed_against_workdir(directory, steps[0], model_config)
     elif "unreadable" not in manifest:
@@ -580,15 +581,18 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
                     ) from e
                 if verdict.status == "unsealed" and "tree structures do not match" in str(e):
                     # Files no manifest vouches for, but a damaged file does not change the tree
-                    # its metadata names: another optimizer, as for a sealed step, not damage (the
-                    # advice was to move the checkpoints away and train from scratch).
+                    # its metadata names: another optimizer or model, as for a sealed step, not
+                    # damage (the advice was to move the checkpoints away and train from scratch).
+                    # (Another model is named by the workdir's config.json where it has one.)
+                    which = ("the model (config.model)" if getattr(checkpointer, "read_only", False)
+                             else "the optimizer (config.optimizer: name, weight_decay, grad_clip_norm, "
+                                  "...) or the model (config.model)")
                     raise CheckpointConfigMismatchError(
                         f"Checkpoint step {step} in {directory} has no {MANIFEST_NAME} (its files went "
                         f"unchecked), and its arrays are another tree than what this run builds "
-                        f"({first_line(e)}). When training, that means another optimizer state (it "
-                        f"follows config.optimizer: name, weight_decay, grad_clip_norm, ...): set those "
-                        f"back to the values in the workdir's config.json, or train in a fresh --workdir. "
-                        f"The step itself was left as it is."
+                        f"({first_line(e)}): it was written for another setting of {which}. Set those "
+                        f"back to the values of the run that wrote it (its config.json), or train in a "
+                        f"fresh --workdir. The step itself was left as it is."
                     ) from e
                 verdict = Verdict(step, "corrupt", [f"orbax could not restore it ({first_line(e)})"])
             else:

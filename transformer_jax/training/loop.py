@@ -574,6 +574,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
             final.update(_translation_eval(config, workdir, model, params, data, mesh, test_split, log,
                                            step, stop=requested))
         except evaluate.Stopped:
+            final["stopped_by"] = preemption.signal_name or "SIGTERM"  # unfinished: train.py says so
             log.message(f"Stopped by {preemption.signal_name} during the {test_split} evaluation after the "
                         f"last step, {step}, whose checkpoint is saved: run the same command again to "
                         f"evaluate.")
