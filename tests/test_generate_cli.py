@@ -428,8 +428,8 @@ def test_outputs_are_utf8_whatever_the_locale_and_standard_input_is_a_file(monke
     decoding had run; and --input_file=- was a file named '-'."""
     directory = gpt2_checkpoint("gpt2_a")
     seen = []
-    monkeypatch.setattr(cli, "generate_texts", lambda gen, texts, opts, progress: seen.append(texts)
-                        or [f"café {t}\x1b" for t in texts])
+    monkeypatch.setattr(cli, "generate_texts", lambda gen, texts, opts, progress, mesh=None: (
+        seen.append(texts) or [f"café {t}\x1b" for t in texts]))
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"first\r\nsecond\n"), encoding="ascii"))
     stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
     monkeypatch.setattr(sys, "stdout", stdout)
