@@ -32,24 +32,24 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # training) for the end, where one worker runs them while the other idles. The longest files go
 # first instead (seconds of test time on the 2-core CI machine in parentheses); the rest follow in
 # collection order. Each file's own test order is kept.
-LONGEST_FILES_FIRST = (  # measured 2026-12-04 on an AMD EPYC Zen 3 host (AVX2)
-    "test_train.py",  # 205
-    "test_native_sanitizers.py",  # 110 (164 on an AVX-512 Intel Xeon, which builds three)
-    "test_native_kernels.py",  # 144
-    "test_checkpoint.py",  # 144
-    "test_notebooks.py",  # 124
-    "test_transformer.py",  # 81
-    "test_fault_checkpoint.py",  # 76
-    "test_fault_chaos.py",  # 73 (3 kills)
-    "test_fault_multihost.py",  # 69
-    "test_generate_cli.py",  # 67
-    "test_benchmarks.py",  # 50
-    "test_decoding.py",  # 45
-    "test_chunked_attention.py",  # 41
-    "test_kernel_layout.py",  # 39
-    "test_convert.py",  # 37
-    "test_decoding_model.py",  # 36
-    "test_vocab_padding.py",  # 35
+LONGEST_FILES_FIRST = (  # measured 2026-12-07 on an Intel Xeon host with AMX (AVX-512)
+    "test_native_kernels.py",  # 211
+    "test_train.py",  # 169
+    "test_checkpoint.py",  # 145
+    "test_native_sanitizers.py",  # 136 (110 on an AVX2-only host, which builds two)
+    "test_benchmarks.py",  # 109
+    "test_kernel_layout.py",  # 88
+    "test_fault_checkpoint.py",  # 81
+    "test_generate_cli.py",  # 77
+    "test_notebooks.py",  # 69
+    "test_transformer.py",  # 68
+    "test_fault_chaos.py",  # 55 (3 kills)
+    "test_chunked_attention.py",  # 54
+    "test_matmul.py",  # 53
+    "test_fault_multihost.py",  # 48
+    "test_decoding_model.py",  # 41
+    "test_decoding.py",  # 38
+    "test_convert.py",  # 36
 )
 
 

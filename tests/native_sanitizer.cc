@@ -1131,9 +1131,15 @@ int main(int argc, char** argv) {
   bool exact = false;
   const char* sweep = getenv("SANITIZER_SWEEP");
   const bool threads_only = sweep != nullptr && std::string(sweep) == "threads";
+  // SANITIZER_STRIDE=k: every k-th case of the sweep (after the thread filter), for the secondary
+  // runs, which check code the full run covers with other instructions or for races alone.
+  const char* stride_env = getenv("SANITIZER_STRIDE");
+  const long stride = stride_env != nullptr && atol(stride_env) > 1 ? atol(stride_env) : 1;
+  long selected = 0;
   for (const Case& c : cs) {
     if (!kernel.empty() && c.kernel != kernel) continue;
     if (threads_only && !MayRunOnSeveralThreads(c)) continue;
+    if (kernel.empty() && selected++ % stride != 0) continue;
     bool ok = true;
     for (auto& [k, v] : want) {
       auto it = c.p.find(k);
