@@ -922,6 +922,8 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
     (tmp_path / "as_dict.py").write_text("def get_config():\n    return {'seed': 1}\n")
     (tmp_path / "as_none.py").write_text("def get_config():\n    pass\n")
     (tmp_path / "as_list.py").write_text("def get_config():\n    return [1, 2]\n")
+    returned = lambda name, kind: (f"error: get_config() in {tmp_path / name} returned {kind}, not an "  # noqa: E731
+                                   "ml_collections.ConfigDict (return ml_collections.ConfigDict({...}))")
     shutil.copy(os.path.join(REPO, "configs", "tiny.py"), tmp_path / "tinycfg")
     (tmp_path / "broken.py").write_text("def get_config():\n    return undefined_name\n")
     (tmp_path / "env.py").write_text("import os\n\n\ndef get_config():\n"
@@ -971,12 +973,8 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
             f"error: --config={tmp_path / 'base.yml'} is not a Python file: a config here is a .py file "
             "whose get_config() returns an ml_collections.ConfigDict (see configs/); YAML, gin and JSON "
             "configs are not read",
-        ("--config=" + str(tmp_path / "as_dict.py"),):
-            f"error: get_config() in {tmp_path / 'as_dict.py'} returned dict, not an "
-            "ml_collections.ConfigDict (return ml_collections.ConfigDict({...}))",
-        ("--config=" + str(tmp_path / "as_list.py"),):
-            f"error: get_config() in {tmp_path / 'as_list.py'} returned list, not an "
-            "ml_collections.ConfigDict (return ml_collections.ConfigDict({...}))",
+        ("--config=" + str(tmp_path / "as_dict.py"),): returned("as_dict.py", "dict"),
+        ("--config=" + str(tmp_path / "as_list.py"),): returned("as_list.py", "list"),
         # a Python config without .py loads; its other mistakes are named as they are
         ("--config=" + str(tmp_path / "tinycfg"), "--config.num_train_steps=abc"):
             "error: flag --config.num_train_steps=abc: invalid literal for int() with base 10: 'abc' "
@@ -987,9 +985,7 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
         assert (code, lines) == (2, [expected]), (flags, lines)
     # ml_collections warns first, itself
     code, lines = _train_py_error(tmp_path, "--config=" + str(tmp_path / "as_none.py"))
-    assert (code, lines[-1]) == (2, f"error: get_config() in {tmp_path / 'as_none.py'} returned "
-                                    "NoneType, not an ml_collections.ConfigDict (return "
-                                    "ml_collections.ConfigDict({...}))")
+    assert (code, lines[-1]) == (2, returned("as_none.py", "NoneType"))
     assert "did you forget a return statement?" in lines[-2]
 
 
