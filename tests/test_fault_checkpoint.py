@@ -717,7 +717,7 @@ def test_a_full_disk_while_sealing_a_step_or_recording_the_config_is_one_error(t
             raise OSError(errno.ENOSPC, "No space left on device")
         return f
 
-    monkeypatch.setattr(checkpoint_module, "open", full_open, raising=False)
+    monkeypatch.setattr(integrity, "open", full_open, raising=False)  # (the atomic writes of both)
     config.seed = 7
     with pytest.raises(integrity.CheckpointWriteError,
                        match=r"Could not write .*config.json: the disk is full .*checkpoints are unchanged"):

@@ -187,9 +187,8 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, CONFIG_FILENAME)
     try:
-        with open(path + ".tmp", "w") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-        os.replace(path + ".tmp", path)
+        text = config.to_json_best_effort(indent=2, sort_keys=True)
+        integrity.write_atomically(path, lambda f: f.write(text))
     except OSError as e:  # a full disk: one line, not a traceback, and no .tmp file left
         raise integrity.file_write_error(
             e, path, "The run's config is recorded there (resuming checks against it); the "

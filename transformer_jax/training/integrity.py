@@ -115,13 +115,25 @@ def write_manifest(directory: str, step: int, model_config: ModelConfig | None) 
     }
     manifest[SELF_HASH] = _manifest_hash(manifest)
     target = os.path.join(path, MANIFEST_NAME)
-    tmp = target + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    write_atomically(target, lambda f: json.dump(manifest, f, indent=1, sort_keys=True), sync=True)
     return target
+
+
+def write_atomically(path: str, write, sync: bool = False) -> None:
+    """``write(f)`` into ``path + '.tmp'``, then renamed over ``path``. A failed write (a full disk)
+    removes the .tmp file before its error goes on, so it takes no space and no reader sees it."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            write(f)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 # The manifest's own SHA-256 (of its canonical JSON without this key): a changed byte in its model
@@ -418,9 +430,7 @@ _WRITE_REASONS = {
 
 def file_write_error(error: OSError, path: str, what: str) -> CheckpointWriteError:
     """A :class:`CheckpointWriteError` for a small file of the workdir (``config.json``, a step's
-    manifest) that could not be written; its temporary file ``path + '.tmp'`` is removed first."""
-    with contextlib.suppress(OSError):
-        os.remove(path + ".tmp")
+    manifest) that could not be written (`write_atomically` has removed its temporary file)."""
     reason = _WRITE_REASONS.get(error.errno, str(error))
     return CheckpointWriteError(
         error.errno or errno.EIO,
@@ -662,8 +672,6 @@ def _after_restore(checkpointer, step: int, verdict: Verdict, bad: list[Verdict]
             try:
                 write_manifest(checkpointer.directory, step, checkpointer.model_config)
             except OSError as e:  # a full disk: the step restored all the same; sealed at a later resume
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(step_dir(checkpointer.directory, step), MANIFEST_NAME + ".tmp"))
                 logging.warning("could not seal checkpoint step %d now (%s); it stays unsealed", step, e)
     if read_only:
         return
