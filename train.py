@@ -14,9 +14,32 @@ import signal
 import sys
 import traceback
 
-import ml_collections
-from absl import app, flags
-from ml_collections import config_flags
+
+def _restart_with_huge_page_malloc() -> None:
+    """transformer_jax.host_memory.restart_with_huge_page_malloc() (large buffers on huge pages:
+    ~12% off a GPT-2-small training step on a CPU), first thing: the --config file imports jax,
+    which a restart after reading it would import a second time (~2 s of every start). The module
+    is loaded from its file, without the package's __init__ (which imports jax too)."""
+    import importlib.util
+
+    package = importlib.util.find_spec("transformer_jax")
+    if package is None or not package.submodule_search_locations:
+        return  # not installed: the config's import names the problem
+    path = os.path.join(list(package.submodule_search_locations)[0], "host_memory.py")
+    spec = importlib.util.spec_from_file_location("_transformer_jax_host_memory", path)
+    if spec is None or not os.path.isfile(path):
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.restart_with_huge_page_malloc()  # returns where it does not restart
+
+
+if __name__ == "__main__":
+    _restart_with_huge_page_malloc()
+
+import ml_collections  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
@@ -176,10 +199,6 @@ def _main(argv):
         print(f"error: unexpected arguments {argv[1:]} (a config file is given as --config=FILE; "
               "--helpshort lists the flags)", file=sys.stderr, flush=True)
         sys.exit(2)
-    from transformer_jax import host_memory
-
-    # Large buffers on huge pages: ~12% off a GPT-2-small training step on a CPU (see its doc).
-    host_memory.restart_with_huge_page_malloc()
     import jax
     from absl import logging
 

@@ -98,3 +98,22 @@ def test_a_process_with_huge_pages_turned_off_is_told_so():
     plain = huge_pages._collapse_refused_because().startswith("it needs")  # no other reason here
     if huge_pages.huge_page_size() is not None and plain:
         assert placement == f"madvise(MADV_COLLAPSE) refused everywhere (EINVAL): {off}"
+
+
+@pytest.mark.skipif(host_memory.huge_page_malloc_problem() is not None,
+                    reason=f"no huge pages for malloc here: {host_memory.huge_page_malloc_problem()}")
+def test_train_py_restarts_before_it_imports_jax():
+    """train.py restarts itself before reading its --config (whose file imports jax): restarting
+    after it imported jax, transformer_jax and the config a second time, ~2 s of each start."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if k != host_memory.ENV}
+    # -X importtime lists each module a process imports, on stderr; --process_id=1 alone is refused
+    # after the imports, before any work
+    proc = subprocess.run([sys.executable, "-X", "importtime", os.path.join(repo, "train.py"),
+                           "--config=" + os.path.join(repo, "configs", "tiny.py"), "--process_id=1"],
+                          env={**base, "PYTHONPATH": repo}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    imports = [line.split("|")[-1].strip() for line in proc.stderr.splitlines()
+               if line.startswith("import time:")]
+    assert (imports.count("jax"), imports.count("transformer_jax")) == (1, 1)
+    assert "error: several processes need --coordinator_address" in proc.stderr
