@@ -990,7 +990,13 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
 
 
 _FAKE_TRAINING = """
-import json, os, runpy, sys
+import importlib.util, json, os, runpy, sys
+# train.py restarts itself before importing jax; so does this wrapper, which imports it first
+spec = importlib.util.spec_from_file_location(
+    "host_memory", os.path.join(os.path.dirname(sys.argv[1]), "transformer_jax", "host_memory.py"))
+host_memory = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(host_memory)
+host_memory.restart_with_huge_page_malloc()
 import transformer_jax.training as training
 
 def train_and_evaluate(config, workdir):
