@@ -509,6 +509,38 @@ def test_min_new_tokens_that_is_not_a_count_is_a_value_error_naming_it(value):
         SamplingConfig(temperature=1.0, min_new_tokens=value)
 
 
+def test_a_sampling_config_stands_for_its_keywords():
+    """`generate(..., sampling=tj.SamplingConfig(...))` samples as the four keywords do; the config
+    and a keyword together are a ValueError naming the keyword (tj.SamplingConfig was exported, but
+    generate took keywords only)."""
+    import dataclasses
+
+    import transformer_jax as tj
+
+    table = history_params(3, rows=V, scale=1.0)
+    prompts = np.arange(32, dtype=np.int32)[:, None] % V
+    settings = dict(temperature=0.7, top_k=5, top_p=0.8, min_new_tokens=3)
+    run = lambda **kw: generate(bigram_step, table, bigram_cache(32), prompts, jnp.ones(32, jnp.int32),
+                                max_new_tokens=6, rng=jax.random.key(4), eos_id=EOS, pad_id=PAD, **kw)
+    want, got = run(**settings), run(sampling=tj.SamplingConfig(**settings))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(want.tokens, run(sampling=tj.SamplingConfig(temperature=0.7)).tokens)
+    greedy = run(sampling=tj.SamplingConfig())
+    np.testing.assert_array_equal(greedy.tokens, run().tokens)
+    config = tj.SamplingConfig(temperature=0.7)
+    for keyword in (dict(temperature=0.9), dict(top_k=3), dict(top_p=0.5), dict(min_new_tokens=1),
+                    dict(temperature=jnp.float32(0.7))):
+        with pytest.raises(ValueError, match=rf"SamplingConfig\(\.\.\.\) and {next(iter(keyword))}= given"):
+            run(sampling=config, **keyword)
+    np.testing.assert_array_equal(run(sampling=config, top_k=0).tokens,  # a default is no setting
+                                  run(sampling=config).tokens)
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig, got dict"):
+        run(sampling=settings)
+    traced = jax.jit(lambda t: run(sampling=dataclasses.replace(config, temperature=t)).tokens)
+    np.testing.assert_array_equal(traced(jnp.float32(0.7)), run(sampling=config).tokens)
+
+
 def test_top_p_alone_and_same_key_same_tokens():
     table = history_params(4, rows=V)
     previous, a = _sample_bigram(table, seed=5, temperature=1.0, top_p=0.9)

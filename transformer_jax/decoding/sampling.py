@@ -100,6 +100,30 @@ def _traced(value) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
+def _sampling_settings(sampling: SamplingConfig | None, **keywords) -> SamplingConfig:
+    """``sampling``, or a `SamplingConfig` of the keywords; both at once is a ValueError naming the
+    keywords given (a keyword at its default counts as not given)."""
+    if sampling is None:
+        return SamplingConfig(**keywords)
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    defaults = SamplingConfig()
+    given = [name for name, value in keywords.items()
+             if _traced(value) or not _same(value, getattr(defaults, name))]
+    if given:
+        raise ValueError(f"sampling=SamplingConfig(...) and {', '.join(given)}= given together: pass the "
+                         f"sampling settings one way, e.g. sampling=dataclasses.replace(sampling, "
+                         f"{given[0]}=...)")
+    return sampling
+
+
+def _same(value, default) -> bool:
+    try:
+        return bool(value == default)
+    except Exception:  # an array of several values
+        return False
+
+
 # --------------------------------------------------------------------------- prompt bucketing
 
 
@@ -717,6 +741,7 @@ def generate(
     eos_id: int | None | str = FROM_MODEL,
     pad_id: int | str = FROM_MODEL,
     donate_cache: bool = False,
+    sampling: SamplingConfig | None = None,
 ) -> GenerateOutput:
     """Samples up to ``max_new_tokens`` tokens after each prompt.
 
@@ -753,11 +778,17 @@ def generate(
         decoding holds one cache instead of ``cache`` and a copy of it. ``cache`` cannot be used
         afterwards (its arrays are deleted), so make a fresh one for each call. Off by default,
         which leaves ``cache`` as it was, ready for another call.
+      sampling: the four settings above as one `SamplingConfig`, in place of their keywords (one
+        object to keep in your own config and pass to each call); giving it with any of them
+        is a ValueError.
 
     Returns:
       GenerateOutput(tokens [B, T], lengths [B], logprobs [B, T]).
     """
-    sampling = SamplingConfig(temperature, top_k, top_p, min_new_tokens)
+    sampling = _sampling_settings(sampling, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_new_tokens=min_new_tokens)
+    temperature, top_k, top_p, min_new_tokens = (sampling.temperature, sampling.top_k, sampling.top_p,
+                                                 sampling.min_new_tokens)
     eos_id, pad_id = resolve_special_ids(step_fn, eos_id, pad_id)
     _check_max_new_tokens(max_new_tokens)
     prompt_tokens = jnp.asarray(prompt_tokens)
