@@ -5,6 +5,7 @@ caught with a message saying what is wrong and how to proceed; nothing is loaded
 import errno
 import gc
 import json
+import logging
 import os
 import re
 import shutil
@@ -114,13 +115,18 @@ def test_a_training_workdir_holds_no_pickles(trained):
     ],
     ids=["truncated", "flipped_byte", "missing_file", "bad_manifest", "copied_step", "edited_manifest"],
 )
-def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, capsys):
+def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, capsys, caplog):
     damage(workdir)
     verdict = integrity.verify(ckpt(workdir), 10)
     assert verdict.status == "corrupt" and message in verdict.describe(), verdict
-    bundle = restore_for_inference(workdir)  # newest *good* step, with a warning
+    with caplog.at_level(logging.INFO):
+        bundle = restore_for_inference(workdir)  # newest *good* step, with a warning
     assert bundle.step == 5
-    assert "checkpoint step 10 is corrupt" in capsys.readouterr().err  # stdout carries outputs
+    # One line on stderr (stdout carries outputs); the log record, which the command lines printed
+    # as a second warning of the same thing, is at INFO, for logs kept at that level.
+    assert capsys.readouterr().err.count("step 10 is corrupt") == 1
+    records = [r for r in caplog.records if "step 10" in r.getMessage() and "corrupt" in r.getMessage()]
+    assert [r.levelno for r in records] == [logging.INFO], records
     # Asked for by number: refused, never loaded; the message named config.checkpoint_fallback=False,
     # a setting never made, and said to rerun, which asked for the same step again.
     with pytest.raises(integrity.CheckpointCorruptError) as refused:

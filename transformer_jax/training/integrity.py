@@ -629,7 +629,7 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
                 f"Checkpoint step {step} in {directory} is corrupt: {verdict.describe()}. Refusing to load "
                 f"it (config.checkpoint_fallback=False). {hint}"
             )
-        logging.warning(
+        logging.info(  # for logs kept at INFO; the line below is what a user sees
             "Checkpoint step %d in %s is corrupt: %s. %s",
             step,
             directory,
