@@ -764,7 +764,7 @@ def test_a_failed_save_removes_only_its_own_partial_write(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1", "10", "10.orbax-checkpoint-tmp-2", "11"]
 
 
-def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path, capsys):
+def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path, capsys, caplog):
     """A step committed by orbax but killed before its manifest is sealed once a run restores it
     (with this run's model config, checked against the workdir's first); a read-only reader
     (inference, averaging) leaves it as it is. Both say that its files went unchecked: a changed
@@ -779,11 +779,15 @@ def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path, 
     path = _save_tiny(workdir, 3, model_config=model)
     os.remove(os.path.join(path, integrity.MANIFEST_NAME))
     reader = Checkpointer(workdir, read_only=True, model_config=model)
-    reader.restore(_tiny_state(0))
+    with caplog.at_level(logging.INFO):
+        reader.restore(_tiny_state(0))
     assert reader.restored_step == 3 and integrity.verify(ckpt(workdir), 3).status == "unsealed"
     unchecked = "WARNING: checkpoint step 3 has no integrity.json (the run that wrote it stopped before "
-    assert f"{unchecked}sealing it, or the file was lost): restored without checking its files.\n" in (
-        capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert f"{unchecked}sealing it, or the file was lost): restored without checking its files.\n" in err
+    # said once: the log record (at INFO) was a second warning of it on the command lines
+    assert err.count("has no integrity.json") == 1
+    assert [r.levelno for r in caplog.records if "has no integrity.json" in r.getMessage()] == [logging.INFO]
     ck = Checkpointer(workdir, model_config=model)
     state = ck.restore(_tiny_state(0))
     ck.close()

@@ -666,7 +666,7 @@ def _after_restore(checkpointer, step: int, verdict: Verdict, bad: list[Verdict]
         message = (f"checkpoint step {step} has no {MANIFEST_NAME} (the run that wrote it stopped "
                    f"before sealing it, or the file was lost): restored without checking its files"
                    + ("; sealed now as restored." if seals else "."))
-        logging.warning("%s", message)
+        logging.info("%s", message)  # for logs kept at INFO; the line below is what a user sees
         print(f"WARNING: {message}", file=sys.stderr, flush=True)  # stdout carries outputs
         if seals:
             try:
