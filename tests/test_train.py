@@ -1308,6 +1308,46 @@ def test_dataset_settings_the_dataset_does_not_read_are_named():
         "WARNING: config.dataset.builder_config"]
 
 
+def test_training_settings_nothing_reads_are_named():
+    """Settings nothing in the run reads (decay settings of a schedule that does not decay, a
+    keep-best mode without its metric, the after-training evaluation's settings without it, a
+    profiler window after the last step) were accepted without a word; a negative peak_tflops, a
+    config mistake, gave a negative MFU."""
+    from transformer_jax.training.config_checks import check_config, unread_training_settings
+
+    config = tiny.get_config()  # enfr_builtin (translation), test_split 'test'
+    assert unread_training_settings(config) == []
+    config.optimizer.schedule, config.optimizer.decay_steps = "constant", 400
+    config.optimizer.end_learning_rate_ratio = 0.1
+    config.keep_best_mode = "min"
+    config.profile_start_step = config.num_train_steps
+    config.beam_size = 4
+    config.test_split = ""
+    tail = "; the run goes on without it"
+    assert unread_training_settings(config) == [
+        "WARNING: config.optimizer.decay_steps=400 is not read: only the 'cosine' schedule decays "
+        "(optimizer.schedule is 'constant')" + tail,
+        "WARNING: config.optimizer.end_learning_rate_ratio=0.1 is not read: only the 'cosine' schedule "
+        "decays (optimizer.schedule is 'constant')" + tail,
+        "WARNING: config.keep_best_mode='min' is not read: it ranks checkpoints by "
+        "config.keep_best_metric, which is unset (the newest are kept)" + tail,
+        "WARNING: config.beam_size=4 is not read: it is a setting of the evaluation after training, "
+        "and config.test_split is unset" + tail,
+        f"WARNING: config.profile_start_step={config.num_train_steps} is not read: the run's last step "
+        f"is {config.num_train_steps - 1} (config.num_train_steps={config.num_train_steps}), so no "
+        "profiler trace is captured" + tail]
+    config.optimizer.schedule, config.keep_best_metric = "cosine", "eval_loss"
+    config.test_split, config.profile_start_step = "test", config.num_train_steps - 1
+    assert unread_training_settings(config) == []  # each read now
+    config.dataset.name = "stdlib_lm"
+    assert [w.split(" is not read")[0] for w in unread_training_settings(config)] == [
+        "WARNING: config.test_split='test'"]
+    config = tiny.get_config()
+    config.peak_tflops = -100.0
+    with pytest.raises(ConfigError, match=r"config.peak_tflops=-100.0 must be a number in \[0, inf\)"):
+        check_config(config)
+
+
 def test_key_from_seed_uses_all_64_bits_of_the_seed():
     """`key_from_seed` is JAX's key for the seed with 64-bit integers on: jax.random.key(seed) in
     [0, 2**32), and distinct keys where JAX's default keeps the low 32 bits (0, 2**32, -2**63 and

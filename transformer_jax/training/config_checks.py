@@ -189,6 +189,7 @@ def _check_numbers(config) -> None:
     _positive_int(config, "num_printed_examples", 0)  # a negative one sliced off the end instead
     # Read only by the BLEU evaluation after training: a bad value would fail after the whole run.
     _number_in(config, "beam_alpha", "config", 0.0)
+    _number_in(config, "peak_tflops", "config", 0.0)  # 0 = look the accelerator up
     _positive_int(ds, "max_eval_examples", 0, "config.dataset")  # 0 = all
     _positive_int(ds, "num_workers", 0, "config.dataset")  # 0 = in the main process
     if config.loss_scale not in LOSS_SCALE_MODES:
@@ -243,6 +244,43 @@ def unread_dataset_settings(config: ml_collections.ConfigDict) -> list[str]:
             continue
         out.append(f"WARNING: config.dataset.{key}={value!r} is not read for dataset {ds.name!r} "
                    f"(only for {', '.join(readers)}): the run goes on without it")
+    return out
+
+
+def unread_training_settings(config: ml_collections.ConfigDict) -> list[str]:
+    """A warning for each training setting given a value that nothing in this run reads: the decay
+    settings of a schedule that does not decay, a keep-best mode without a metric, the settings of
+    the evaluation after training where there is none, and a profiler window that starts after the
+    last step. Known keys pass the typo check; the run would go on as if they were not there."""
+    opt, out = config.optimizer, []
+
+    def unread(key, value, why):
+        out.append(f"WARNING: config.{key}={value!r} is not read: {why}; the run goes on without it")
+
+    schedule = opt.get("schedule", "rsqrt_paper")
+    if schedule != "cosine":
+        for key in ("decay_steps", "end_learning_rate_ratio"):
+            if opt.get(key):
+                unread(f"optimizer.{key}", opt[key], f"only the 'cosine' schedule decays "
+                                                     f"(optimizer.schedule is {schedule!r})")
+    if not config.keep_best_metric and config.keep_best_mode != "auto":
+        unread("keep_best_mode", config.keep_best_mode,
+               "it ranks checkpoints by config.keep_best_metric, which is unset (the newest are kept)")
+    translation = config.dataset.name in TRANSLATION_DATASETS
+    if config.test_split and not translation:
+        unread("test_split", config.test_split, f"the evaluation after training (BLEU, exact match) is "
+                                                f"for translation, and dataset {config.dataset.name!r} "
+                                                f"is a language model's")
+    elif translation and not config.test_split:
+        defaults = training_defaults()
+        for key in ("beam_size", "beam_alpha"):
+            if config[key] != defaults[key]:
+                unread(key, config[key], "it is a setting of the evaluation after training, and "
+                                         "config.test_split is unset")
+    if config.profile_start_step >= config.num_train_steps:
+        unread("profile_start_step", config.profile_start_step,
+               f"the run's last step is {config.num_train_steps - 1} (config.num_train_steps="
+               f"{config.num_train_steps}), so no profiler trace is captured")
     return out
 
 

@@ -27,6 +27,7 @@ from transformer_jax.training.config_checks import (
     check_config,
     fill_section_defaults,
     unread_dataset_settings,
+    unread_training_settings,
 )
 from transformer_jax.training.optimizer import create_optimizer
 from transformer_jax.training.schedules import create_schedule
@@ -309,7 +310,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
         raise ConfigError(f"the {jax.process_count()} processes were given different configs or workdirs "
                           "(run the same command on every host, its workdir at the same path on each); "
                           f"differing: {'; '.join(differing)}")
-    for warning in unread_dataset_settings(config):
+    for warning in unread_dataset_settings(config) + unread_training_settings(config):
         _say(warning)
     if unit_rate := unit_rate_as_peak(config):
         _say(unit_rate)
