@@ -593,3 +593,26 @@ def test_step_function_of_the_other_model_kind_is_an_error_naming_the_right_one(
     with pytest.raises(TypeError, match=r"RecomputeLMStep drives a TransformerLM; for a Transformer"):
         RecomputeLMStep(seq2seq)
     assert tj.LMStep(lm) == tj.LMStep(lm) and tj.Seq2SeqStep(seq2seq).model is seq2seq
+    # encode_source(TransformerLM): Flax's "no attribute 'init_cache'" named no mistake
+    tokens = jnp.array([[5, 6, 7]])
+    lm_params = lm.init(jax.random.key(0), tokens)["params"]
+    with pytest.raises(TypeError, match=r"encode_source encodes the source of an encoder-decoder "
+                                        r"tj\.Transformer; a TransformerLM has no source.*tj\.LMStep"):
+        tj.encode_source(lm, lm_params, tokens, 8)
+
+
+def test_cache_arguments_without_a_cache_are_errors_naming_them():
+    """Without a cache, an encoder-decoder's last_only=True asked for `memory`, which its callers
+    cannot pass; and num_valid was checked, then ignored (the logits were the same whatever it held)."""
+    seq2seq, lm = tj.Transformer(CONFIG), tj.TransformerLM(CONFIG.replace(num_encoder_layers=0))
+    src, tokens = jnp.array([[5, 6, 1], [7, 1, 0]]), jnp.array([[5, 6, 7], [8, 0, 0]])
+    p_seq = seq2seq.init(jax.random.key(0), src, tokens)["params"]
+    p_lm = lm.init(jax.random.key(0), tokens)["params"]
+    for call in (lambda **kw: seq2seq.apply({"params": p_seq}, src, tokens, **kw),
+                 lambda **kw: lm.apply({"params": p_lm}, tokens, **kw)):
+        with pytest.raises(ValueError, match=r"^last_only=True needs a cache"):
+            call(last_only=True)
+        with pytest.raises(ValueError, match=r"^num_valid needs a cache \(it counts the tokens appended"):
+            call(num_valid=jnp.array([3, 1]))
+        with pytest.raises(ValueError, match=r"num_valid holds 4"):  # its own checks come first
+            call(num_valid=jnp.array([4, 1]))

@@ -21,6 +21,18 @@ def test_sinusoidal_equals_the_formula():
             assert math.isclose(pe[pos, 2 * i + 1], math.cos(angle), abs_tol=1e-5)
 
 
+def test_sinusoidal_encoding_names_a_width_or_layout_it_cannot_make():
+    """An odd d_model failed inside JAX (cannot reshape (3, 3, 2) into (3, 7)), positions given as a
+    list with an AttributeError, and a misspelt layout gave the interleaved one."""
+    np.testing.assert_array_equal(sinusoidal_encoding([0, 1, 2], np.int64(8)),
+                                  sinusoidal_encoding(jnp.arange(3), 8))
+    for width in (7, 0, -2, 8.0, "8"):
+        with pytest.raises(ValueError, match=rf"d_model must be a positive even integer, got {width!r}"):
+            sinusoidal_encoding(jnp.arange(3), width)
+    with pytest.raises(ValueError, match="layout must be 'interleaved' or 'concat', got 'interleave'"):
+        sinusoidal_encoding(jnp.arange(3), 8, "interleave")
+
+
 def test_concat_layout_is_a_permutation_of_interleaved():
     inter = sinusoidal_encoding(jnp.arange(7), 10)
     concat = sinusoidal_encoding(jnp.arange(7), 10, layout="concat")

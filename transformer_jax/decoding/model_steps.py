@@ -85,8 +85,12 @@ def encode_source(model: nn.Module, params: Any, src, max_length: int, src_segme
     tokens (per INTERFACES: ``method='init_cache'``). Compiled once per model, shape and
     ``max_length``; the source's token ids are checked first, on the host (inside the compiled
     program an id past the vocabulary would look up NaN, and a negative one a row from the end)."""
-    from transformer_jax.modeling.transformer import _as_tokens
+    from transformer_jax.modeling.transformer import TransformerLM, _as_tokens
 
+    if isinstance(model, TransformerLM):  # Flax's error named init_cache only
+        raise TypeError("encode_source encodes the source of an encoder-decoder tj.Transformer; a "
+                        "TransformerLM has no source: decode it from tj.init_cache(config, batch, "
+                        "length) with tj.LMStep(model), which prefills the prompt")
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     src = _as_tokens("src", src, vocab_size, src_segment_ids=src_segment_ids)
     return _encode_source(model, params, src, max_length, src_segment_ids)

@@ -5,6 +5,8 @@ Table 3).
 
 from __future__ import annotations
 
+import operator
+
 import jax.numpy as jnp
 
 
@@ -16,13 +18,22 @@ def sinusoidal_encoding(positions, d_model: int, layout: str = "interleaved", ma
     layout of Marian checkpoints). Same frequencies either way (fairseq's sinusoids are not these:
     their frequencies are 10000^(-i/(D/2 - 1)) and their positions start after the padding id).
     """
-    i = jnp.arange(d_model // 2, dtype=jnp.float32)
-    inv_freq = 1.0 / (max_timescale ** (2.0 * i / d_model))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    try:
+        width = operator.index(d_model)  # an int, NumPy's too
+    except TypeError:
+        width = None
+    if width is None or width <= 0 or width % 2:
+        raise ValueError(f"sinusoidal encodings pair a sine and a cosine per frequency: d_model must be a "
+                         f"positive even integer, got {d_model!r}")
+    if layout not in ("interleaved", "concat"):
+        raise ValueError(f"layout must be 'interleaved' or 'concat', got {layout!r}")
+    i = jnp.arange(width // 2, dtype=jnp.float32)
+    inv_freq = 1.0 / (max_timescale ** (2.0 * i / width))
+    angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     if layout == "concat":
         return jnp.concatenate([sin, cos], axis=-1)
-    return jnp.stack([sin, cos], axis=-1).reshape(*angles.shape[:-1], d_model)
+    return jnp.stack([sin, cos], axis=-1).reshape(*angles.shape[:-1], width)
 
 
 def apply_rope(x, positions, theta: float = 10000.0):

@@ -429,11 +429,15 @@ class Decoder(_Stack):
                 raise ValueError("with a cache, positions follow cache.lengths and the source is the "
                                  "cache's: segment_ids, positions and memory cannot be given")
             return self._decode_cached(tokens, cache, num_valid, deterministic, last_only)
+        if last_only:
+            raise ValueError("last_only=True needs a cache (it picks each row's last of num_valid tokens)")
+        if num_valid is not None:  # checked above, and then it was ignored
+            raise ValueError("num_valid needs a cache (it counts the tokens appended to it that are real); "
+                             "without one, right padding needs no count (real tokens never look right) "
+                             "and packed rows take segment_ids")
         if self.cross_attention and memory is None:
             # Without it, each block's cross-attention would attend over the target itself.
             raise ValueError("this decoder has cross-attention: pass memory (the encoder output)")
-        if last_only:
-            raise ValueError("last_only=True needs a cache (it picks each row's last of num_valid tokens)")
         if positions is None:
             _check_learned_length(self.config, tokens.shape[1])
             name = "tgt_positions" if self.cross_attention else "positions"
@@ -548,8 +552,8 @@ class Transformer(nn.Module):
                                  f"(pass src=None)")
             return self.decoder(tgt, cache=cache, num_valid=num_valid, deterministic=deterministic,
                                 last_only=last_only)
-        if last_only:
-            return self.decoder(tgt, last_only=True)  # raises: last_only needs a cache
+        if last_only or num_valid is not None:  # raises: each needs a cache
+            return self.decoder(tgt, num_valid=num_valid, last_only=last_only)
         memory = self.encode(src, src_segment_ids=src_segment_ids, src_positions=src_positions,
                              deterministic=deterministic)
         logits, _ = self.decoder(
