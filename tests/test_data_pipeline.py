@@ -513,6 +513,46 @@ def test_config_errors(data_dir, tmp_path):
                                    target_lang="fr"), str(tmp_path), shard=shard())
 
 
+def test_data_file_lists_are_read_as_meant_and_their_mistakes_named(data_dir, tmp_path, caplog):
+    """A config file's dataset section giving train_files as one string was read one path per
+    character ('Data file not found: /'); a directory, an empty path and a missing file were all
+    'not found', naming no setting; a file listed twice, eval files that are the train files and an
+    empty file among several went through without a word."""
+    import logging
+    import re
+
+    import ml_collections
+
+    a, b, empty = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "empty.txt"
+    a.write_text("one line\nanother line\n")
+    b.write_text("a third line\n")
+    empty.write_text("")
+    one = builders.files_config(str(a), ())
+    assert one.train_files == (str(a),) and one == builders.files_config([str(a)], [])
+    cfg = ml_collections.ConfigDict({**_cfg("text", data_dir).to_dict(), "train_files": str(a)})
+    assert inputs.build_datasets(cfg, str(tmp_path / "w"), shard=shard()).train_size == 2
+    for files, message in ((str(tmp_path), f"dataset.train_files: {tmp_path} is a directory"),
+                           ([str(a), ""], "dataset.train_files holds '', not a file path"),
+                           ([str(tmp_path / "missing.txt")], "dataset.train_files: data file not found: ")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            builders.files_config(files, ())
+    with pytest.raises(ValueError, match=re.escape("dataset.eval_files: data file not found")):
+        builders.files_config([str(a)], [str(tmp_path / "missing.txt")])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        builders.files_config([str(a), str(b), str(a)], [str(b), str(a)])
+        builders.files_config([str(a), str(empty)], ())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"dataset.train_files lists {a} 2 times: its examples count 2 times",
+        "dataset.eval_files are the train_files: the evaluation measures the training data, not "
+        "held-out text",
+        f"dataset.train_files: {empty} is empty"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # nothing to say
+        builders.files_config([str(a), str(b)], [str(b)])
+    assert not caplog.records
+
+
 def test_missing_eval_split_is_an_error_not_replaced(data_dir, tmp_path):
     tsv = tmp_path / "pairs.tsv"
     tsv.write_text("".join(f"{r['src']}\t{r['tgt']}\n" for r in SOURCE[:20]))

@@ -1,6 +1,7 @@
 """Tokenizer: exact round trip on any text, fixed special ids, cached training across processes."""
 
 import json
+import logging
 import threading
 
 import pytest
@@ -90,6 +91,22 @@ def test_get_or_train_reuses_and_retrains(tmp_path):
     tk.get_or_train_tokenizer(tmp_path, "c2", texts, 360, "bpe", process_index=0)
     tk.get_or_train_tokenizer(tmp_path, "c2", texts, 360, "unigram", process_index=0)
     assert len(calls) == 4
+
+
+def test_a_tokenizer_model_in_a_fresh_workdir_is_replaced_with_a_warning(tmp_path, caplog):
+    """A tokenizer.model that tokenizer.json does not record for this data and these settings (one
+    copied in by hand, say) is retrained before the workdir has checkpoints: it was replaced in
+    silence."""
+    tk.get_or_train_tokenizer(tmp_path, "c1", lambda: TEXTS, 350, "bpe", process_index=0)
+    (tmp_path / tk.METADATA_FILENAME).unlink()
+    with caplog.at_level(logging.WARNING):
+        tk.get_or_train_tokenizer(tmp_path, "c1", lambda: TEXTS, 350, "bpe", process_index=0)
+    assert any(r.getMessage().startswith(f"Replaced {tmp_path / tk.MODEL_FILENAME} by a tokenizer trained "
+                                         "now: tokenizer.json does not record it") for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # recorded, so reused: no word
+        tk.get_or_train_tokenizer(tmp_path, "c1", lambda: TEXTS, 350, "bpe", process_index=0)
+    assert not caplog.records
 
 
 def test_a_tokenizer_smaller_than_asked_is_named(tmp_path, caplog):
@@ -195,8 +212,13 @@ def test_workdir_with_checkpoints_never_retrains(tmp_path, monkeypatch):
     kept = tk.get_or_train_tokenizer(tmp_path, "c2", texts, 350, "bpe", process_index=0)
     assert kept.model_proto == first.model_proto
     assert len(warnings) == 1 and "corpus key 'c1' -> 'c2'" in warnings[0], warnings
-    with pytest.raises(DataError, match=r"vocab_size 350 \(tokenizer\) -> 360.*fresh workdir"):
+    # named by the config keys a user sets back (it said model_type, max_training_chars)
+    with pytest.raises(DataError, match=r"dataset\.vocab_size 350 \(tokenizer\) -> 360.*fresh workdir"):
         tk.get_or_train_tokenizer(tmp_path, "c1", texts, 360, "bpe", process_index=1)
+    with pytest.raises(DataError, match=r"dataset\.tokenizer_type 'bpe' \(tokenizer\) -> 'unigram' \(now\); "
+                                        r"dataset\.tokenizer_max_chars 20000000 \(tokenizer\) -> 1000"):
+        tk.get_or_train_tokenizer(tmp_path, "c1", texts, 350, "unigram", process_index=1,
+                                  max_training_chars=1000)
     assert len(calls) == 3 and (tmp_path / tk.MODEL_FILENAME).read_bytes() == model
     # A library upgrade (settings version) alone keeps the tokenizer the checkpoints used.
     monkeypatch.setattr(tk, "_SETTINGS_VERSION", tk._SETTINGS_VERSION + 1)

@@ -244,21 +244,45 @@ def files_config(train_files: Sequence[str], eval_files: Sequence[str]) -> Files
     on several hosts (same paths and bytes, other modification times) name the same build, which
     process 0 prepares in a shared ``data_dir`` and the others wait for.
     """
-    train_files = tuple(os.path.abspath(os.path.expanduser(p)) for p in train_files)
-    eval_files = tuple(os.path.abspath(os.path.expanduser(p)) for p in eval_files)
+    train_files = _file_paths("train_files", train_files)
+    eval_files = _file_paths("eval_files", eval_files)
     h = hashlib.sha1()
     for tag, paths in (("train", train_files), ("eval", eval_files)):
         for p in paths:
+            if os.path.isdir(p):
+                raise DataError(f"dataset.{tag}_files: {p} is a directory; name the files in it")
             if not os.path.isfile(p):
                 # A comma-separated list on the command line arrives as one path.
                 hint = (f"; for several files give a tuple, e.g. --config.dataset.{tag}_files="
                         f"\"('a.tsv', 'b.tsv')\"" if "," in p else "")
-                raise DataError(f"Data file not found: {p}{hint}")
+                raise DataError(f"dataset.{tag}_files: data file not found: {p}{hint}")
+            if len(paths) > 1 and os.path.getsize(p) == 0:  # alone, "no usable lines" names it
+                logging.warning("dataset.%s_files: %s is empty", tag, p)
             with open(p, "rb") as f:
                 digest = hashlib.file_digest(f, "sha1").hexdigest()
             h.update(f"{tag}\0{p}\0{os.path.getsize(p)}\0{digest}\0".encode())
+    if eval_files and sorted(set(eval_files)) == sorted(set(train_files)):
+        logging.warning("dataset.eval_files are the train_files: the evaluation measures the "
+                        "training data, not held-out text")
     return FilesConfig(name="f" + h.hexdigest()[:16], train_files=train_files,
                        eval_files=eval_files)
+
+
+def _file_paths(key: str, value) -> tuple[str, ...]:
+    """``dataset.<key>`` as absolute paths: one path given as a string is one file (iterated, it
+    was one path per character), an empty one names the key, and a file listed twice (its
+    examples then count twice) gets a warning."""
+    if isinstance(value, str | os.PathLike):
+        value = (value,)
+    paths = []
+    for p in value:
+        if not isinstance(p, str | os.PathLike) or not os.fspath(p).strip():
+            raise DataError(f"dataset.{key} holds {p!r}, not a file path")
+        paths.append(os.path.abspath(os.path.expanduser(os.fspath(p))))
+    for p in sorted({p for p in paths if paths.count(p) > 1}):
+        logging.warning("dataset.%s lists %s %d times: its examples count %d times", key, p,
+                        paths.count(p), paths.count(p))
+    return tuple(paths)
 
 
 # Byte-order marks of the encodings a user file is most often saved in by mistake (Windows
@@ -450,6 +474,7 @@ def builtin_builder(name: str, data_dir: str, config: str | None = None,
         if not train_files:
             raise DataError(f"dataset {name!r} needs dataset.train_files")
         config = files_config(train_files, eval_files)  # checks that the files exist
+        train_files, eval_files = config.train_files, config.eval_files
         for tag, files in (("train_files", train_files), ("eval_files", eval_files)):
             if files and next(read_lines(files, tsv=name == "tsv"), None) is None:
                 raise DataError(f"dataset {name!r}: no usable lines in {tag} {list(files)}: "

@@ -332,6 +332,11 @@ def _has_checkpoints(workdir: str | os.PathLike) -> bool:
         return False
 
 
+# The training config's names of the settings (what a user sets back), for the messages.
+_SETTING_KEYS = {"vocab_size": "dataset.vocab_size", "model_type": "dataset.tokenizer_type",
+                 "max_training_chars": "dataset.tokenizer_max_chars"}
+
+
 def _checkpointed_model(workdir: str, metadata: dict) -> Tokenizer:
     """The workdir's tokenizer, which its checkpoints were trained with; never retrained.
 
@@ -354,7 +359,8 @@ def _checkpointed_model(workdir: str, metadata: dict) -> Tokenizer:
             f"with. Put back the tokenizer.model the run was trained with, or {fresh}.")
     old = stored.get("settings") if isinstance(stored.get("settings"), dict) else {}
     # settings_version alone changes with the library, not the data: keep the tokenizer.
-    changed = [f"{k} {old.get(k)!r} (tokenizer) -> {v!r} (now)" for k, v in metadata.items()
+    changed = [f"{_SETTING_KEYS.get(k, k)} {old.get(k)!r} (tokenizer) -> {v!r} (now)"
+               for k, v in metadata.items()
                if k not in ("settings_version", "corpus_key") and old.get(k) != v]
     if changed:
         raise DataError(
@@ -426,7 +432,12 @@ def get_or_train_tokenizer(
                         "(to leave them out, set dataset.vocab_size and model.vocab_size to %d before "
                         "the workdir holds checkpoints).",
                         tok.vocab_size, vocab_size, tok.vocab_size, tok.vocab_size)
-    tok.save(os.path.join(workdir, MODEL_FILENAME))
+    model_path = os.path.join(workdir, MODEL_FILENAME)
+    if os.path.exists(model_path):  # not this corpus's and settings' (else it was reused above)
+        logging.warning("Replaced %s by a tokenizer trained now: %s does not record it as trained on "
+                        "this data with these settings, and %s has no checkpoints yet", model_path,
+                        METADATA_FILENAME, workdir)
+    tok.save(model_path)
     record = {"settings": metadata, "vocab_size": tok.vocab_size,
               "model_sha256": hashlib.sha256(tok.model_proto).hexdigest()}
     _atomic_write(os.path.join(workdir, METADATA_FILENAME),
