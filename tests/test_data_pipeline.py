@@ -2,6 +2,7 @@
 
 import collections
 import os
+import re
 
 import grain
 import numpy as np
@@ -519,7 +520,6 @@ def test_data_file_lists_are_read_as_meant_and_their_mistakes_named(data_dir, tm
     'not found', naming no setting; a file listed twice, eval files that are the train files and an
     empty file among several went through without a word."""
     import logging
-    import re
 
     import ml_collections
 
@@ -551,6 +551,40 @@ def test_data_file_lists_are_read_as_meant_and_their_mistakes_named(data_dir, tm
     with caplog.at_level(logging.WARNING):  # nothing to say
         builders.files_config([str(a), str(b)], [str(b)])
     assert not caplog.records
+
+
+def test_a_damaged_copy_of_a_prepared_dataset_is_named(data_dir, tmp_path):
+    """A prepared dataset copied in part (a shard file missing or cut short) failed only once the
+    pipeline reached the file, with array_record's RuntimeError traceback; one whose
+    dataset_info.json was damaged was called "not prepared"."""
+    import glob
+    import pathlib
+    import shutil
+
+    builders.builtin_builder("enfr_builtin", data_dir, "small")  # prepared in data_dir
+    copy = str(tmp_path / "copy")
+    shutil.copytree(data_dir, copy)
+    [version] = glob.glob(os.path.join(copy, "enfr_builtin", "small", "*"))
+    assert len(builders.data_source(builders.standard_builder("enfr_builtin/small", copy), "validation"))
+    [shard] = glob.glob(os.path.join(version, "*-validation.array_record-*"))
+    with open(shard, "rb") as f:
+        whole = f.read()
+    for damage, found in ((lambda: os.remove(shard), "is missing"),
+                          (lambda: pathlib.Path(shard).write_bytes(whole[: len(whole) // 2]),
+                           "cannot be read as an ArrayRecord file")):
+        damage()
+        for builder in (builders.standard_builder("enfr_builtin/small", copy),
+                        builders.builtin_builder("enfr_builtin", copy, "small")):
+            with pytest.raises(DataError, match=re.escape(f"split 'validation': {shard} {found}") +
+                               ".*incomplete or damaged: copy it again"):
+                builders.data_source(builder, "validation")
+    with open(os.path.join(version, "dataset_info.json"), "w") as f:
+        f.write('{"name": "enfr')
+    with pytest.raises(DataError, match=r"cannot be read \(.*dataset_info.json is there, but TFDS failed "
+                                        r"on it: .*\): the copy of the prepared dataset is incomplete"):
+        builders.standard_builder("enfr_builtin/small", copy)
+    with pytest.raises(DataError, match="is not prepared in"):  # nothing there at all
+        builders.standard_builder("enfr_builtin/small", str(tmp_path / "empty"))
 
 
 def test_missing_eval_split_is_an_error_not_replaced(data_dir, tmp_path):

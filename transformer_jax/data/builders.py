@@ -492,6 +492,16 @@ def standard_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
     try:
         return tfds.core.read_only_builder.builder_from_files(name, data_dir=data_dir)
     except Exception as e:  # DatasetNotFoundError and friends
+        import glob
+
+        found = sorted(glob.glob(os.path.join(glob.escape(os.path.expanduser(data_dir)), *name.split("/"),
+                                              "*", "dataset_info.json")))
+        if found:  # prepared, but TFDS cannot read it back: not "not prepared"
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(
+                f"Dataset {name!r} in data_dir={data_dir!r} cannot be read ({found[-1]} is there, but "
+                f"TFDS failed on it: {why}): the copy of the prepared dataset is incomplete or "
+                f"damaged; copy it again") from e
         raise DataError(
             f"Dataset {name!r} is not prepared in data_dir={data_dir!r}. It cannot be "
             f"downloaded here; build it with TFDS where TensorFlow and the internet are "
@@ -515,4 +525,33 @@ def data_source(builder: tfds.core.DatasetBuilder, split: str):
             f"--data_dir=DATA_DIR` and copy the directory.") from e
     if len(source) == 0:
         raise DataError(f"Dataset {builder.info.full_name} split {split!r} is empty")
+    _check_shards(builder, split)
     return source
+
+
+def _check_shards(builder: tfds.core.DatasetBuilder, split: str) -> None:
+    """Each of the split's files is there, readable and holds the records dataset_info.json counts
+    (a footer read each). A copy cut short failed only when the pipeline reached the file, with
+    array_record's RuntimeError traceback ('open() failed: No such file or directory', or 'file
+    should be at least 64KB big'), after the tokenizer was trained."""
+    from array_record.python import array_record_module
+
+    info = builder.info.splits[split]
+    again = (f"the copy of the prepared dataset in {builder.data_dir} is incomplete or damaged: copy "
+             f"it again (or rebuild it with `tfds build`)")
+    for path, expected in zip(info.filepaths, info.shard_lengths, strict=False):
+        path = os.fspath(path)
+        if "://" in path:  # a bucket: array_record opens it where the pipeline reads it
+            return
+        if not os.path.isfile(path):
+            raise DataError(f"Dataset {builder.info.full_name} split {split!r}: {path} is missing; {again}")
+        reader = array_record_module.ArrayRecordReader(path)
+        ok, count = reader.ok(), reader.num_records()
+        try:
+            reader.close()
+        except RuntimeError:
+            ok = False
+        if not ok or count != expected:
+            found = "cannot be read as an ArrayRecord file" if not ok else f"holds {count} records"
+            raise DataError(f"Dataset {builder.info.full_name} split {split!r}: {path} {found}, where "
+                            f"dataset_info.json counts {expected}; {again}")
