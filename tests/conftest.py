@@ -33,23 +33,23 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # first instead (seconds of test time on the 2-core CI machine in parentheses); the rest follow in
 # collection order. Each file's own test order is kept.
 LONGEST_FILES_FIRST = (  # measured 2026-12-07 on an Intel Xeon host with AMX (AVX-512)
-    "test_native_kernels.py",  # 211
-    "test_train.py",  # 169
-    "test_checkpoint.py",  # 145
-    "test_native_sanitizers.py",  # 136 (110 on an AVX2-only host, which builds two)
-    "test_benchmarks.py",  # 109
-    "test_kernel_layout.py",  # 88
-    "test_fault_checkpoint.py",  # 81
-    "test_generate_cli.py",  # 77
-    "test_notebooks.py",  # 69
-    "test_transformer.py",  # 68
-    "test_fault_chaos.py",  # 55 (3 kills)
-    "test_chunked_attention.py",  # 54
-    "test_matmul.py",  # 53
-    "test_fault_multihost.py",  # 48
-    "test_decoding_model.py",  # 41
-    "test_decoding.py",  # 38
-    "test_convert.py",  # 36
+    "test_native_kernels.py",  # 226
+    "test_train.py",  # 176
+    "test_checkpoint.py",  # 138
+    "test_native_sanitizers.py",  # 127 (three builds; two of the three runs sampled)
+    "test_kernel_layout.py",  # 92
+    "test_benchmarks.py",  # 75
+    "test_fault_checkpoint.py",  # 73
+    "test_generate_cli.py",  # 70
+    "test_notebooks.py",  # 68
+    "test_transformer.py",  # 67
+    "test_chunked_attention.py",  # 51
+    "test_fault_chaos.py",  # 39 (3 kills)
+    "test_fault_multihost.py",  # 38
+    "test_matmul.py",  # 38
+    "test_decoding_model.py",  # 34
+    "test_decoding.py",  # 34
+    "test_convert.py",  # 28
 )
 
 
