@@ -64,10 +64,14 @@ static void SegvHandler(int sig, siginfo_t* info, void* uc) {
   }
 }
 
-static std::string CaseString(const std::string& kernel, const Params& p) {
-  std::string s = std::string(g_prog) + " " + kernel;
+static std::string ParamString(const std::string& kernel, const Params& p) {
+  std::string s = kernel;
   for (auto& [k, v] : p) s += " " + k + "=" + std::to_string(v);
   return s;
+}
+
+static std::string CaseString(const std::string& kernel, const Params& p) {
+  return std::string(g_prog) + " " + ParamString(kernel, p);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -197,11 +201,13 @@ static inline float FromBf16(uint16_t h) {
 }
 static inline float RoundBf16(float f) { return FromBf16(ToBf16(f)); }
 
-static uint64_t Seed(const std::string& kernel, const Params& p) {
+static uint64_t Fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
-  for (char c : CaseString(kernel, p)) h = (h ^ (uint8_t)c) * 1099511628211ull;
+  for (char c : s) h = (h ^ (uint8_t)c) * 1099511628211ull;
   return h;
 }
+
+static uint64_t Seed(const std::string& kernel, const Params& p) { return Fnv1a(CaseString(kernel, p)); }
 
 // splitmix64's finalizer: FNV-1a's low bits follow the last bytes hashed, all but alike here.
 static uint64_t Mixed(uint64_t z) {
@@ -1136,15 +1142,16 @@ int main(int argc, char** argv) {
   const char* sweep = getenv("SANITIZER_SWEEP");
   const bool threads_only = sweep != nullptr && std::string(sweep) == "threads";
   // SANITIZER_STRIDE=k: one case in k, for the secondary runs, which check code the full run
-  // covers with other instructions or for races alone. Picked by a hash of the case's parameters,
-  // not every k-th case: the sweep's innermost loops have periods of 2 and 4 (the operands' data,
-  // the thread count), which a fixed stride would leave out whole.
+  // covers with other instructions or for races alone. Picked by a hash of the case's kernel and
+  // parameters (not of the program's path, which its operands' seed includes: the same cases
+  // wherever the binary runs), not every k-th case: the sweep's innermost loops have periods of 2
+  // and 4 (the operands' data, the thread count), which a fixed stride would leave out whole.
   const char* stride_env = getenv("SANITIZER_STRIDE");
   const uint64_t stride = stride_env != nullptr && atol(stride_env) > 1 ? (uint64_t)atol(stride_env) : 1;
   for (const Case& c : cs) {
     if (!kernel.empty() && c.kernel != kernel) continue;
     if (threads_only && !MayRunOnSeveralThreads(c)) continue;
-    if (kernel.empty() && stride > 1 && Mixed(Seed(c.kernel, c.p)) % stride != 0) continue;
+    if (kernel.empty() && stride > 1 && Mixed(Fnv1a(ParamString(c.kernel, c.p))) % stride != 0) continue;
     bool ok = true;
     for (auto& [k, v] : want) {
       auto it = c.p.find(k);

@@ -548,8 +548,9 @@ def test_data_file_lists_are_read_as_meant_and_their_mistakes_named(data_dir, tm
         "held-out text",
         f"dataset.train_files: {empty} is empty"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING):  # nothing to say
-        builders.files_config([str(a), str(b)], [str(b)])
+    with caplog.at_level(logging.WARNING):  # nothing to say; and each warning once per process (the
+        builders.files_config([str(a), str(b)], [str(b)])  # test evaluation reads the lists again)
+        builders.files_config([str(a), str(b), str(a)], [str(b), str(a)])
     assert not caplog.records
 
 
@@ -585,6 +586,10 @@ def test_a_damaged_copy_of_a_prepared_dataset_is_named(data_dir, tmp_path):
         builders.standard_builder("enfr_builtin/small", copy)
     with pytest.raises(DataError, match="is not prepared in"):  # nothing there at all
         builders.standard_builder("enfr_builtin/small", str(tmp_path / "empty"))
+    # Parquet, which TFDS reads by index too, is no ArrayRecord file to check (it was "damaged")
+    parquet = str(tmp_path / "parquet")
+    builders.EnfrBuiltin(config="small", data_dir=parquet, file_format="parquet").download_and_prepare()
+    assert len(builders.data_source(builders.standard_builder("enfr_builtin/small", parquet), "validation"))
 
 
 def test_missing_eval_split_is_an_error_not_replaced(data_dir, tmp_path):

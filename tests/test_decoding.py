@@ -533,6 +533,8 @@ def test_a_sampling_config_stands_for_its_keywords():
                     dict(temperature=jnp.float32(0.7))):
         with pytest.raises(ValueError, match=rf"SamplingConfig\(\.\.\.\) and {next(iter(keyword))}= given"):
             run(sampling=config, **keyword)
+    with pytest.raises(ValueError, match=r"\(\.\.\.\) and top_k=, min_new_tokens= given together"):
+        run(sampling=config, top_k=2, min_new_tokens=1)
     np.testing.assert_array_equal(run(sampling=config, top_k=0).tokens,  # a default is no setting
                                   run(sampling=config).tokens)
     with pytest.raises(TypeError, match="sampling must be a SamplingConfig, got dict"):

@@ -1046,8 +1046,9 @@ def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_a
     run = lambda *flags: subprocess.run(command(*flags), cwd=tmp_path, env=env, capture_output=True,
                                         text=True, timeout=240)
     workdir = str(tmp_path / "elsewhere")
-    # Without GLIBC_TUNABLES train.py starts itself again
-    # with malloc's huge pages, where the system has them: the same process, so the same pid.
+    # Without GLIBC_TUNABLES the wrapper (as train.py, whose own restart
+    # tests/test_host_memory.py checks) starts itself again with malloc's huge pages, where the
+    # system has them: the same process, so the same pid.
     unset = {k: v for k, v in env.items() if k != host_memory.ENV}
     flags = (f"--workdir={workdir}", "--config.num_train_steps=3", "--config.model.d_model=48",
              "--profile_start_step=7", "--profile_num_steps=2")
@@ -1312,7 +1313,7 @@ def test_training_settings_nothing_reads_are_named():
     """Settings nothing in the run reads (decay settings of a schedule that does not decay, a
     keep-best mode without its metric, the after-training evaluation's settings without it, a
     profiler window after the last step) were accepted without a word; a negative peak_tflops, a
-    config mistake, gave a negative MFU."""
+    config mistake, was ignored (the MFU took the device's peak)."""
     from transformer_jax.training.config_checks import check_config, unread_training_settings
 
     config = tiny.get_config()  # enfr_builtin (translation), test_split 'test'
@@ -1331,8 +1332,8 @@ def test_training_settings_nothing_reads_are_named():
         "decays (optimizer.schedule is 'constant')" + tail,
         "WARNING: config.keep_best_mode='min' is not read: it ranks checkpoints by "
         "config.keep_best_metric, which is unset (the newest are kept)" + tail,
-        "WARNING: config.beam_size=4 is not read: it is a setting of the evaluation after training, "
-        "and config.test_split is unset" + tail,
+        "WARNING: config.beam_size=4 is not read: it is a setting of the translation evaluation after "
+        "training, and config.test_split is unset" + tail,
         f"WARNING: config.profile_start_step={config.num_train_steps} is not read: the run's last step "
         f"is {config.num_train_steps - 1} (config.num_train_steps={config.num_train_steps}), so no "
         "profiler trace is captured" + tail]
@@ -1341,7 +1342,10 @@ def test_training_settings_nothing_reads_are_named():
     assert unread_training_settings(config) == []  # each read now
     config.dataset.name = "stdlib_lm"
     assert [w.split(" is not read")[0] for w in unread_training_settings(config)] == [
-        "WARNING: config.test_split='test'"]
+        "WARNING: config.test_split='test'", "WARNING: config.beam_size=4"]
+    assert unread_training_settings(config)[1].endswith(
+        "translation evaluation after training, and dataset 'stdlib_lm' is a language model's, which "
+        "has none" + tail)
     config = tiny.get_config()
     config.peak_tflops = -100.0
     with pytest.raises(ConfigError, match=r"config.peak_tflops=-100.0 must be a number in \[0, inf\)"):

@@ -257,15 +257,26 @@ def files_config(train_files: Sequence[str], eval_files: Sequence[str]) -> Files
                         f"\"('a.tsv', 'b.tsv')\"" if "," in p else "")
                 raise DataError(f"dataset.{tag}_files: data file not found: {p}{hint}")
             if len(paths) > 1 and os.path.getsize(p) == 0:  # alone, "no usable lines" names it
-                logging.warning("dataset.%s_files: %s is empty", tag, p)
+                _warn_once(f"dataset.{tag}_files: {p} is empty")
             with open(p, "rb") as f:
                 digest = hashlib.file_digest(f, "sha1").hexdigest()
             h.update(f"{tag}\0{p}\0{os.path.getsize(p)}\0{digest}\0".encode())
     if eval_files and sorted(set(eval_files)) == sorted(set(train_files)):
-        logging.warning("dataset.eval_files are the train_files: the evaluation measures the "
-                        "training data, not held-out text")
+        _warn_once("dataset.eval_files are the train_files: the evaluation measures the training "
+                   "data, not held-out text")
     return FilesConfig(name="f" + h.hexdigest()[:16], train_files=train_files,
                        eval_files=eval_files)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning about the files, once per process: the file lists are read again for the test
+    evaluation after training."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logging.warning("%s", message)
 
 
 def _file_paths(key: str, value) -> tuple[str, ...]:
@@ -280,8 +291,8 @@ def _file_paths(key: str, value) -> tuple[str, ...]:
             raise DataError(f"dataset.{key} holds {p!r}, not a file path")
         paths.append(os.path.abspath(os.path.expanduser(os.fspath(p))))
     for p in sorted({p for p in paths if paths.count(p) > 1}):
-        logging.warning("dataset.%s lists %s %d times: its examples count %d times", key, p,
-                        paths.count(p), paths.count(p))
+        _warn_once(f"dataset.{key} lists {p} {paths.count(p)} times: its examples count "
+                   f"{paths.count(p)} times")
     return tuple(paths)
 
 
@@ -536,6 +547,8 @@ def _check_shards(builder: tfds.core.DatasetBuilder, split: str) -> None:
     should be at least 64KB big'), after the tokenizer was trained."""
     from array_record.python import array_record_module
 
+    if builder.info.file_format != tfds.core.FileFormat.ARRAY_RECORD:  # Parquet reads by index too
+        return
     info = builder.info.splits[split]
     again = (f"the copy of the prepared dataset in {builder.data_dir} is incomplete or damaged: copy "
              f"it again (or rebuild it with `tfds build`)")

@@ -111,7 +111,7 @@ def _sampling_settings(sampling: SamplingConfig | None, **keywords) -> SamplingC
     given = [name for name, value in keywords.items()
              if _traced(value) or not _same(value, getattr(defaults, name))]
     if given:
-        raise ValueError(f"sampling=SamplingConfig(...) and {', '.join(given)}= given together: pass the "
+        raise ValueError(f"sampling=SamplingConfig(...) and {'=, '.join(given)}= given together: pass the "
                          f"sampling settings one way, e.g. sampling=dataclasses.replace(sampling, "
                          f"{given[0]}=...)")
     return sampling
@@ -779,8 +779,8 @@ def generate(
         afterwards (its arrays are deleted), so make a fresh one for each call. Off by default,
         which leaves ``cache`` as it was, ready for another call.
       sampling: the four settings above as one `SamplingConfig`, in place of their keywords (one
-        object to keep in your own config and pass to each call); giving it with any of them
-        is a ValueError.
+        object to keep in your own config and pass to each call); giving it with any of them at
+        another value than its default is a ValueError (one at its default is taken as not given).
 
     Returns:
       GenerateOutput(tokens [B, T], lengths [B], logprobs [B, T]).

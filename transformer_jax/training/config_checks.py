@@ -271,12 +271,14 @@ def unread_training_settings(config: ml_collections.ConfigDict) -> list[str]:
         unread("test_split", config.test_split, f"the evaluation after training (BLEU, exact match) is "
                                                 f"for translation, and dataset {config.dataset.name!r} "
                                                 f"is a language model's")
-    elif translation and not config.test_split:
+    if not (translation and config.test_split):
         defaults = training_defaults()
+        why = ("config.test_split is unset" if translation else
+               f"dataset {config.dataset.name!r} is a language model's, which has none")
         for key in ("beam_size", "beam_alpha"):
             if config[key] != defaults[key]:
-                unread(key, config[key], "it is a setting of the evaluation after training, and "
-                                         "config.test_split is unset")
+                unread(key, config[key], f"it is a setting of the translation evaluation after "
+                                         f"training, and {why}")
     if config.profile_start_step >= config.num_train_steps:
         unread("profile_start_step", config.profile_start_step,
                f"the run's last step is {config.num_train_steps - 1} (config.num_train_steps="
