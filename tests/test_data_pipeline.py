@@ -544,8 +544,8 @@ def test_data_file_lists_are_read_as_meant_and_their_mistakes_named(data_dir, tm
         builders.files_config([str(a), str(empty)], ())
     assert [r.getMessage() for r in caplog.records] == [
         f"dataset.train_files lists {a} 2 times: its examples count 2 times",
-        "dataset.eval_files are the train_files: the evaluation measures the training data, not "
-        "held-out text",
+        f"dataset.eval_files are the train_files ({a}, {b}): the evaluation measures the training "
+        "data, not held-out text",
         f"dataset.train_files: {empty} is empty"]
     caplog.clear()
     with caplog.at_level(logging.WARNING):  # nothing to say; and each warning once per process (the

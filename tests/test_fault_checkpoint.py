@@ -119,7 +119,7 @@ def test_damage_is_detected_and_inference_falls_back(workdir, damage, message, c
     damage(workdir)
     verdict = integrity.verify(ckpt(workdir), 10)
     assert verdict.status == "corrupt" and message in verdict.describe(), verdict
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):  # absl's own level may be WARNING (train.py's)
         bundle = restore_for_inference(workdir)  # newest *good* step, with a warning
     assert bundle.step == 5
     # One line on stderr (stdout carries outputs); the log record, which the command lines printed
@@ -779,7 +779,7 @@ def test_a_step_restored_without_its_manifest_is_sealed_for_the_model(tmp_path, 
     path = _save_tiny(workdir, 3, model_config=model)
     os.remove(os.path.join(path, integrity.MANIFEST_NAME))
     reader = Checkpointer(workdir, read_only=True, model_config=model)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):  # absl's own level may be WARNING (train.py's)
         reader.restore(_tiny_state(0))
     assert reader.restored_step == 3 and integrity.verify(ckpt(workdir), 3).status == "unsealed"
     unchecked = "WARNING: checkpoint step 3 has no integrity.json (the run that wrote it stopped before "

@@ -262,8 +262,8 @@ def files_config(train_files: Sequence[str], eval_files: Sequence[str]) -> Files
                 digest = hashlib.file_digest(f, "sha1").hexdigest()
             h.update(f"{tag}\0{p}\0{os.path.getsize(p)}\0{digest}\0".encode())
     if eval_files and sorted(set(eval_files)) == sorted(set(train_files)):
-        _warn_once("dataset.eval_files are the train_files: the evaluation measures the training "
-                   "data, not held-out text")
+        _warn_once(f"dataset.eval_files are the train_files ({', '.join(sorted(set(eval_files)))}): the "
+                   f"evaluation measures the training data, not held-out text")
     return FilesConfig(name="f" + h.hexdigest()[:16], train_files=train_files,
                        eval_files=eval_files)
 
