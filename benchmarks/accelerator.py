@@ -35,7 +35,8 @@ so a run killed at a time limit keeps everything measured before it; no row star
 imports the data stack (grain, tensorflow-datasets, ml_collections): a machine with only jax, flax
 and optax runs it.
 `--smoke` shrinks every size (a 2-layer model, 256 tokens) so the whole path runs on CPU in about a
-minute; tests/test_benchmarks.py runs it.
+minute; tests/test_benchmarks.py runs it. Without it, a jax with no GPU or TPU is refused
+(`--allow-cpu` runs the full sizes on the CPU anyway).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import transformer_jax as tj  # noqa: E402
 from benchmarks import bench_attention, bench_decode, bench_model, hardware  # noqa: E402
+from benchmarks.cli import check_out_file, non_negative_float, write_json  # noqa: E402
 
 SECTIONS = ("checks", "train", "decode", "attention")
 OPTIONAL_SECTIONS = ("profile",)  # run only when named in --only
@@ -590,25 +592,18 @@ def run(smoke: bool = False, save=None, sections=SECTIONS, budget_s: float | Non
     return report
 
 
-def write_json(path: str, report: dict) -> None:
-    """Writes the report to a temporary file beside `path` and renames it over `path`: a run killed
-    mid-write leaves the previous complete report, never half a file."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        f.write(json.dumps(report, indent=1, default=str))
-    os.replace(partial, path)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: the same code on any CPU")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run the full sizes even where jax has no GPU/TPU (hours on a CPU)")
     parser.add_argument("--out", default=None,
                         help="JSON file (default: print only), rewritten after every row")
     parser.add_argument("--only", nargs="+", choices=SECTIONS + OPTIONAL_SECTIONS, default=list(SECTIONS),
                         help="run only these sections (the hardware limits are always measured); "
                              "'profile' (a per-kernel breakdown of batch-1 decoding steps) runs only "
                              "when named")
-    parser.add_argument("--budget-s", type=float, default=420.0,
+    parser.add_argument("--budget-s", type=non_negative_float, default=420.0,
                         help="start no new row after this many seconds of the run (0: no limit), so "
                              "that the row in flight, the end reading of the limits and the summary "
                              "still fit in a 10-minute limit")
@@ -617,17 +612,15 @@ def main():
     parser.add_argument("--decode-model", default="1.3b", choices=["1.3b", "7b"],
                         help="the decoding model: ~1.3B (d_model 2048) or 7B-shaped (d_model 4096)")
     args = parser.parse_args()
-    if args.out:
-        # Checked before the run (minutes on an accelerator), not after it, where a bad path would
-        # lose every measurement: a missing folder is made (as run.py makes --out-dir), a path that
-        # cannot be written is refused before anything is measured.
-        folder = os.path.dirname(os.path.abspath(args.out))
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as e:
-            parser.error(f"--out {args.out}: {e}")
-        if os.path.isdir(args.out) or not os.access(folder, os.W_OK):
-            parser.error(f"--out {args.out}: not a writable file path")
+    # Checked before the run (minutes on an accelerator), not after it, where a bad path would lose
+    # every measurement.
+    check_out_file(parser, args.out)
+    if not args.smoke and not args.allow_cpu and jax.default_backend() == "cpu":
+        # The likeliest way here is an accelerator machine whose jax lacks its CUDA/TPU plugin: the
+        # full sizes (a ~350M-parameter training step on 8 x 2048 tokens) would run for hours.
+        parser.error("jax found no GPU or TPU (its backend is 'cpu'): install jax's CUDA or TPU "
+                     "plugin, or pass --smoke for the tiny sizes (--allow-cpu runs the full sizes "
+                     "on the CPU anyway)")
     save = (lambda report: write_json(args.out, report)) if args.out else None
     report = run(args.smoke, save=save, sections=tuple(args.only), budget_s=args.budget_s,
                  remat=args.remat, decode_model=args.decode_model)

@@ -2,11 +2,12 @@
 
     python benchmarks/bench_attention.py --lengths 1024 4096 16384
 
-Causal self-attention, batch 1, 8 heads of 64, float32 (the model's attention layer shape at
-d_model=512). Peak memory is XLA's own account of the compiled program's temporary buffers
-(`compiled.memory_analysis().temp_size_in_bytes`; works on CPU, unlike device memory stats) plus its
-arguments and outputs, for the forward pass and for forward+backward (gradients of q, k, v). A
-program whose temporaries exceed --memory-budget is compiled (for its memory figure) but not run.
+Causal self-attention, batch 1, 8 heads of 64 (the model's attention layer shape at d_model=512),
+float32 (`--dtype bfloat16` for cuDNN on a GPU). Peak memory is XLA's own account of the compiled
+program's temporary buffers (`compiled.memory_analysis().temp_size_in_bytes`; works on CPU, unlike
+device memory stats) plus its arguments and outputs, for the forward pass and for forward+backward
+(gradients of q, k, v). A program whose temporaries exceed --memory-budget is compiled (for its
+memory figure) but not run.
 Time: median forward pass.
 """
 
@@ -23,9 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
-from benchmarks.cli import positive_int
+from benchmarks.cli import positive_float, positive_int
 from benchmarks.hardware import median_time
 from transformer_jax.modeling import dot_product_attention, masks
+from transformer_jax.modeling.attention import impl_problem
 
 IMPLS = ("reference", "xla", "chunked")
 
@@ -91,9 +93,16 @@ def main():
     parser.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS),
                         choices=["reference", "xla", "chunked", "cudnn", "flash"])
-    parser.add_argument("--memory-budget-gib", type=float, default=4.0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="q, k and v (cuDNN, and 'flash' on a GPU, need bfloat16)")
+    parser.add_argument("--memory-budget-gib", type=positive_float, default=4.0,
+                        help="compile but do not run programs with more temporaries than this")
     args = parser.parse_args()
-    bench(args.lengths, args.impls, memory_budget=args.memory_budget_gib * 2**30)
+    for impl in args.impls:  # refused here, not by a traceback at the first row
+        problem = impl_problem(impl, dtype=args.dtype, head_dim=64)
+        if problem:
+            parser.error(f"--impls {impl}: {problem.replace('ModelConfig.dtype=', '--dtype ')}")
+    bench(args.lengths, args.impls, dtype=args.dtype, memory_budget=args.memory_budget_gib * 2**30)
 
 
 if __name__ == "__main__":

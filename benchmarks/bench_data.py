@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grain  # noqa: E402
 
+from benchmarks.cli import check_out_file, positive_int, write_json  # noqa: E402
 from transformer_jax.data import inputs  # noqa: E402
 
 
@@ -53,18 +54,29 @@ def measure(cfg, workdir, num_batches):
     }
 
 
+# Every dataset the pipeline knows but those read from the user's own files (no flag names files here).
+DATASETS = tuple(name for name in inputs.DATASET_NAMES if name not in ("tsv", "text"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", default=os.path.expanduser("~/tensorflow_datasets"))
     parser.add_argument("--workdir", default=None, help="tokenizer cache (default: a temp dir)")
-    parser.add_argument("--batches", type=int, default=100)
-    parser.add_argument("--datasets", default="enfr_builtin,stdlib_lm")
+    parser.add_argument("--batches", type=positive_int, default=100)
+    parser.add_argument("--datasets", default="enfr_builtin,stdlib_lm",
+                        help=f"comma-separated, of {', '.join(DATASETS)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    check_out_file(parser, args.out)
+    names = args.datasets.split(",")
+    unknown = [name for name in names if name not in DATASETS]
+    if unknown:  # named before any dataset is built, not after the first ones
+        parser.error(f"--datasets: unknown {', '.join(map(repr, unknown))}; choose from "
+                     f"{', '.join(DATASETS)}")
 
     results = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "datasets": {}}
     workroot = args.workdir or tempfile.mkdtemp(prefix="bench_data_")
-    for name in args.datasets.split(","):
+    for name in names:
         entry = {}
         for pack in (True, False):
             cfg = inputs.default_dataset_config(name)
@@ -83,8 +95,7 @@ def main():
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":

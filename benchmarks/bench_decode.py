@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import transformer_jax as tj
-from benchmarks.cli import positive_int
+from benchmarks.cli import check_out_file, non_negative_int, positive_int, write_json
 from benchmarks.hardware import memory_bandwidth
 from transformer_jax.decoding.huge_pages import place_on_huge_pages
 from transformer_jax.decoding.model_steps import (
@@ -480,7 +480,7 @@ def main():
                         help="ModelConfig.kernel_layout ('out_in' decodes faster on CPU; 'packed', "
                              "in bf16, faster still)")
     parser.add_argument("--repeats", type=positive_int, default=2)
-    parser.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
+    parser.add_argument("--tensor-parallel", type=non_negative_int, default=0, metavar="N",
                         help="only the GPT-2-small row split over a tensor mesh of N devices "
                              "(see tensor_parallel_row); prints that one row")
     parser.add_argument("--batch", type=positive_int, default=8, help="with --tensor-parallel or --profile")
@@ -492,10 +492,16 @@ def main():
     args = parser.parse_args()
     if args.steps < 2:  # lm_row times steps - 1 decoding steps: the prefill makes the first token
         parser.error(f"--steps {args.steps}: at least 2 new tokens (the first comes from the prefill)")
+    if args.profile and args.steps < 3:  # one decoding step is compiled without its loop
+        parser.error(f"--steps {args.steps}: --profile needs at least 3 new tokens (a decoding loop "
+                     "of two steps or more)")
+    check_out_file(parser, args.out)
     if args.tensor_parallel:
         config = gpt2_tensor_parallel_config(args.dtype, args.kernel_layout)
         row = tensor_parallel_row(config, args.batch, args.steps, args.tensor_parallel, args.repeats)
         print(json.dumps(row))
+        if args.out:
+            write_json(args.out, row)
         return
     if args.profile:
         config = tj.presets.gpt2_small(dropout_rate=0.0, dtype=args.dtype, param_dtype=args.dtype,
@@ -504,8 +510,7 @@ def main():
         print(profile_table(row))
         print(json.dumps(row))
         if args.out:
-            with open(args.out, "w") as f:
-                f.write(json.dumps(row, indent=1) + "\n")
+            write_json(args.out, row)
         return
 
     bandwidth = memory_bandwidth()
@@ -547,11 +552,9 @@ def main():
         results=lm_rows + s2s_rows,
         cache_speedup=speedup,
     )
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

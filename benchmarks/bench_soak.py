@@ -34,7 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.cli import positive_int  # noqa: E402
+from benchmarks.cli import check_out_file, positive_float, positive_int, write_json  # noqa: E402
 
 
 def _status(pid: int) -> dict[str, float] | None:
@@ -78,13 +78,18 @@ def run(steps: int, checkpoint_every: int, workdir: str, data_dir: str, interval
     start = time.perf_counter()
     with open(os.path.join(workdir, "train.log"), "w") as log:
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        while child.poll() is None:
-            status = _status(child.pid)
-            saved = _latest_step(checkpoints) // checkpoint_every
-            if status is not None and saved > 0:
-                samples.append({"seconds": round(time.perf_counter() - start, 1), "checkpoints": saved,
-                                **status})
-            time.sleep(interval)
+        try:
+            while child.poll() is None:
+                status = _status(child.pid)
+                saved = _latest_step(checkpoints) // checkpoint_every
+                if status is not None and saved > 0:
+                    samples.append({"seconds": round(time.perf_counter() - start, 1),
+                                    "checkpoints": saved, **status})
+                time.sleep(interval)
+        finally:  # interrupted (Ctrl-C) or failed here: the training run does not go on unwatched
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     if child.returncode:
         with open(os.path.join(workdir, "train.log")) as f:
             tail = f.read()[-3000:]
@@ -117,7 +122,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=positive_int, default=3000)
     parser.add_argument("--checkpoint-every", type=positive_int, default=10)
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between samples")
+    parser.add_argument("--interval", type=positive_float, default=0.5, help="seconds between samples")
     parser.add_argument("--workdir", default=None, help="the run's workdir (default: a new temporary one)")
     parser.add_argument("--data-dir", default=os.path.join("~", "tensorflow_datasets"))
     parser.add_argument("--out", default=None)
@@ -126,15 +131,14 @@ def main(argv=None) -> dict:
         parser.error("this benchmark reads /proc: Linux only")
     if args.checkpoint_every > args.steps:
         parser.error(f"--checkpoint-every {args.checkpoint_every} is more than --steps {args.steps}")
+    check_out_file(parser, args.out)
     workdir = args.workdir or tempfile.mkdtemp(prefix="soak-")
     os.makedirs(workdir, exist_ok=True)
     result = run(args.steps, args.checkpoint_every, os.path.abspath(workdir),
                  os.path.expanduser(args.data_dir), args.interval)
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_json(args.out, result)
     return result
 
 

@@ -20,42 +20,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.cli import positive_int
+from benchmarks.cli import check_out_file, non_negative_float, non_negative_int, positive_int, write_json
 from transformer_jax import parallel
-from transformer_jax.config import ModelConfig
+from transformer_jax.config import ConfigError, ModelConfig
 from transformer_jax.params import build_model
 from transformer_jax.training import metrics, steps
 from transformer_jax.training.optimizer import create_optimizer, default_optimizer_config
 from transformer_jax.training.schedules import create_schedule
 from transformer_jax.training.state import count_params, create_train_state
 
+FIRST_TOKEN = 4  # ids below it are the special tokens (padding, EOS, BOS, unknown)
+
 
 def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     out = {}
     for key in ("inputs", "targets"):
-        out[key] = rng.integers(4, vocab, (batch, length)).astype(np.int32)
+        out[key] = rng.integers(FIRST_TOKEN, vocab, (batch, length)).astype(np.int32)
         out[f"{key}_segment_ids"] = np.ones((batch, length), np.int32)
         out[f"{key}_positions"] = np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy()
     return out
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--d_model", type=int, default=128)
-    p.add_argument("--d_ff", type=int, default=0, help="0 = 4 x d_model")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=2000)
-    p.add_argument("--batch", type=positive_int, default=64)
-    p.add_argument("--length", type=positive_int, default=32)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--steps", type=positive_int, default=10)
-    p.add_argument("--peak_tflops", type=float, default=0.0)
-    p.add_argument("--out", default="")
-    args = p.parse_args()
-
-    cfg = ModelConfig(
+def model_config(args) -> ModelConfig:
+    return ModelConfig(
         vocab_size=args.vocab,
         d_model=args.d_model,
         d_ff=args.d_ff or 4 * args.d_model,
@@ -66,6 +54,30 @@ def main():
         max_len=max(64, args.length),
         dtype=args.dtype,
     )
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--d_model", type=positive_int, default=128)
+    p.add_argument("--d_ff", type=non_negative_int, default=0, help="0 = 4 x d_model")
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--vocab", type=positive_int, default=2000)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--length", type=positive_int, default=32)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--peak_tflops", type=non_negative_float, default=0.0)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    check_out_file(p, args.out)
+    if args.vocab <= FIRST_TOKEN:
+        p.error(f"--vocab {args.vocab}: the synthetic tokens are ids {FIRST_TOKEN} and up, so at least "
+                f"{FIRST_TOKEN + 1}")
+    try:
+        cfg = model_config(args)
+    except ConfigError as e:  # e.g. --heads that do not divide --d_model
+        p.error(str(e))
     model, opt = build_model(cfg), default_optimizer_config()
     tx, schedule = create_optimizer(opt, cfg.d_model, 1000), create_schedule(opt, cfg.d_model, 1000)
     mesh = parallel.create_mesh(data=-1)
@@ -106,8 +118,7 @@ def main():
     }
     print(json.dumps(result, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1119,3 +1119,87 @@ def test_reports_name_the_cpu_they_measured(monkeypatch, tmp_path):
                                         cpu_flags=["avx2", "fma", "avx512f", "amx_tile"])
     monkeypatch.undo()
     assert {"cpu_model", "cpu_flags"} <= set(hardware.describe())
+
+
+def _refuse_to_run(*args, **kwargs):
+    raise AssertionError("the benchmark ran despite a bad argument")
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("accelerator", [], "jax found no GPU or TPU (its backend is 'cpu')"),
+    ("accelerator", ["--smoke", "--budget-s", "-1"], "argument --budget-s: -1: must be at least 0"),
+    ("bench_soak", ["--interval", "-1"], "argument --interval: -1: must be more than 0"),
+    ("bench_soak", ["--out", "{tmp}"], "--out {tmp}: not a writable file path"),
+    ("bench_train", ["--vocab", "3"], "--vocab 3: the synthetic tokens are ids 4 and up"),
+    ("bench_train", ["--heads", "3"], "num_heads"),
+    ("bench_train", ["--dtype", "bf16"], "argument --dtype: invalid choice: 'bf16'"),
+    ("bench_train", ["--out", "{tmp}"], "--out {tmp}: not a writable file path"),
+    ("bench_data", ["--datasets", "enfr_builtin,nope"], "--datasets: unknown 'nope'"),
+    ("bench_data", ["--batches", "0"], "argument --batches: 0: must be at least 1"),
+    ("bench_data", ["--out", "{tmp}/file/under/a/file"], "--out {tmp}/file/under/a/file"),
+    ("bench_decode", ["--profile", "--steps", "2"], "--profile needs at least 3 new tokens"),
+    ("bench_decode", ["--tensor-parallel", "-2"], "argument --tensor-parallel: -2: must be at least 0"),
+    ("bench_decode", ["--out", "{tmp}"], "--out {tmp}: not a writable file path"),
+    ("bench_attention", ["--impls", "cudnn"], "--impls cudnn: 'cudnn' needs an NVIDIA GPU"),
+    ("bench_attention", ["--memory-budget-gib", "-1"],
+     "argument --memory-budget-gib: -1: must be more than 0"),
+])
+def test_benchmark_scripts_refuse_bad_arguments_before_running(script, argv, message, monkeypatch, capsys,
+                                                              tmp_path):
+    """Each mistake is a one-line usage error naming the argument, before anything is measured:
+    before, --out was opened after the run (a traceback once the figures were in), --interval -1
+    left a training run going in the background, a misspelt dataset failed after the ones before it
+    were built, --vocab 3 and --batches 0 were numpy and ZeroDivision tracebacks, --impls cudnn a
+    traceback at the first row, and accelerator.py without --smoke on a CPU ran the full sizes."""
+    import importlib
+    import sys
+
+    (tmp_path / "file").write_text("")
+    module = importlib.import_module(f"benchmarks.{script}")
+    for name in ("run", "bench", "measure", "profile_steps", "tensor_parallel_row", "bench_lm",
+                 "build_model"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, _refuse_to_run)
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(*([argv] if script == "bench_soak" else []))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+
+
+def test_accelerator_runs_the_full_sizes_on_a_cpu_only_when_told(monkeypatch):
+    """--allow-cpu is the way past the refusal above; the run then gets the full sizes."""
+    import sys
+
+    runs = []
+    monkeypatch.setattr(accelerator, "run", lambda smoke, **kwargs: runs.append(smoke) or dict(
+        meta=dict(smoke=smoke), summary=[]))
+    monkeypatch.setattr(sys, "argv", ["accelerator.py", "--allow-cpu"])
+    accelerator.main()
+    assert runs == [False]
+
+
+def test_soak_benchmark_stops_its_training_run_when_it_is_interrupted(monkeypatch, tmp_path):
+    """A Ctrl-C (or any failure) while the soak benchmark samples ends the training run it started,
+    instead of leaving it to train on unwatched in the background."""
+    import subprocess
+
+    from benchmarks import bench_soak
+
+    children = []
+    popen = subprocess.Popen
+
+    def start(command, **kwargs):  # a stand-in for train.py that would outlive the test
+        children.append(popen(["sleep", "600"], **kwargs))
+        return children[-1]
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_soak.subprocess, "Popen", start)
+    monkeypatch.setattr(bench_soak.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench_soak.run(10, 5, str(tmp_path), str(tmp_path / "data"), 0.5)
+    assert children and children[0].poll() is not None
