@@ -128,6 +128,32 @@ def test_gpt2_layer_norm_epsilon_and_token_ids_are_carried_over(tmp_path):
     assert tokenizer.eos_id == 7 and tokenizer.decode(tokenizer.encode("the cat") + [7]) == "the cat"
 
 
+def test_marian_training_only_options_are_left_out_with_a_warning(caplog):
+    """A fine-tuned Marian with activation dropout or layer drop (regularisers that change nothing
+    at inference) was refused outright; it loads with a warning naming them, and its eval-mode
+    logits are transformers'. Marian takes "gelu_fast" as GPT-2 does."""
+    import logging
+
+    def edit(c):
+        c.update(activation_function="gelu_fast", activation_dropout=0.1, encoder_layerdrop=0.05)
+
+    directory = _copy_checkpoint(marian_checkpoint("marian_swish"), edit)
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        config, params = load_hf_checkpoint(directory)
+    assert "activation_dropout=0.1, encoder_layerdrop=0.05" in caplog.text
+    assert "decoder_layerdrop" not in caplog.text and config.activation == "gelu_tanh"
+    rng = np.random.default_rng(2)
+    src = rng.integers(1, config.vocab_size - 1, (2, 6))
+    src[:, -1] = config.eos_id
+    tgt = rng.integers(1, config.vocab_size - 1, (2, 5))
+    tgt[:, 0] = config.decoder_start_id
+    with torch.no_grad():
+        ref = hf_model(directory)(input_ids=torch.tensor(src), decoder_input_ids=torch.tensor(tgt)).logits
+    ours = build_model(config).apply({"params": params}, jnp.asarray(src, jnp.int32),
+                                     jnp.asarray(tgt, jnp.int32))
+    np.testing.assert_allclose(np.asarray(ours), ref.numpy(), atol=1e-4, rtol=0)
+
+
 def test_marian_token_ids_and_layer_norm_epsilon_follow_transformers():
     """decoder_start_token_id and eos_token_id other than the fixtures' (pad, 0) are read from
     config.json, as transformers reads them; every LayerNorm gets torch's epsilon."""
@@ -481,12 +507,14 @@ def test_null_or_out_of_range_token_ids_in_config_json():
     outside = _copy_checkpoint(gpt2_checkpoint("gpt2_a"), lambda c: c.update(bos_token_id=vocab,
                                                                               eos_token_id=vocab))
     with pytest.raises(ConversionError, match=rf"token ids outside the vocabulary \[0, {vocab}\): "
-                                              rf"eos_id={vocab} \(config.json's eos_token_id\): give "
+                                              rf"eos_id={vocab} \(config.json's eos_token_id\): set "
+                                              rf"config.json's eos_token_id to a token id, or give "
                                               rf"eos_id=<token id> to load_hf_checkpoint; bos_id={vocab} "
-                                              rf"\(config.json's bos_token_id\): give bos_id=.*; "
+                                              rf"\(config.json's bos_token_id\): set .*give bos_id=.*; "
                                               rf"decoder_start_id={vocab} \(config.json's bos_token_id\)"):
         load_hf_config(outside)
-    with pytest.raises(ConversionError, match=r"bos_id=.*config.json's bos_token_id\): give bos_id="):
+    with pytest.raises(ConversionError, match=r"bos_id=.*config.json's bos_token_id\): set config.json's "
+                                              r"bos_token_id to a token id, or give bos_id="):
         load_hf_config(outside, eos_id=3)
     config, _ = load_hf_checkpoint(outside, eos_id=3, bos_id=3, decoder_start_id=3)
     assert (config.eos_id, config.bos_id, config.decoder_start_id) == (3, 3, 3)

@@ -242,11 +242,17 @@ def test_training_refuses_without_fallback(workdir, data_dir):
         train_and_evaluate(config, workdir)
 
 
-def test_every_checkpoint_corrupt_is_an_error(workdir):
+def test_every_checkpoint_corrupt_is_an_error(workdir, data_dir):
+    """Each reader gets the advice it can follow: a run that only reads the workdir (decoding,
+    evaluating) is not told to move its only weights away to train from scratch."""
     for step in (5, 10):
         os.remove(biggest_file(workdir, step))
-    with pytest.raises(integrity.CheckpointCorruptError, match="No usable checkpoint.*fresh --workdir"):
+    with pytest.raises(integrity.CheckpointCorruptError,
+                       match=r"No usable checkpoint.*step 5.*left as they are: restore the workdir") as e:
         restore_for_inference(workdir)
+    assert "train from scratch" not in str(e.value)
+    with pytest.raises(integrity.CheckpointCorruptError, match="No usable checkpoint.*fresh --workdir"):
+        train_and_evaluate(tiny_config(data_dir, num_train_steps=12), workdir)
 
 
 def test_checkpoint_of_another_model_names_the_fields(workdir, data_dir, monkeypatch):

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -428,8 +429,8 @@ def test_outputs_are_utf8_whatever_the_locale_and_standard_input_is_a_file(monke
     decoding had run; and --input_file=- was a file named '-'."""
     directory = gpt2_checkpoint("gpt2_a")
     seen = []
-    monkeypatch.setattr(cli, "generate_texts", lambda gen, texts, opts, progress, mesh=None: (
-        seen.append(texts) or [f"café {t}\x1b" for t in texts]))
+    monkeypatch.setattr(cli, "iter_generated", lambda gen, texts, opts, progress, mesh=None: (
+        seen.append(texts) or [(i, f"café {t}\x1b") for i, t in enumerate(texts)]))
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"first\r\nsecond\n"), encoding="ascii"))
     stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
     monkeypatch.setattr(sys, "stdout", stdout)
@@ -816,3 +817,103 @@ def test_a_mesh_shards_the_parameters_and_splits_the_batch_with_the_same_text(tm
     mt = (f"--hf_checkpoint={directory}", "--prompt=the cat", "--prompt=a dog sat", "--max_new_tokens=8")
     assert run_cli(*mt, "--mesh=tensor=2") == run_cli(*mt)  # (beam search on a mesh: above)
     assert seen[-2][1].mesh.shape == {"data": 4, "fsdp": 1, "tensor": 2} and seen[-2][2] > 10
+
+
+class _FlushLog(io.StringIO):
+    """An output stream that records, at each flush, how many lines had been written."""
+
+    def __init__(self):
+        super().__init__()
+        self.flushed: list[int] = []
+
+    def flush(self):
+        self.flushed.append(len(self.getvalue().splitlines()))
+
+
+def test_outputs_are_written_as_soon_as_the_inputs_before_them_are_decoded(tmp_path, monkeypatch, capsys):
+    """The batches go longest input first; an output is written once every input before it is
+    decoded, flushed batch by batch (they were all held back to the end, and a Ctrl-C lost them):
+    an interrupted run keeps the finished ones, with one line saying how many, and status 130."""
+    directory = gpt2_checkpoint("gpt2_a")
+    texts = ["your cat is a great cat and the box of it", "the box", "a", "the cold coffee"]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+    args = (f"--hf_checkpoint={directory}", f"--input_file={tmp_path / 'in.txt'}", "--max_new_tokens=4",
+            "--batch_size=1")
+    whole = run_cli(*args)
+    fv = flags.FlagValues()
+    cli.define_flags(fv)
+    fv(["generate", *args])
+    out = _FlushLog()
+    cli.run(fv, out)
+    assert out.getvalue().splitlines() == whole
+    # Decoded in the order 0 (longest), 3, 1, 2: input 0's line at the first flush, 1 at the third
+    # (with nothing new at the second), then 2 and 3 together.
+    assert out.flushed == [1, 1, 2, 4]
+
+    decode = cli._decode_batch
+    calls = []
+
+    def interrupted_at_the_third_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return decode(*a, **k)
+
+    monkeypatch.setattr(cli, "_decode_batch", interrupted_at_the_third_batch)
+    out = _FlushLog()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.run(fv, out)
+    assert e.value.code == 130 and out.getvalue().splitlines() == whole[:1]
+    err = capsys.readouterr().err  # after the progress bar's lines
+    assert err.endswith("\nerror: interrupted; the outputs of the first 1 of 4 inputs were written\n")
+
+
+def test_a_failed_write_of_the_outputs_is_one_line_or_a_quiet_end_for_a_closed_pipe(tmp_path):
+    """`> /dev/full` was an OSError traceback (twice: once more as Python flushed at exit); `| head`
+    a BrokenPipeError traceback; a closed stdout (`>&-`) an AttributeError after decoding. Now:
+    one error line and status 1; status 141 and nothing on stderr, as for a program the pipe's
+    end stops; one error line and status 2 before anything is loaded."""
+    _tiny_workdir(str(tmp_path))
+    command = [sys.executable, "-m", "transformer_jax.generate", f"--workdir={tmp_path}",
+               "--prompt=the tired engineer", "--prompt=a", "--max_new_tokens=4"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == "error: cannot write the outputs: No space left on device (0 of 2 written)\n"
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader has gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+    proc = subprocess.run(" ".join(map(shlex.quote, command)) + " >&-", shell=True, capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: standard output is closed"), proc.stderr
+
+
+def test_malformed_bad_words_ids_are_named(tmp_path, capsys):
+    """A generation config's bad_words_ids that is not a list of token-id lists was a TypeError or
+    ValueError traceback; it is an error naming the entry."""
+    import shutil
+
+    src = gpt2_checkpoint("gpt2_a")
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), tmp_path / name)
+    for bad, message in (([[54], 3], "entry 1 is 3, not a list of token ids"),
+                         ([["a"]], "entry 0 is ['a'], not a list of token ids"),
+                         ([[54], [10**6]], "entry 1 has token ids outside the vocabulary"),
+                         ("[54]", "is '[54]', not a list of token-id lists")):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"bad_words_ids": bad}))
+        err = cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a")
+        assert f"error: {tmp_path}: bad_words_ids in its generation config" in err and message in err, err
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bad_words_ids": [[54], [7, 8]]}))
+    assert cli.load_hf_generator(str(tmp_path)).banned_ids == (54,)  # single tokens only, as before
+
+
+def test_empty_lines_at_the_end_of_an_input_file_are_not_inputs(tmp_path, capsys):
+    path = tmp_path / "in.txt"
+    path.write_text("first\nsecond\n\n\n")  # an editor's or `echo >>`'s extra line end
+    assert cli._read_file(str(path)) == ["first", "second"]
+    path.write_text("first\n\nsecond\n")  # one inside is still an empty input
+    err = cli_error(capsys, f"--workdir={tmp_path}", f"--input_file={path}")
+    assert "empty input (line 2 of --input_file)" in err

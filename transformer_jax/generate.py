@@ -14,6 +14,11 @@ Defaults: greedy decoding; ``--decoding=beam`` uses the paper's beam 4 and lengt
 (section 6.1). New tokens: at most source length + 50 for translation (the paper's limit), 64 for
 continuation, and never past the model's ``max_len`` positions.
 
+Outputs are written, and flushed, as soon as every input before them is decoded (the batches go
+longest first); Ctrl-C ends with status 130 and the number written, a closed pipe (``| head``)
+with status 141 and no message, a write that fails (a full disk) with ``error: ...`` and status 1.
+Empty lines at the end of ``--input_file`` are not inputs.
+
 Bad input (an empty prompt, a prompt longer than the model allows without ``--truncate``, bad
 sampling settings, a workdir without a checkpoint) ends with ``error: ...`` on stderr, exit code 2.
 """
@@ -24,7 +29,7 @@ import dataclasses
 import logging as pylogging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from absl import app, flags, logging
@@ -137,9 +142,32 @@ def load_hf_generator(path: str) -> Generator:
     from transformer_jax.convert.hf_files import read_generation_config
 
     config, params = load_hf_checkpoint(path, dropout_rate=0.0, attention_dropout_rate=0.0)
-    banned = read_generation_config(path).get("bad_words_ids") or []
-    banned_ids = tuple(sorted({int(w[0]) for w in banned if len(w) == 1}))
-    return Generator(config, params, load_hf_tokenizer(path), banned_ids)
+    banned = _banned_ids(read_generation_config(path).get("bad_words_ids"), config.vocab_size, path)
+    return Generator(config, params, load_hf_tokenizer(path), banned)
+
+
+def _banned_ids(bad_words_ids, vocab_size: int, path: str) -> tuple[int, ...]:
+    """The single-token entries of a checkpoint's ``bad_words_ids`` (a list of token-id lists, as
+    transformers takes it; longer sequences are not banned here), or an error naming the entry."""
+    from transformer_jax.convert import ConversionError
+
+    if not bad_words_ids:
+        return ()
+    where = f"{path}: bad_words_ids in its generation config"
+    if not isinstance(bad_words_ids, list):
+        raise ConversionError(f"{where} is {bad_words_ids!r}, not a list of token-id lists")
+    banned = set()
+    for i, words in enumerate(bad_words_ids):
+        if (not isinstance(words, list) or not words
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in words)):
+            raise ConversionError(f"{where}: entry {i} is {words!r}, not a list of token ids")
+        outside = [t for t in words if not 0 <= t < vocab_size]
+        if outside:
+            raise ConversionError(f"{where}: entry {i} has token ids outside the vocabulary "
+                                  f"[0, {vocab_size}): {outside}")
+        if len(words) == 1:
+            banned.add(words[0])
+    return tuple(sorted(banned))
 
 
 def load_workdir_generator(workdir: str, step: int | None = None, mesh=None) -> Generator:
@@ -550,6 +578,18 @@ def generate_texts(
     Inputs are sorted by length and decoded ``opts.batch_size`` at a time. With a ``mesh`` (the
     parameters placed on it, `on_mesh`), each batch is split over its data axes.
     """
+    outputs: list[str] = [""] * len(texts)
+    for i, text in iter_generated(gen, texts, opts, progress=progress, mesh=mesh):
+        outputs[i] = text
+    return outputs
+
+
+def iter_generated(
+    gen: Generator, texts: Sequence[str], opts: DecodeOptions = DecodeOptions(), *, progress: bool = False,
+    mesh=None,
+) -> Iterator[tuple[int, str]]:
+    """`generate_texts` one batch at a time: yields ``(input index, output)`` as each batch is
+    decoded, longest inputs first."""
     import jax
 
     from transformer_jax.params import key_from_seed
@@ -563,16 +603,14 @@ def generate_texts(
         from tqdm import tqdm
 
         chunks = tqdm(chunks, desc="generate", unit="batch", file=sys.stderr)
-    outputs: list[str] = [""] * len(encoded)
     rng = key_from_seed(opts.seed)  # all 64 bits: seeds 0 and 2**32 differ
     for chunk in chunks:
-        # Input i samples with fold_in(key(seed), i): its text does not depend on --batch_size or
-        # on the inputs that share its batch.
+        # Input i samples with fold_in(key(seed), i): its draws do not depend on --batch_size or on
+        # the inputs that share its batch (its logits may, by float rounding: see the README).
         keys = [jax.random.fold_in(rng, i) for i in chunk]
         ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, keys, mesh)
         for i, out in zip(chunk, ids, strict=True):
-            outputs[i] = gen.tokenizer.decode(out)
-    return outputs
+            yield i, gen.tokenizer.decode(out)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -638,7 +676,7 @@ def _read_file(input_file: str) -> list[str]:
         raise GenerateError(f"--input_file={input_file!r} is not UTF-8 text (a NUL character at line "
                             f"{_line_of(data, nul)}; UTF-16?)")
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    if lines[-1] == "":  # the file's last line end, or an empty file
+    while lines and lines[-1] == "":  # the file's last line end, and empty lines after the last input
         lines.pop()
     if not lines:
         raise GenerateError(f"--input_file={input_file!r} is empty")
@@ -708,10 +746,15 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
     fv = flag_values
     if out is None:
         out = sys.stdout
+        if out is None:  # started with its standard output closed (`>&-`): checked before decoding
+            print("error: standard output is closed: nowhere to write the outputs (redirect it to a "
+                  "file)", file=sys.stderr)
+            sys.exit(2)
         # The outputs are any Unicode text, which an ASCII or Latin-1 locale's encoding cannot hold.
         encoding = (getattr(out, "encoding", None) or "").lower().replace("-", "")
         if encoding != "utf8" and hasattr(out, "reconfigure"):
             out.reconfigure(encoding="utf-8")
+    written = 0  # outputs written, in input order
     try:
         _check_flag_combinations(fv)
         opts = options_from_flags(fv)
@@ -739,13 +782,54 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
             logging.info("parameters on huge pages: %d of %d MiB (%s)", placed.placed >> 20,
                          placed.requested >> 20, placed.reason or "all moved")
         progress = fv.input_file is not None and len(texts) > opts.batch_size
-        outputs = generate_texts(gen, texts, opts, progress=progress, mesh=mesh)
+        # Written in input order as soon as every input before them is decoded (the batches go
+        # longest first), each batch's lines flushed: a long job's finished lines are not held back.
+        ready: dict[int, str] = {}
+        for i, text in iter_generated(gen, texts, opts, progress=progress, mesh=mesh):
+            ready[i] = text
+            while written in ready:
+                _write(out, _escape_newlines(ready.pop(written)) + "\n")
+                written += 1
+            _write(out, "", flush=True)
     except (GenerateError, ConversionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    for text in outputs:
-        print(_escape_newlines(text), file=out)
-    out.flush()
+    except KeyboardInterrupt:
+        print(f"error: interrupted; the outputs of the first {written} of {len(texts)} inputs were "
+              "written", file=sys.stderr)
+        sys.exit(130)
+    except _OutputError as e:
+        if out is sys.stdout:  # nothing more to write there, at exit either (Python would try)
+            _silence_stdout()
+        if isinstance(e.__cause__, BrokenPipeError):  # `| head`: the reader has what it wanted
+            sys.exit(141)  # as a program the pipe's end killed (128 + SIGPIPE)
+        print(f"error: cannot write the outputs: {e.__cause__.strerror or e.__cause__} ({written} of "
+              f"{len(texts)} written)", file=sys.stderr)
+        sys.exit(1)
+
+
+class _OutputError(Exception):
+    """Writing an output failed (a closed pipe, a full disk): raised from the OSError."""
+
+
+def _write(out, text: str, flush: bool = False) -> None:
+    try:
+        out.write(text)
+        if flush:
+            out.flush()
+    except OSError as e:
+        raise _OutputError from e
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no descriptor behind it (a test's stream)
+        pass
+
+
 
 
 def _hide_checkpoint_library_warnings(record) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.convert.mapping import (
+    HF_ACTIVATIONS,
     ParamBuilder,
     check_options,
     heads_bias,
@@ -18,16 +19,7 @@ from transformer_jax.convert.mapping import (
     untie_a_distinct_head,
 )
 
-# Hugging Face activation names -> ours ("gelu_new" is GPT-2's tanh approximation).
-ACTIVATIONS = {
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_fast": "gelu_tanh",
-    "gelu": "gelu",
-    "relu": "relu",
-    "silu": "silu",
-    "swish": "silu",
-}
+ACTIVATIONS = HF_ACTIVATIONS
 
 
 # The config.json key each token id is read from (decoding starts from the BOS token).

@@ -85,8 +85,9 @@ def load_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
                and isinstance(merged.get(k), int) and isinstance(vocab, int) and not 0 <= merged[k] < vocab]
     if bad_ids:  # all of them in one error, each with the way out it has
         def way_out(k):
-            if k in overridable:
-                return f"give {k}=<token id> to load_hf_checkpoint"
+            if k in overridable:  # the command line (generate --hf_checkpoint) has config.json only
+                return (f"set config.json's {converter.TOKEN_ID_KEYS[k]} to a token id, or give "
+                        f"{k}=<token id> to load_hf_checkpoint")
             return ("it cannot be overridden (the encoder masks the source tokens equal to it): "
                     "fix config.json")
         def source(k):

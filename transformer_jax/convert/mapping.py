@@ -16,6 +16,18 @@ from absl import logging
 from transformer_jax.config import ModelConfig
 from transformer_jax.convert.hf_files import ConversionError, Unreadable
 
+# Hugging Face activation names -> ours (HF's "gelu" is the exact erf GELU; "gelu_new", GPT-2's,
+# "gelu_pytorch_tanh" and "gelu_fast" are the same tanh approximation).
+HF_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+
 
 def strip_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """Drops ``prefix`` from the names that have it (``transformer.h.0...`` -> ``h.0...``), so a

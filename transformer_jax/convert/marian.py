@@ -11,10 +11,12 @@ Post-LN with LayerNorm eps 1e-5, no final norm, ``nn.Linear`` weights stored [ou
 from __future__ import annotations
 
 import numpy as np
+from absl import logging
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.convert.hf_files import Unreadable
 from transformer_jax.convert.mapping import (
+    HF_ACTIVATIONS,
     ParamBuilder,
     check_options,
     heads_bias,
@@ -24,16 +26,12 @@ from transformer_jax.convert.mapping import (
     untie_a_distinct_head,
 )
 
-# Hugging Face activation names -> ours (HF's "gelu" is the exact erf GELU).
-ACTIVATIONS = {
-    "swish": "silu",
-    "silu": "silu",
-    "relu": "relu",
-    "gelu": "gelu",
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-}
+ACTIVATIONS = HF_ACTIVATIONS
 _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which MarianEncoderLayer/DecoderLayer use
+
+
+# Dropout after the feed-forward activation and dropping whole layers: used only in training.
+TRAINING_ONLY = ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop")
 
 
 def _shown(hf: dict, key: str, default) -> str:
@@ -60,9 +58,6 @@ def _unsupported(hf: dict) -> list[str]:
             f"decoder_vocab_size={decoder_vocab} != vocab_size={hf.get('vocab_size')} "
             "(separate target vocabulary)"
         )
-    for name in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
-        if hf.get(name, 0.0):
-            problems.append(f"{name}={hf[name]} (only 0 is supported)")
     if hf.get("d_model", 1024) % hf.get("encoder_attention_heads", 16):
         problems.append(f"{_shown(hf, 'd_model', 1024)} not divisible by "
                         f"{_shown(hf, 'encoder_attention_heads', 16)}")
@@ -83,6 +78,11 @@ def config_fields(hf: dict) -> dict:
     """The `ModelConfig` fields of a Marian config.json; every option we cannot express is listed in
     one error."""
     check_options("marian", _unsupported(hf))
+    left_out = [f"{name}={hf[name]}" for name in TRAINING_ONLY if hf.get(name)]
+    if left_out:  # they change nothing at inference; fine-tuning here runs without them
+        logging.warning("Marian options with no ModelConfig counterpart left out: %s (training "
+                        "regularisers: decoding is unchanged, and fine-tuning runs without them)",
+                        ", ".join(left_out))
     # transformers writes unset ids as null: MarianConfig's defaults then (EOS 0, start from the pad)
     start = hf.get("decoder_start_token_id")
     start = hf["pad_token_id"] if start is None else start

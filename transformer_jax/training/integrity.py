@@ -642,10 +642,15 @@ def restore_verified(checkpointer, steps: list[int], fallback: bool, restore_fn,
             file=sys.stderr,  # stdout carries outputs (`transformer_jax.generate` > out.txt)
             flush=True,
         )
+    if getattr(checkpointer, "read_only", False):  # decoding, evaluating: nothing here trains
+        advice = (" Its steps were left as they are: restore the workdir from a copy, or point at "
+                  "another run's.")
+    else:
+        advice = f" Move {directory} away (or use a fresh --workdir) to train from scratch."
     raise CheckpointCorruptError(
         f"No usable checkpoint in {directory}: "
         + "; ".join(f"step {v.step}: {v.describe()}" for v in bad)
-        + f". Move {directory} away (or use a fresh --workdir) to train from scratch."
+        + "." + advice
     )
 
 
