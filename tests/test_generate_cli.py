@@ -457,6 +457,9 @@ def test_input_file_gives_one_input_per_line(capsys, tmp_path):
     path.write_bytes(b"good\nalso good\nbad \xff byte\n")
     err = cli_error(capsys, f"--workdir={tmp_path}", f"--input_file={path}")
     assert "is not UTF-8 text (invalid start byte at line 3)" in err
+    path.write_bytes("first\nsecond\n".encode("utf-16"))  # with its byte-order mark: named as such
+    err = cli_error(capsys, f"--workdir={tmp_path}", f"--input_file={path}")
+    assert "is UTF-16 text (it starts with a UTF-16 byte-order mark), not UTF-8" in err, err
 
 
 def test_step_flag_picks_the_checkpoint(capsys, tmp_path, monkeypatch):
@@ -490,10 +493,13 @@ def test_bad_model_sources_are_clear_errors(capsys, tmp_path):
     assert "expected a JSON object, got list" in err
     # A directory that is not a training workdir (a Hugging Face checkpoint's config.json), and a
     # model section edited into another type: one line naming the file, not an AttributeError.
-    for text in ('{"model_type": "gpt2"}', '{"model": [1]}'):
-        config_json.write_text(text)
-        err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
-        assert f"{config_json} has no readable 'model' section" in err and "Traceback" not in err, err
+    config_json.write_text('{"model": [1]}')
+    err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
+    assert f"{config_json} has no readable 'model' section" in err and "Traceback" not in err, err
+    config_json.write_text('{"model_type": "gpt2"}')  # with the way out it has
+    err = cli_error(capsys, f"--workdir={tmp_path}", "--prompt=a")
+    assert (f"{config_json} is a Hugging Face checkpoint's config (model_type='gpt2'), not a training "
+            f"workdir's: load it with --hf_checkpoint={tmp_path}") in err and "Traceback" not in err, err
     # ...and the other way round: a training workdir given as a Hugging Face checkpoint.
     config_json.write_text(json.dumps({"model": {"vocab_size": 300}}))
     err = cli_error(capsys, f"--hf_checkpoint={tmp_path}", "--prompt=a")

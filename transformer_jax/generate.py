@@ -666,6 +666,9 @@ def _read_file(input_file: str) -> list[str]:
     except OSError as e:
         raise GenerateError(f"cannot read --input_file={input_file!r}: {e.strerror or e}") from e
     data = data.removeprefix(b"\xef\xbb\xbf")
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's byte-order marks (Windows' "Unicode")
+        raise GenerateError(f"--input_file={input_file!r} is UTF-16 text (it starts with a UTF-16 "
+                            f"byte-order mark), not UTF-8: convert it, e.g. iconv -f UTF-16 -t UTF-8")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -733,6 +733,10 @@ def _model_config_of(workdir: str, config) -> ModelConfig:
         return ModelConfig.from_dict(dict(config.model))
     except (AttributeError, KeyError, TypeError) as e:
         path = os.path.join(workdir, CONFIG_FILENAME)
+        if "model_type" in config:  # a Hugging Face checkpoint's config.json
+            raise ValueError(f"{path} is a Hugging Face checkpoint's config (model_type="
+                             f"{config.get('model_type')!r}), not a training workdir's: load it with "
+                             f"--hf_checkpoint={workdir} (tj.load_hf_checkpoint in Python)") from e
         raise ValueError(f"{path} has no readable 'model' section ({type(e).__name__}: {e}); is "
                          f"{workdir} a training workdir?") from e
 
