@@ -222,6 +222,24 @@ WORKER = TRANSLATOR + textwrap.dedent(
         f"optimizer.learning_rate (this process: {other['optimizer']['learning_rate']!r})"]
     extra = dict(other, **({"model": {"d_ff": 128}} if rank else {}))
     assert parallel.config_differences(extra)[0].startswith("the set of config fields")
+    # The validation loss over many batches, each batch's sums a program whose all-reduce crosses
+    # the processes, run one at a time here (queued together they could hang both processes in
+    # gloo under load: test_train.py checks the waiting); the figure is the whole split's.
+    w = jax.device_put(np.eye(256, dtype=np.float32), NamedSharding(mesh, PartitionSpec()))
+
+    @jax.jit
+    def eval_step(w, batch):
+        y = jax.numpy.tanh(batch["targets"] @ w) @ w
+        return {"loss_sum": y.sum(), "weight_sum": jax.numpy.float32(y.size), "nll": (y * y).sum(),
+                "z_loss": jax.numpy.float32(0), "correct": abs(y).sum()}
+
+    eval_batches = [{"targets": np.full((4, 64, 256), (i + rank) % 3, np.float32)} for i in range(40)]
+    loss = evaluate.evaluate_loss(eval_step, w, eval_batches, mesh)
+    # Rows of value v in {0, 1, 2} give tanh(v) each; 40 batches of 8 rows over both processes.
+    counts = np.bincount([(i + r) % 3 for i in range(40) for r in (0, 1)], minlength=3)
+    expected = float((counts * np.tanh(np.arange(3))).sum() / counts.sum())
+    assert abs(loss["eval_loss"] - expected) < 1e-5, (loss, expected)
+
     # Written to a file of its own: the C++ runtime logs to the same pipe as stdout.
     with open(os.environ["RESULT_FILE"] + str(rank), "w") as f:
         print("RESULT", rank, parallel.is_primary(), int(total), parallel.describe_mesh(mesh), file=f)

@@ -9,6 +9,7 @@ from transformer_jax.parallel.distributed import (
     initialize,
     is_primary,
     leave_and_exit,
+    one_program_at_a_time,
     stop_child_processes,
     sync_global,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "initialize",
     "is_primary",
     "leave_and_exit",
+    "one_program_at_a_time",
     "stop_child_processes",
     "logical_to_mesh_spec",
     "logical_to_sharding",

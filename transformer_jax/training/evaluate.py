@@ -35,9 +35,12 @@ class Stopped(Exception):  # noqa: N818 - a stop that was asked for, not an erro
 def evaluate_loss(eval_step: Callable, params, batches: Sequence[dict], mesh) -> dict[str, float]:
     """Token-weighted means over every batch: the ``EVAL_METRICS`` and eval_num_tokens."""
     totals = None
+    one_at_a_time = parallel.one_program_at_a_time()  # multi-process on CPUs: they would hang
     for batch in batches:
         sums = eval_step(params, to_global_batch(batch, mesh))
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        if one_at_a_time:
+            jax.block_until_ready(totals)
     totals = jax.device_get(totals)
     aux = {k: totals[k] for k in ("nll", "z_loss", "correct")}
     metrics = losses.normalize_metrics(totals["loss_sum"], totals["weight_sum"], aux)
