@@ -1,10 +1,12 @@
 """Multi-process dataset preparation: process 0 builds, the others wait for the finished files."""
 
+import os
 import tempfile
 import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from transformer_jax.data import DataError, builders
@@ -14,11 +16,19 @@ def _builder(data_dir):
     return builders.EnfrBuiltin(config="small", data_dir=data_dir, file_format="array_record")
 
 
+def _two_processes_sharing_the_data_dir(monkeypatch, shared=True):
+    """The collectives of a two-process start, as one process sees them: not every process has the
+    prepared files yet, and its data_dir is (or is not) the one process 0 prepares in."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(builders, "_every_process_has", lambda present: False)
+    monkeypatch.setattr(builders, "_shares_process_0_data_dir", lambda builder: shared)
+
+
 def test_other_processes_wait_for_process_0(tmp_path, monkeypatch, capsys):
     data_dir = str(tmp_path)
     waiting = _builder(data_dir)  # made before the files exist, as on a second host
     assert not waiting.data_path.exists()
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    _two_processes_sharing_the_data_dir(monkeypatch)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("b", builders.prepare(waiting)))
@@ -39,7 +49,7 @@ def test_other_processes_wait_for_process_0(tmp_path, monkeypatch, capsys):
 
 
 def test_waiting_times_out_with_a_clear_message(tmp_path, monkeypatch):
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    _two_processes_sharing_the_data_dir(monkeypatch)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     try:
         builders.prepare(_builder(str(tmp_path)), wait_timeout_s=0.5)
@@ -47,6 +57,43 @@ def test_waiting_times_out_with_a_clear_message(tmp_path, monkeypatch):
         assert "shared by all hosts" in str(e)
     else:
         raise AssertionError("expected a TimeoutError")
+
+
+def test_a_process_with_its_own_copy_of_the_data_dir_prepares_it(tmp_path, monkeypatch, capsys):
+    """The README lets dataset.data_dir differ between hosts (a local cache on each): a process
+    whose folder is not process 0's waited 30 minutes for files process 0 never writes there, the
+    others waiting for it in silence. It prepares its own copy."""
+    _two_processes_sharing_the_data_dir(monkeypatch, shared=False)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    local = builders.prepare(_builder(str(tmp_path / "local")), wait_timeout_s=1)
+    assert local.info.splits["train"].num_examples > 0
+    out = capsys.readouterr().out
+    assert f"Process 1: dataset.data_dir {local.data_dir} is not the one process 0 prepares" in out, out
+
+
+def test_whether_a_data_dir_is_process_0s_is_found_by_a_file_process_0_writes(tmp_path, monkeypatch):
+    """Process 0 writes a file named by a number it draws in its dataset folder; a process sees it
+    where it shares that folder, not in a copy of the path on its own disk. The file is removed."""
+    from jax.experimental import multihost_utils
+
+    ours, other = _builder(str(tmp_path / "shared")), _builder(str(tmp_path / "own"))
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.array([12345], np.int32))
+    marker = os.path.join(os.path.dirname(ours.data_dir), ".shared-check-12345")
+
+    def as_process_0_writes(name):  # the first barrier: process 0 has written its file
+        if name == "prepare: marker written":
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            open(marker, "w").close()
+
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", as_process_0_writes)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert builders._shares_process_0_data_dir(ours) is True
+    assert builders._shares_process_0_data_dir(other) is False
+    os.remove(marker)
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: None)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    assert builders._shares_process_0_data_dir(ours) is True  # process 0 sees its own file...
+    assert not os.path.exists(marker)  # ...and removes it
 
 
 def test_a_data_dir_that_cannot_be_written_is_one_error_naming_it(tmp_path):

@@ -77,6 +77,7 @@ def test_initialize_passes_the_settings_and_auto_detects_unless_forbidden(monkey
     calls = []
     monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)  # the job the coordinator formed
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "OMPI_COMM_WORLD_SIZE",
                  "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"):
         monkeypatch.delenv(name, raising=False)
@@ -93,6 +94,10 @@ def test_initialize_passes_the_settings_and_auto_detects_unless_forbidden(monkey
         dict(coordinator_address="h:1", num_processes=2, process_id=1, **common,
              initialization_timeout=300, heartbeat_timeout_seconds=5),
     ]
+    # A process told another count than the job it joined has (it trained on, as if it were right).
+    with pytest.raises(ConfigError, match=r"num_processes=3 on this process \(process_id=1\), but the job "
+                                          r"the coordinator h:1 started has 2 processes"):
+        parallel.initialize("h:1", 3, 1)
 
 
 def test_process_0_names_a_coordinator_port_that_is_taken_or_malformed(monkeypatch):
@@ -105,6 +110,7 @@ def test_process_0_names_a_coordinator_port_that_is_taken_or_malformed(monkeypat
     calls = []
     monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
@@ -348,3 +354,9 @@ def test_training_refuses_configs_that_differ_between_processes(monkeypatch):
     with pytest.raises(ConfigError, match="different configs or workdirs"):
         loop.train_and_evaluate(config, "runs/x")
     assert seen["config"]["workdir"] == "/tmp/runs/x"
+    # A value that only one process has, and that is invalid there: compared before it is checked,
+    # so every process names the difference (checked first, only the process with the bad value
+    # said so, and the others waited in the comparison until the runtime aborted them, ~100 s).
+    config.optimizer.learning_rate = -1.0
+    with pytest.raises(ConfigError, match="different configs or workdirs"):
+        loop.train_and_evaluate(config, "/nonexistent/workdir")

@@ -477,13 +477,23 @@ def test_train_flops_count_grouped_query_key_and_value_projections_at_their_size
 
 
 def test_non_finite_values_reach_metrics_jsonl_but_not_tensorboard(tmp_path):
+    """metrics.jsonl is strict JSON: a non-finite value is the string "NaN" / "Infinity" (bare
+    NaN, which strict readers refuse, before). A finite value beyond float32's range (a diverging
+    run's perplexity) is infinite in TensorBoard's float32 field: it ended the run with an
+    OverflowError traceback, its jsonl record written and its event not."""
     log = metrics.MetricsLogger(str(tmp_path), 10, progress=False)
-    log.write(3, {"loss": float("nan"), "learning_rate": 0.5})
+    log.write(3, {"loss": float("nan"), "learning_rate": 0.5, "grad_norm": float("-inf")})
+    log.write(4, {"loss": 477.0, "perplexity": 6.8e217})
     log.close()
-    assert np.isnan(read_jsonl(str(tmp_path))[0]["loss"])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    refuse = lambda constant: pytest.fail(f"not strict JSON: {constant}")  # noqa: E731
+    first, second = (json.loads(line, parse_constant=refuse) for line in lines)
+    assert first == {"step": 3, "loss": "NaN", "learning_rate": 0.5, "grad_norm": "-Infinity"}
+    assert np.isnan(float(first["loss"])) and second["perplexity"] == 6.8e217
     (events,) = os.listdir(tmp_path / "tensorboard")
-    last = metrics.read_events(str(tmp_path / "tensorboard" / events))[-1]
-    assert b"learning_rate" in last and struct.pack("<f", 0.5) in last and b"loss" not in last
+    third, fourth = metrics.read_events(str(tmp_path / "tensorboard" / events))[-2:]
+    assert b"learning_rate" in third and struct.pack("<f", 0.5) in third and b"loss" not in third
+    assert struct.pack("<f", float("inf")) in fourth and struct.pack("<f", 477.0) in fourth
 
 
 def test_training_figures_are_a_line_each_where_no_bar_is_drawn(tmp_path, capsys, monkeypatch):
@@ -598,7 +608,7 @@ def test_non_finite_stops_or_skips(data_dir, tmp_path, monkeypatch):
     final = train_and_evaluate(config, str(tmp_path / "skip"))
     assert closed, "the input pipeline of a finished run was left open"
     records = [r for r in read_jsonl(str(tmp_path / "skip")) if "loss" in r]
-    assert np.isnan(records[5]["loss"]) and np.isfinite(final["loss"]) and final["step"] == 8
+    assert records[5]["loss"] == "NaN" and np.isfinite(final["loss"]) and final["step"] == 8
     assert final["skipped_steps"] == 1
     assert [r["skipped"] for r in records] == [0, 0, 0, 0, 0, 1, 0, 0]
     # The skipped step did not advance the optimizer: the next step applies the same rate.

@@ -17,6 +17,7 @@ builders import TensorFlow). Prepare them once, where TensorFlow and the interne
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -436,9 +437,19 @@ def prepare(builder: tfds.core.DatasetBuilder, wait_timeout_s: float = 1800.0) -
     """Builds the ArrayRecord files once (a no-op when they exist).
 
     In a multi-process run process 0 builds them and the others wait for the finished directory
-    (TFDS renames it into place when complete), so no two processes race to write the same files.
+    (TFDS renames it into place when complete), so no two processes race to write the same files;
+    a process whose ``dataset.data_dir`` is not process 0's (a local disk on each host, at the same
+    path or another) builds its own copy.
     """
-    if jax.process_count() > 1 and jax.process_index() != 0:
+    shared = True
+    if jax.process_count() > 1:
+        if _every_process_has(builder.data_path.exists()):
+            return builder
+        shared = _shares_process_0_data_dir(builder)  # every process takes part
+        if jax.process_index() != 0 and not shared:
+            print(f"Process {jax.process_index()}: dataset.data_dir {builder.data_dir} is not the one "
+                  f"process 0 prepares (a local copy on this host): preparing it here too", flush=True)
+    if jax.process_count() > 1 and jax.process_index() != 0 and shared:
         deadline = time.monotonic() + wait_timeout_s
         while not builder.data_path.exists():
             if time.monotonic() > deadline:
@@ -461,6 +472,41 @@ def prepare(builder: tfds.core.DatasetBuilder, wait_timeout_s: float = 1800.0) -
     except OSError as e:  # a data_dir that is a file, read-only, or on a full disk
         raise _unwritable(builder, e) from e
     return builder
+
+
+def _every_process_has(present: bool) -> bool:
+    """Whether ``present`` holds on every process (a collective: every process calls it)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([present]))))
+
+
+def _shares_process_0_data_dir(builder) -> bool:
+    """Whether this process sees the folder process 0 prepares ``builder`` in (a shared file
+    system) rather than a copy of its path on its own disk: process 0 writes a file named by a
+    number it draws, and each process looks for it (a collective: every process calls it)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    draw = np.array([np.random.default_rng().integers(1, 2**31 - 1)], np.int32)
+    token = int(multihost_utils.broadcast_one_to_all(draw)[0])
+    folder = os.path.dirname(builder.data_dir)  # the dataset's folder in dataset.data_dir
+    marker = os.path.join(folder, f".shared-check-{token}")
+    if jax.process_index() == 0:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(marker, "w"):
+                pass
+        except OSError:  # the build names the problem
+            pass
+    multihost_utils.sync_global_devices("prepare: marker written")
+    seen = os.path.exists(marker)
+    multihost_utils.sync_global_devices("prepare: marker looked for")
+    if jax.process_index() == 0:
+        with contextlib.suppress(OSError):
+            os.remove(marker)
+    return seen
 
 
 def _unwritable(builder, error: OSError) -> DataError:

@@ -201,6 +201,13 @@ def initialize(
             f"same coordinator address and process count, and that the port is reachable. "
             f"Cause: {e}"
         ) from e
+    if count is not None and jax.process_count() != count:
+        # The coordinator's count rules: a process told another one joins and would train on,
+        # its own flag wrong, as if nothing were amiss.
+        raise ConfigError(
+            f"num_processes={count} on this process (process_id={index}), but the job the coordinator "
+            f"{address} started has {jax.process_count()} processes: give every process the same "
+            f"--num_processes")
     return True
 
 

@@ -298,7 +298,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     """
     # --- setup: checks before anything is compiled -----------------------------------------------
     fill_section_defaults(config)  # a config file's partial optimizer / dataset / mesh section
-    check_config(config)
     if integrity.is_local(workdir):  # `--workdir=~/run`: the shell leaves a '~' after '=' as it is
         workdir = os.path.expanduser(workdir)
     # The workdir too: one the hosts see at different paths left process 0 waiting in a collective
@@ -310,6 +309,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
         raise ConfigError(f"the {jax.process_count()} processes were given different configs or workdirs "
                           "(run the same command on every host, its workdir at the same path on each); "
                           f"differing: {'; '.join(differing)}")
+    # Checked after the comparison: a value refused on one host only (a typo in its command) is then
+    # named on every host, not only on that one, the others left waiting for it in a collective until
+    # the runtime's heartbeat aborts them.
+    check_config(config)
     for warning in unread_dataset_settings(config) + unread_training_settings(config):
         _say(warning)
     if unit_rate := unit_rate_as_peak(config):

@@ -69,6 +69,30 @@ def _length_delimited(number: int, data: bytes) -> bytes:
     return _field(number, 2, _varint(len(data)) + data)
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32(value) -> float:
+    """``value`` as TensorBoard's float32 field holds it: beyond its range (a diverging run's
+    perplexity, exp of a loss of 500) it is infinite, as a cast to float32 makes it
+    (``struct.pack('<f')`` raised OverflowError, which ended the run with a traceback)."""
+    value = float(value)
+    return value if abs(value) <= _FLOAT32_MAX else math.copysign(math.inf, value)
+
+
+def _json_value(value):
+    """A value for metrics.jsonl, strict JSON: a non-finite number as the string "NaN",
+    "Infinity" or "-Infinity" (``float()`` reads each back), where ``json.dumps`` wrote the bare
+    NaN and Infinity that strict readers (jq, JavaScript, pandas' strict mode) refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    return value
+
+
 def encode_event(
     wall_time: float, step: int, *, scalars: dict[str, float] | None = None, file_version: str | None = None,
     session_start: bool = False,
@@ -84,7 +108,7 @@ def encode_event(
     if scalars:
         values = b"".join(
             _length_delimited(
-                1, _length_delimited(1, tag.encode()) + _field(2, 5, struct.pack("<f", float(value)))
+                1, _length_delimited(1, tag.encode()) + _field(2, 5, struct.pack("<f", _float32(value)))
             )
             for tag, value in scalars.items()
         )
@@ -283,7 +307,8 @@ class MetricsLogger:
             return
         clean = {k: _plain(v) for k, v in metrics.items()}
         try:
-            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            record = {"step": step, **{k: _json_value(v) for k, v in clean.items()}}
+            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
             self._jsonl.flush()
             self._events.scalars(step, {k: v for k, v in clean.items() if _is_number(v)})
         except OSError as e:  # disk full, or the workdir gone: one line naming the file, no traceback
