@@ -429,6 +429,13 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path, caplog)
         average_checkpoints(workdir, last_k=2, output_workdir=str(tmp_path / "gap"))
     assert (f"are not consecutive saves (one every {every} steps): averaging steps "
             f"[{20 - 2 * every}, 20]") in caplog.text
+    # Closer than the saves too: a save at a preemption (31 after 30) or at a last step off the grid
+    # gave its stretch double weight without a word (only wider gaps were named).
+    from transformer_jax.training.checkpoint import evenly_spaced
+
+    assert evenly_spaced([20, 30, 40], 10) and evenly_spaced([40], 10)
+    assert not evenly_spaced([30, 31, 40, 50, 60], 10) and not evenly_spaced([20, 40], 10)
+    assert not evenly_spaced([30, 40, 45], 10)
     # a flipped byte in the newest step's parameters: refused, like any restore of it
     flip_byte(_biggest_params_file(integrity.step_dir(os.path.join(workdir, "checkpoints"), 20)))
     with pytest.raises(integrity.CheckpointCorruptError, match=r"step 20 .* is corrupt: .*has changed.*"
@@ -533,15 +540,18 @@ def test_average_names_a_step_removed_while_reading(reference, tmp_path, monkeyp
 
 
 def test_average_cli(reference, tmp_path):
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    # Paths as `--workdir=~/...` (the shell leaves a '~' after '=' as it is): the workdir was "not a
+    # training workdir" and the output a folder named '~' in the current directory.
+    os.symlink(reference[1], tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "transformer_jax.training.average",
-            f"--workdir={reference[1]}",
+            "--workdir=~/run",
             "--last=3",
-            f"--output={tmp_path / 'avg3'}",
+            "--output=~/avg3",
         ],
         env=env,
         cwd=REPO,

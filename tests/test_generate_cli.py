@@ -923,3 +923,12 @@ def test_empty_lines_at_the_end_of_an_input_file_are_not_inputs(tmp_path, capsys
     path.write_text("first\n\nsecond\n")  # one inside is still an empty input
     err = cli_error(capsys, f"--workdir={tmp_path}", f"--input_file={path}")
     assert "empty input (line 2 of --input_file)" in err
+
+
+def test_paths_starting_with_a_tilde_are_the_home_folder_s(tmp_path, monkeypatch):
+    """`--workdir=~/run` reaches the program with its '~' (the shell expands it only at a word's
+    start): it was "not a directory", as train.py and the averaging command expand it."""
+    _tiny_workdir(str(tmp_path / "run"))
+    (tmp_path / "in.txt").write_text("the tired engineer\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert len(run_cli("--workdir=~/run", "--input_file=~/in.txt", "--max_new_tokens=2")) == 1

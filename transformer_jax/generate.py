@@ -141,6 +141,7 @@ def load_hf_generator(path: str) -> Generator:
     from transformer_jax.convert import load_hf_checkpoint, load_hf_tokenizer
     from transformer_jax.convert.hf_files import read_generation_config
 
+    path = os.path.expanduser(path)
     config, params = load_hf_checkpoint(path, dropout_rate=0.0, attention_dropout_rate=0.0)
     banned = _banned_ids(read_generation_config(path).get("bad_words_ids"), config.vocab_size, path)
     return Generator(config, params, load_hf_tokenizer(path), banned)
@@ -173,6 +174,7 @@ def _banned_ids(bad_words_ids, vocab_size: int, path: str) -> tuple[int, ...]:
 def load_workdir_generator(workdir: str, step: int | None = None, mesh=None) -> Generator:
     """A `Generator` for a training workdir's latest (or given) checkpoint, its parameters sharded
     over ``mesh`` (default: whole on every device)."""
+    workdir = os.path.expanduser(workdir)  # `--workdir=~/run`: the shell leaves a '~' after '='
     if not os.path.isdir(workdir):
         raise GenerateError(f"--workdir={workdir!r} is not a directory")
     try:
@@ -661,7 +663,7 @@ def _read_file(input_file: str) -> list[str]:
         if input_file == "-":  # standard input, as for most tools that read files
             data = sys.stdin.buffer.read()
         else:
-            with open(input_file, "rb") as f:
+            with open(os.path.expanduser(input_file), "rb") as f:
                 data = f.read()
     except OSError as e:
         raise GenerateError(f"cannot read --input_file={input_file!r}: {e.strerror or e}") from e

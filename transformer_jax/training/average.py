@@ -8,6 +8,7 @@ manifest before it is averaged; a damaged step, a workdir without checkpoints or
 below 1 is one ``error:`` line and exit status 2.
 """
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -26,7 +27,9 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:  # the checkpoint library's INFO logs only on request
         logging.set_verbosity(logging.WARNING)
     try:
-        print(average_checkpoints(_WORKDIR.value, _LAST.value, _OUTPUT.value))
+        # `--workdir=~/run`: the shell leaves a '~' after '=' as it is (train.py expands it too)
+        output = os.path.expanduser(_OUTPUT.value) if _OUTPUT.value else None
+        print(average_checkpoints(os.path.expanduser(_WORKDIR.value), _LAST.value, output))
     except (ValueError, OSError) as e:  # a workdir, step or output problem, named in the message
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

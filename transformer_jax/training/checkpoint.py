@@ -26,6 +26,7 @@ import re
 import signal
 import threading
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -813,6 +814,11 @@ def _mean_of_sum(total: jax.Array, count: int) -> jax.Array:
     return jax.device_put(exact, total.sharding)
 
 
+def evenly_spaced(steps: Sequence[int], every: int) -> bool:
+    """Whether sorted checkpoint ``steps`` are consecutive saves, ``every`` steps apart."""
+    return all(b - a == every for a, b in zip(steps, steps[1:]))
+
+
 def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None,
                         mesh=None) -> str:
     """Averages the params of the last ``last_k`` checkpoints (section 6.1: 5 for base, 20 for big).
@@ -857,9 +863,10 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
                 "Only %d checkpoints in %s (asked for %d); averaging them all.", len(steps), workdir, last_k
             )
         every = config.get("checkpoint_every_steps")
-        if isinstance(every, int) and any(b - a > every for a, b in zip(steps, steps[1:])):
+        if isinstance(every, int) and not evenly_spaced(steps, every):
             # The paper averages the last saves, one every checkpoint_every_steps; keep_best_metric
-            # keeps the best ones, which may lie far apart.
+            # keeps the best ones, which may lie far apart, and a save at a preemption (step 31
+            # after 30) or at a last step off the grid gives its stretch of training double weight.
             logging.warning(
                 "The newest %d checkpoints in %s are not consecutive saves (one every %d steps%s): "
                 "averaging steps %s.", len(steps), workdir, every,
