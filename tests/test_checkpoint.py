@@ -420,6 +420,16 @@ def test_average_checks_each_step_and_its_arguments(reference, tmp_path, caplog)
                  restore_for_inference(out).params, *each)
     with pytest.raises(ValueError, match=r"already holds a checkpoint at step 20 .*--output"):
         average_checkpoints(workdir, last_k=50)  # the same output again: not overwritten
+    # Stopped after the step was committed and before its manifest: a rerun finishes it (it was
+    # refused as "an earlier average", the unsealed step left to load on orbax's word alone).
+    manifest = os.path.join(integrity.step_dir(os.path.join(out, "checkpoints"), 20), integrity.MANIFEST_NAME)
+    os.remove(manifest)
+    with caplog.at_level("WARNING"):
+        assert average_checkpoints(workdir, last_k=50) == out
+    assert "without its manifest (an average stopped before it was sealed)" in caplog.text
+    assert os.path.exists(manifest) and integrity.verify(os.path.join(out, "checkpoints"), 20).status == "ok"
+    jax.tree.map(lambda a, *xs: np.testing.assert_allclose(a, np.mean(xs, axis=0), rtol=1e-5, atol=1e-7),
+                 restore_for_inference(out).params, *each)
     # Steps that are not consecutive saves (keep_best_metric keeps the best ones, which may lie far
     # apart) were averaged as "the last K" without a word.
     with open(os.path.join(workdir, "config.json")) as f:

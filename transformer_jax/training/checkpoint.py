@@ -900,7 +900,12 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
     average = jax.tree.map(lambda t, a: _mean_of_sum(t, len(steps)).astype(a.dtype), total, abstract)
 
     output_workdir = output_workdir or os.path.join(workdir, f"average_last{len(steps)}")
-    if os.path.exists(integrity.step_dir(checkpoint_dir(output_workdir), steps[-1])):
+    existing = integrity.step_dir(checkpoint_dir(output_workdir), steps[-1])
+    # An average stopped after orbax committed its step and before its manifest was written: a
+    # rerun writes it again (it was refused as "an earlier average", and loaded unsealed).
+    unfinished = (os.path.exists(existing) and integrity.is_local(output_workdir)
+                  and not os.path.exists(os.path.join(existing, integrity.MANIFEST_NAME)))
+    if os.path.exists(existing) and not unfinished:
         raise ValueError(
             f"{output_workdir} already holds a checkpoint at step {steps[-1]} (an earlier average?): "
             f"remove it, or give another output directory (--output)")
@@ -916,11 +921,16 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
                 f"{there} differs from {os.path.join(workdir, name)}: {output_workdir} holds another "
                 f"run's files, which averaging would overwrite; give another output directory (--output)")
     if parallel.is_primary():
+        if unfinished:
+            logging.warning("%s holds step %d without its manifest (an average stopped before it was "
+                            "sealed): writing it again", output_workdir, steps[-1])
+            shutil.rmtree(existing)
         os.makedirs(output_workdir, exist_ok=True)
         for name in copied:  # via a temporary file: a failed copy leaves no half-written file
             tmp = os.path.join(output_workdir, name + ".tmp")
             shutil.copy(os.path.join(workdir, name), tmp)
             os.replace(tmp, os.path.join(output_workdir, name))
+    parallel.sync_global("transformer_jax_average_output_ready")  # the unfinished step is gone
     out = ocp.CheckpointManager(
         checkpoint_dir(output_workdir), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
     )
