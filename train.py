@@ -212,6 +212,8 @@ def _main(argv):
         parallel.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     except (*USER_ERRORS, RuntimeError) as e:  # e.g. JAX_NUM_PROCESSES=two, or no coordinator
         print(f"error: {e}", file=sys.stderr, flush=True)
+        if jax.distributed.is_initialized():  # refused after joining (another --num_processes):
+            os._exit(2)  # the interpreter's exit would wait for the other processes (~30 s)
         sys.exit(2)
     config = flags.FLAGS.config
     if _PROFILE_START.value is not None:

@@ -1154,7 +1154,10 @@ def test_benchmark_scripts_refuse_bad_arguments_before_running(script, argv, mes
     import importlib
     import sys
 
+    import jax
+
     (tmp_path / "file").write_text("")
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the refusals of a CPU, on any machine
     module = importlib.import_module(f"benchmarks.{script}")
     for name in ("run", "bench", "measure", "profile_steps", "tensor_parallel_row", "bench_lm",
                  "build_model"):
@@ -1173,7 +1176,10 @@ def test_accelerator_runs_the_full_sizes_on_a_cpu_only_when_told(monkeypatch):
     """--allow-cpu is the way past the refusal above; the run then gets the full sizes."""
     import sys
 
+    import jax
+
     runs = []
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(accelerator, "run", lambda smoke, **kwargs: runs.append(smoke) or dict(
         meta=dict(smoke=smoke), summary=[]))
     monkeypatch.setattr(sys, "argv", ["accelerator.py", "--allow-cpu"])

@@ -1,12 +1,10 @@
 """Multi-process dataset preparation: process 0 builds, the others wait for the finished files."""
 
-import os
 import tempfile
 import threading
 import time
 
 import jax
-import numpy as np
 import pytest
 
 from transformer_jax.data import DataError, builders
@@ -16,11 +14,15 @@ def _builder(data_dir):
     return builders.EnfrBuiltin(config="small", data_dir=data_dir, file_format="array_record")
 
 
-def _two_processes_sharing_the_data_dir(monkeypatch, shared=True):
+def _two_processes_sharing_the_data_dir(monkeypatch, shared=True, same=True):
     """The collectives of a two-process start, as one process sees them: not every process has the
-    prepared files yet, and its data_dir is (or is not) the one process 0 prepares in."""
+    prepared files yet, each would prepare the same dataset (or not), and its data_dir is (or is
+    not) the one process 0 prepares in."""
+    from transformer_jax import parallel
+
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(builders, "_every_process_has", lambda present: False)
+    monkeypatch.setattr(parallel, "on_every_process", lambda flag: False)
+    monkeypatch.setattr(parallel, "same_on_every_process", lambda text: same)
     monkeypatch.setattr(builders, "_shares_process_0_data_dir", lambda builder: shared)
 
 
@@ -68,32 +70,56 @@ def test_a_process_with_its_own_copy_of_the_data_dir_prepares_it(tmp_path, monke
     local = builders.prepare(_builder(str(tmp_path / "local")), wait_timeout_s=1)
     assert local.info.splits["train"].num_examples > 0
     out = capsys.readouterr().out
-    assert f"Process 1: dataset.data_dir {local.data_dir} is not the one process 0 prepares" in out, out
+    assert f"Process 1: dataset.data_dir {tmp_path / 'local'} is not the one process 0 prepares in" in out
+
+
+def test_processes_that_would_prepare_different_datasets_are_stopped(tmp_path, monkeypatch):
+    """User files are prepared in a folder named by a hash of their paths and contents: a host
+    with other files would train on other data (the marker check below would call its folder "a
+    local copy" and prepare it). Every process names it instead."""
+    _two_processes_sharing_the_data_dir(monkeypatch, same=False)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with pytest.raises(DataError, match=r"the processes would prepare different datasets: "
+                                        r"enfr_builtin/small/1.0.0 on process 1\. Give every host the "
+                                        r"same data files"):
+        builders.prepare(_builder(str(tmp_path)), wait_timeout_s=1)
 
 
 def test_whether_a_data_dir_is_process_0s_is_found_by_a_file_process_0_writes(tmp_path, monkeypatch):
-    """Process 0 writes a file named by a number it draws in its dataset folder; a process sees it
-    where it shares that folder, not in a copy of the path on its own disk. The file is removed."""
-    from jax.experimental import multihost_utils
+    """Process 0 writes a file named by a number it draws in its dataset.data_dir; a process sees
+    it where it shares that folder, not in a copy of the path on its own disk. The file is removed.
+    Where process 0 cannot write it (a read-only folder), the folder counts as shared, as before."""
+    from transformer_jax import parallel
 
     ours, other = _builder(str(tmp_path / "shared")), _builder(str(tmp_path / "own"))
-    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.array([12345], np.int32))
-    marker = os.path.join(os.path.dirname(ours.data_dir), ".shared-check-12345")
+    marker = tmp_path / "shared" / ".shared-check-12345"
+    answers = []
 
-    def as_process_0_writes(name):  # the first barrier: process 0 has written its file
-        if name == "prepare: marker written":
-            os.makedirs(os.path.dirname(marker), exist_ok=True)
-            open(marker, "w").close()
+    def from_process_0(value):  # the number drawn, then whether process 0 wrote its file
+        answers.append(value)
+        if len(answers) % 2:
+            return 12345
+        if jax.process_index() == 0:  # its own answer
+            return value
+        if process_0_writes:
+            marker.parent.mkdir(exist_ok=True)
+            marker.write_text("")
+        return int(process_0_writes)
 
-    monkeypatch.setattr(multihost_utils, "sync_global_devices", as_process_0_writes)
+    monkeypatch.setattr(parallel, "on_every_process", lambda flag: flag)
+    monkeypatch.setattr(parallel, "from_process_0", from_process_0)
+    monkeypatch.setattr(parallel, "sync_global", lambda name: None)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
+    process_0_writes = True
     assert builders._shares_process_0_data_dir(ours) is True
+    marker.unlink()
     assert builders._shares_process_0_data_dir(other) is False
-    os.remove(marker)
-    monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: None)
+    marker.unlink()
+    process_0_writes = False
+    assert builders._shares_process_0_data_dir(other) is True  # as before: wait for process 0
     monkeypatch.setattr(jax, "process_index", lambda: 0)
-    assert builders._shares_process_0_data_dir(ours) is True  # process 0 sees its own file...
-    assert not os.path.exists(marker)  # ...and removes it
+    assert builders._shares_process_0_data_dir(ours) is True  # it writes and sees its own file...
+    assert not marker.exists()  # ...and removes it
 
 
 def test_a_data_dir_that_cannot_be_written_is_one_error_naming_it(tmp_path):

@@ -430,7 +430,7 @@ def test_outputs_are_utf8_whatever_the_locale_and_standard_input_is_a_file(monke
     directory = gpt2_checkpoint("gpt2_a")
     seen = []
     monkeypatch.setattr(cli, "iter_generated", lambda gen, texts, opts, progress, mesh=None: (
-        seen.append(texts) or [(i, f"café {t}\x1b") for i, t in enumerate(texts)]))
+        seen.append(texts) or [[(i, f"café {t}\x1b") for i, t in enumerate(texts)]]))
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"first\r\nsecond\n"), encoding="ascii"))
     stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
     monkeypatch.setattr(sys, "stdout", stdout)
@@ -873,6 +873,33 @@ def test_outputs_are_written_as_soon_as_the_inputs_before_them_are_decoded(tmp_p
     assert e.value.code == 130 and out.getvalue().splitlines() == whole[:1]
     err = capsys.readouterr().err  # after the progress bar's lines
     assert err.endswith("\nerror: interrupted; the outputs of the first 1 of 4 inputs were written\n")
+    # Before the inputs are read (Ctrl-C at a terminal that --input_file=- reads): the same one line
+    # (it was an UnboundLocalError, two tracebacks and status 1).
+    def interrupted_reading(prompts, input_file):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_read_inputs", interrupted_reading)
+    with pytest.raises(SystemExit) as e:
+        cli.run(fv, _FlushLog())
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "error: interrupted before the inputs were read\n"
+    # Any other error mid-stream keeps its traceback, after a line saying what was written.
+    monkeypatch.undo()
+    calls.clear()
+
+    def out_of_memory_at_the_second_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of memory")
+        return decode(*a, **k)
+
+    monkeypatch.setattr(cli, "_decode_batch", out_of_memory_at_the_second_batch)
+    out = _FlushLog()
+    with pytest.raises(MemoryError):
+        cli.run(fv, out)
+    assert out.getvalue().splitlines() == whole[:1]
+    assert capsys.readouterr().err.endswith(
+        "note: the outputs of the first 1 of 4 inputs were written before the error below\n")
 
 
 def test_a_failed_write_of_the_outputs_is_one_line_or_a_quiet_end_for_a_closed_pipe(tmp_path):
@@ -887,7 +914,8 @@ def test_a_failed_write_of_the_outputs_is_one_line_or_a_quiet_end_for_a_closed_p
     with open("/dev/full", "w") as full:
         proc = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr == "error: cannot write the outputs: No space left on device (0 of 2 written)\n"
+    assert proc.stderr == ("error: cannot write the outputs (No space left on device); the outputs of the "
+                           "first 0 of 2 inputs were written\n")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     proc.stdout.close()  # the reader has gone before the first line
     err = proc.stderr.read().decode()

@@ -14,9 +14,10 @@ Defaults: greedy decoding; ``--decoding=beam`` uses the paper's beam 4 and lengt
 (section 6.1). New tokens: at most source length + 50 for translation (the paper's limit), 64 for
 continuation, and never past the model's ``max_len`` positions.
 
-Outputs are written, and flushed, as soon as every input before them is decoded (the batches go
-longest first); Ctrl-C ends with status 130 and the number written, a closed pipe (``| head``)
-with status 141 and no message, a write that fails (a full disk) with ``error: ...`` and status 1.
+Outputs are written as soon as every input before them is decoded (the batches go longest first),
+flushed once a batch; Ctrl-C ends with status 130 and the number written, a closed pipe
+(``| head``) with status 141 and no message, a write that fails (a full disk) with ``error: ...``
+and status 1.
 Empty lines at the end of ``--input_file`` are not inputs.
 
 Bad input (an empty prompt, a prompt longer than the model allows without ``--truncate``, bad
@@ -581,17 +582,18 @@ def generate_texts(
     parameters placed on it, `on_mesh`), each batch is split over its data axes.
     """
     outputs: list[str] = [""] * len(texts)
-    for i, text in iter_generated(gen, texts, opts, progress=progress, mesh=mesh):
-        outputs[i] = text
+    for batch in iter_generated(gen, texts, opts, progress=progress, mesh=mesh):
+        for i, text in batch:
+            outputs[i] = text
     return outputs
 
 
 def iter_generated(
     gen: Generator, texts: Sequence[str], opts: DecodeOptions = DecodeOptions(), *, progress: bool = False,
     mesh=None,
-) -> Iterator[tuple[int, str]]:
-    """`generate_texts` one batch at a time: yields ``(input index, output)`` as each batch is
-    decoded, longest inputs first."""
+) -> Iterator[list[tuple[int, str]]]:
+    """`generate_texts` one batch at a time: yields each batch's ``[(input index, output), ...]``
+    as it is decoded, longest inputs first."""
     import jax
 
     from transformer_jax.params import key_from_seed
@@ -611,8 +613,7 @@ def iter_generated(
         # the inputs that share its batch (its logits may, by float rounding: see the README).
         keys = [jax.random.fold_in(rng, i) for i in chunk]
         ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, keys, mesh)
-        for i, out in zip(chunk, ids, strict=True):
-            yield i, gen.tokenizer.decode(out)
+        yield [(i, gen.tokenizer.decode(out)) for i, out in zip(chunk, ids, strict=True)]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -743,7 +744,6 @@ def _escape_newlines(text: str) -> str:
 
 def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
     """Generates for the parsed flags and writes one line per input to ``out`` (stdout)."""
-    import jax
 
     from transformer_jax.config import ConfigError
     from transformer_jax.convert import ConversionError
@@ -759,58 +759,84 @@ def run(flag_values: flags.FlagValues = FLAGS, out=None) -> None:
         encoding = (getattr(out, "encoding", None) or "").lower().replace("-", "")
         if encoding != "utf8" and hasattr(out, "reconfigure"):
             out.reconfigure(encoding="utf-8")
-    written = 0  # outputs written, in input order
+    texts: list[str] = []
+    writer = _InOrderWriter(out)
     try:
         _check_flag_combinations(fv)
         opts = options_from_flags(fv)
         texts = _read_inputs(fv.prompt, fv.input_file)
-        mesh = parse_mesh(fv.mesh)
-        if fv.hf_checkpoint:
-            gen = load_hf_generator(fv.hf_checkpoint)
-        else:
-            gen = load_workdir_generator(fv.workdir, fv.step, mesh)
-        layout = fv.kernel_layout
-        if layout == "auto" and mesh is not None and mesh.size > 1:
-            layout = None  # the native CPU kernels stay out of a mesh of several devices
-        elif layout == "auto":
-            param_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
-            layout = auto_kernel_layout(gen.config, opts, len(texts), param_bytes, fv.dtype)
-            logging.info("kernel layout: %s (--kernel_layout=auto)", layout or gen.config.kernel_layout)
-        loaded = gen
-        gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=layout, fused_qkv=fv.fused_qkv or None)
-        if mesh is not None and (fv.hf_checkpoint or gen is not loaded):  # a workdir's restores onto it
-            gen = on_mesh(gen, mesh)
-        if fv.huge_pages:
-            from transformer_jax.decoding.huge_pages import place_on_huge_pages
-
-            placed = place_on_huge_pages(gen.params)
-            logging.info("parameters on huge pages: %d of %d MiB (%s)", placed.placed >> 20,
-                         placed.requested >> 20, placed.reason or "all moved")
+        gen, mesh = _generator_for_flags(fv, opts, len(texts))
         progress = fv.input_file is not None and len(texts) > opts.batch_size
-        # Written in input order as soon as every input before them is decoded (the batches go
-        # longest first), each batch's lines flushed: a long job's finished lines are not held back.
-        ready: dict[int, str] = {}
-        for i, text in iter_generated(gen, texts, opts, progress=progress, mesh=mesh):
-            ready[i] = text
-            while written in ready:
-                _write(out, _escape_newlines(ready.pop(written)) + "\n")
-                written += 1
-            _write(out, "", flush=True)
+        for batch in iter_generated(gen, texts, opts, progress=progress, mesh=mesh):
+            writer.add(batch)
     except (GenerateError, ConversionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print(f"error: interrupted; the outputs of the first {written} of {len(texts)} inputs were "
-              "written", file=sys.stderr)
+        print(f"error: interrupted; {writer.account(len(texts))}" if texts
+              else "error: interrupted before the inputs were read", file=sys.stderr)
         sys.exit(130)
     except _OutputError as e:
         if out is sys.stdout:  # nothing more to write there, at exit either (Python would try)
             _silence_stdout()
         if isinstance(e.__cause__, BrokenPipeError):  # `| head`: the reader has what it wanted
             sys.exit(141)  # as a program the pipe's end killed (128 + SIGPIPE)
-        print(f"error: cannot write the outputs: {e.__cause__.strerror or e.__cause__} ({written} of "
-              f"{len(texts)} written)", file=sys.stderr)
+        print(f"error: cannot write the outputs ({e.__cause__.strerror or e.__cause__}); "
+              f"{writer.account(len(texts))}", file=sys.stderr)
         sys.exit(1)
+    except Exception:  # not ours to name (out of memory, say): its traceback, and what was kept
+        if writer.flushed:
+            print(f"note: {writer.account(len(texts))} before the error below", file=sys.stderr)
+        raise
+
+
+def _generator_for_flags(fv: flags.FlagValues, opts: DecodeOptions, num_inputs: int):
+    """The flags' model, converted and placed for decoding, and their mesh (or None)."""
+    import jax
+
+    mesh = parse_mesh(fv.mesh)
+    if fv.hf_checkpoint:
+        gen = load_hf_generator(fv.hf_checkpoint)
+    else:
+        gen = load_workdir_generator(fv.workdir, fv.step, mesh)
+    layout = fv.kernel_layout
+    if layout == "auto" and mesh is not None and mesh.size > 1:
+        layout = None  # the native CPU kernels stay out of a mesh of several devices
+    elif layout == "auto":
+        param_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
+        layout = auto_kernel_layout(gen.config, opts, num_inputs, param_bytes, fv.dtype)
+        logging.info("kernel layout: %s (--kernel_layout=auto)", layout or gen.config.kernel_layout)
+    loaded = gen
+    gen = for_decoding(gen, dtype=fv.dtype, kernel_layout=layout, fused_qkv=fv.fused_qkv or None)
+    if mesh is not None and (fv.hf_checkpoint or gen is not loaded):  # a workdir's restores onto it
+        gen = on_mesh(gen, mesh)
+    if fv.huge_pages:
+        from transformer_jax.decoding.huge_pages import place_on_huge_pages
+
+        placed = place_on_huge_pages(gen.params)
+        logging.info("parameters on huge pages: %d of %d MiB (%s)", placed.placed >> 20,
+                     placed.requested >> 20, placed.reason or "all moved")
+    return gen, mesh
+
+
+class _InOrderWriter:
+    """Writes outputs in input order as soon as every input before them is decoded (the batches go
+    longest first), flushing once a batch: a long job's finished lines are not held back.
+    ``flushed``: how many lines have reached the stream's file."""
+
+    def __init__(self, out):
+        self.out, self.ready, self.next, self.flushed = out, {}, 0, 0
+
+    def add(self, batch: list[tuple[int, str]]) -> None:
+        self.ready.update(batch)
+        while self.next in self.ready:
+            _write(self.out, _escape_newlines(self.ready.pop(self.next)) + "\n")
+            self.next += 1
+        _write(self.out, "", flush=True)
+        self.flushed = self.next
+
+    def account(self, total: int) -> str:
+        return f"the outputs of the first {self.flushed} of {total} inputs were written"
 
 
 class _OutputError(Exception):
@@ -833,8 +859,6 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError, AttributeError):  # no descriptor behind it (a test's stream)
         pass
-
-
 
 
 def _hide_checkpoint_library_warnings(record) -> bool:

@@ -28,9 +28,11 @@ import time
 from collections.abc import Iterator, Sequence
 
 import jax
+import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
+from transformer_jax import parallel
 from transformer_jax.data import translation_corpus
 from transformer_jax.data.errors import DataError
 
@@ -442,13 +444,22 @@ def prepare(builder: tfds.core.DatasetBuilder, wait_timeout_s: float = 1800.0) -
     path or another) builds its own copy.
     """
     shared = True
-    if jax.process_count() > 1:
-        if _every_process_has(builder.data_path.exists()):
+    if jax.process_count() > 1:  # every process reaches each collective below
+        if parallel.on_every_process(builder.data_path.exists()):
             return builder
-        shared = _shares_process_0_data_dir(builder)  # every process takes part
+        dataset = os.path.relpath(builder.data_dir, builder.data_dir_root)
+        if not parallel.same_on_every_process(dataset):
+            # The folder names the dataset, its configuration and, for user files, a hash of
+            # their paths and contents: other files on some host would train on other data.
+            raise DataError(
+                f"the processes would prepare different datasets: {dataset} on process "
+                f"{jax.process_index()}. Give every host the same data files (dataset.train_files, "
+                f"eval_files: the same paths and contents) and the same dataset settings")
+        shared = _shares_process_0_data_dir(builder)
         if jax.process_index() != 0 and not shared:
-            print(f"Process {jax.process_index()}: dataset.data_dir {builder.data_dir} is not the one "
-                  f"process 0 prepares (a local copy on this host): preparing it here too", flush=True)
+            print(f"Process {jax.process_index()}: dataset.data_dir {builder.data_dir_root} is not the "
+                  f"one process 0 prepares in (a local copy on this host): preparing "
+                  f"{builder.name} here too", flush=True)
     if jax.process_count() > 1 and jax.process_index() != 0 and shared:
         deadline = time.monotonic() + wait_timeout_s
         while not builder.data_path.exists():
@@ -474,35 +485,30 @@ def prepare(builder: tfds.core.DatasetBuilder, wait_timeout_s: float = 1800.0) -
     return builder
 
 
-def _every_process_has(present: bool) -> bool:
-    """Whether ``present`` holds on every process (a collective: every process calls it)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.array([present]))))
-
-
 def _shares_process_0_data_dir(builder) -> bool:
-    """Whether this process sees the folder process 0 prepares ``builder`` in (a shared file
+    """Whether this process sees the ``dataset.data_dir`` process 0 prepares in (a shared file
     system) rather than a copy of its path on its own disk: process 0 writes a file named by a
-    number it draws, and each process looks for it (a collective: every process calls it)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    draw = np.array([np.random.default_rng().integers(1, 2**31 - 1)], np.int32)
-    token = int(multihost_utils.broadcast_one_to_all(draw)[0])
-    folder = os.path.dirname(builder.data_dir)  # the dataset's folder in dataset.data_dir
-    marker = os.path.join(folder, f".shared-check-{token}")
+    number it draws there, and each process looks for it. Where process 0 cannot write one (a
+    read-only folder, already prepared on some hosts) or a path is a URL, the folder counts as
+    shared, the others waiting for process 0's files. A collective: every process calls it."""
+    root = str(builder.data_dir_root)
+    if not parallel.on_every_process("://" not in root):
+        return True
+    token = parallel.from_process_0(int(np.random.default_rng().integers(1, 2**31 - 1)))
+    marker = os.path.join(root, f".shared-check-{token}")
+    wrote = False
     if jax.process_index() == 0:
         try:
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(root, exist_ok=True)
             with open(marker, "w"):
                 pass
+            wrote = True
         except OSError:  # the build names the problem
             pass
-    multihost_utils.sync_global_devices("prepare: marker written")
+    if not parallel.from_process_0(int(wrote)):  # also the wait for process 0's file
+        return True
     seen = os.path.exists(marker)
-    multihost_utils.sync_global_devices("prepare: marker looked for")
+    parallel.sync_global("prepare: marker looked for")
     if jax.process_index() == 0:
         with contextlib.suppress(OSError):
             os.remove(marker)

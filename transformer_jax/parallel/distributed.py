@@ -223,11 +223,41 @@ def one_program_at_a_time() -> bool:
     XLA:CPU runs queued programs as soon as their inputs are ready, each device on a thread of its
     own, so two queued programs can be in their cross-process all-reduces (gloo) at once, paired up
     wrongly between the processes: both then wait for ever, alive, so no heartbeat ends them.
-    Measured with two processes of two CPU devices: 20 queued sums of a sharded batch hung every
-    time, 200 run one at a time never did, nor did a chain of steps each fetching the one before
-    (the training loop's, which checks each step's metrics one step late). GPUs and TPUs run a
-    device's programs in order."""
+    Measured with two processes of two CPU devices on 2 cores: 20 to 100 queued sums of a sharded
+    batch hung in 4 of 7 runs, more often with the cores busy; 100 to 200 run one at a time never
+    did, nor did 200 to 300 steps each fetching the one before (the training loop's pattern: it
+    checks each step's metrics one step late). GPUs and TPUs run a device's programs in order."""
     return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def on_every_process(flag: bool) -> bool:
+    """Whether ``flag`` holds on every process; ``flag`` on one (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    import numpy as np
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([bool(flag)]))))
+
+
+def same_on_every_process(text: str) -> bool:
+    """Whether every process holds the same ``text`` (compared by checksum; a collective)."""
+    if jax.process_count() == 1:
+        return True
+    import zlib
+
+    import numpy as np
+
+    sums = multihost_utils.process_allgather(np.array([zlib.crc32(text.encode())], np.uint32))
+    return bool(np.all(sums == sums[0]))
+
+
+def from_process_0(value: int) -> int:
+    """Process 0's ``value`` (an int32) on every process (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return int(value)
+    import numpy as np
+
+    return int(multihost_utils.broadcast_one_to_all(np.array([value], np.int32))[0])
 
 
 def sync_global(name: str) -> None:
