@@ -6,26 +6,24 @@ import json
 import os
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1, so a bad count is refused before anything compiles."""
+def _integer(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1, so a bad count is refused before anything compiles."""
+    return _integer(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer of at least 0 (where 0 has a meaning of its own, such as a default)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 0")
-    return value
+    return _integer(text, 0)
 
 
 def _number(text: str) -> float:
