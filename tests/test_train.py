@@ -797,7 +797,7 @@ def test_keep_best_metric_names_are_what_evaluation_produces():
 @pytest.mark.parametrize("one_at_a_time", [True, False])
 def test_evaluation_runs_one_batch_at_a_time_where_queued_programs_would_hang(one_at_a_time, monkeypatch):
     """In a multi-process run on CPUs, queued evaluation programs hung both processes for ever in
-    their cross-process all-reduces (two processes of two devices under load: 1 run in 2 of 100
+    their cross-process all-reduces (two processes of two devices: 5 runs of 9 with 20 to 200
     queued batches; a two-process language-model run hung in 3 of 4 tries). There each batch's sums
     are waited for before the next batch is queued; elsewhere the batches stay queued together."""
     import jax

@@ -223,8 +223,8 @@ def one_program_at_a_time() -> bool:
     XLA:CPU runs queued programs as soon as their inputs are ready, each device on a thread of its
     own, so two queued programs can be in their cross-process all-reduces (gloo) at once, paired up
     wrongly between the processes: both then wait for ever, alive, so no heartbeat ends them.
-    Measured with two processes of two CPU devices on 2 cores: 20 to 100 queued sums of a sharded
-    batch hung in 4 of 7 runs, more often with the cores busy; 100 to 200 run one at a time never
+    Measured with two processes of two CPU devices on 2 cores: 20 to 200 queued sums of a sharded
+    batch hung in 5 of 9 runs, more often with the cores busy; 100 to 200 run one at a time never
     did, nor did 200 to 300 steps each fetching the one before (the training loop's pattern: it
     checks each step's metrics one step late). GPUs and TPUs run a device's programs in order."""
     return jax.process_count() > 1 and jax.default_backend() == "cpu"
