@@ -19,9 +19,6 @@ from transformer_jax.convert.mapping import (
     untie_a_distinct_head,
 )
 
-ACTIVATIONS = HF_ACTIVATIONS
-
-
 # The config.json key each token id is read from (decoding starts from the BOS token).
 TOKEN_ID_KEYS = {"eos_id": "eos_token_id", "bos_id": "bos_token_id", "decoder_start_id": "bos_token_id",
                  "pad_id": "pad_token_id"}
@@ -34,9 +31,9 @@ def config_fields(hf: dict) -> dict:
     """The `ModelConfig` fields of a GPT-2 config.json; every option we cannot express is listed in
     one error."""
     problems = []
-    if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
+    if hf.get("activation_function", "gelu_new") not in HF_ACTIVATIONS:
         problems.append(
-            f"activation_function={hf['activation_function']!r} (supported: {sorted(ACTIVATIONS)})"
+            f"activation_function={hf['activation_function']!r} (supported: {sorted(HF_ACTIVATIONS)})"
         )
     if not hf.get("scale_attn_weights", True):
         problems.append("scale_attn_weights=False (attention without the 1/sqrt(d_k) scale)")
@@ -70,7 +67,7 @@ def config_fields(hf: dict) -> dict:
         norm="pre",
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         final_norm=True,
-        activation=ACTIVATIONS[hf.get("activation_function", "gelu_new")],
+        activation=HF_ACTIVATIONS[hf.get("activation_function", "gelu_new")],
         position="learned",
         scale_embeddings=False,
         tie_output=hf.get("tie_word_embeddings", True),

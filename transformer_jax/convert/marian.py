@@ -26,7 +26,6 @@ from transformer_jax.convert.mapping import (
     untie_a_distinct_head,
 )
 
-ACTIVATIONS = HF_ACTIVATIONS
 _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which MarianEncoderLayer/DecoderLayer use
 
 
@@ -44,8 +43,8 @@ def _shown(hf: dict, key: str, default) -> str:
 def _unsupported(hf: dict) -> list[str]:
     problems = []
     act = hf.get("activation_function", "gelu")
-    if act not in ACTIVATIONS:
-        problems.append(f"activation_function={act!r} (supported: {sorted(ACTIVATIONS)})")
+    if act not in HF_ACTIVATIONS:
+        problems.append(f"activation_function={act!r} (supported: {sorted(HF_ACTIVATIONS)})")
     pairs = (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim"))
     for enc, dec in pairs:
         if hf.get(enc, 16) != hf.get(dec, 16):
@@ -100,7 +99,7 @@ def config_fields(hf: dict) -> dict:
         norm="post",
         norm_eps=_LAYER_NORM_EPS,
         final_norm=False,
-        activation=ACTIVATIONS[hf.get("activation_function", "gelu")],
+        activation=HF_ACTIVATIONS[hf.get("activation_function", "gelu")],
         position="sinusoidal",
         sinusoidal_layout="concat",
         share_embeddings=hf.get("share_encoder_decoder_embeddings", True),
