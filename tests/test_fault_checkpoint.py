@@ -564,6 +564,34 @@ def test_a_checkpoint_directory_that_turns_read_only_stops_the_next_save_at_once
     assert Checkpointer(workdir).all_steps() == [5, 10, 15]
 
 
+def test_a_directory_turning_read_only_under_a_save_in_flight_names_that_save(tmp_path, monkeypatch):
+    """Remounted read-only while step 10 is written in the background: the next save's check named
+    its own step 15, said "No partial write was left" while 10's was, and let orbax's error for 10
+    go unheard. Now it waits for the save in flight and names step 10, whose partial write goes."""
+    workdir = str(tmp_path)
+    checkpointer = Checkpointer(workdir, async_save=False)
+    checkpointer.save(_tiny_state(5))
+    directory = checkpointer.directory
+    partial = os.path.join(directory, "10.orbax-checkpoint-tmp")
+    os.makedirs(os.path.join(partial, "params.orbax-checkpoint-tmp"))
+    checkpointer._unsealed = [10]  # started, never committed: as orbax leaves a save in flight
+    failed = ValueError('PERMISSION_DENIED: Error writing "params/0" in OCDBT database at local file '
+                        f'"{partial}/params.orbax-checkpoint-tmp/": Read-only file system [os_error_code=\'30\']')
+    monkeypatch.setattr(checkpointer.manager, "wait_until_finished", lambda: (_ for _ in ()).throw(failed))
+    real_access, real_statvfs = os.access, os.statvfs
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+        False if str(path) == directory else real_access(path, mode, **kw)))
+    monkeypatch.setattr(os, "statvfs", lambda path: (
+        types.SimpleNamespace(f_flag=os.ST_RDONLY) if str(path) == directory else real_statvfs(path)))
+    with pytest.raises(integrity.CheckpointWriteError,
+                       match=r"step 10 .*the file system is read-only.*The partial write was deleted; "
+                             r"checkpoints \[5\] are intact"):
+        checkpointer.save(_tiny_state(15))
+    monkeypatch.undo()
+    assert not os.path.exists(partial) and checkpointer.all_steps() == [5]
+    checkpointer.close()
+
+
 def test_input_pipeline_that_cannot_take_the_saved_position_is_named_not_corrupt(
         workdir, data_dir, capsys):
     """The data iterator's saved position fits only a pipeline of the same shape. A run with

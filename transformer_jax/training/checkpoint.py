@@ -383,6 +383,10 @@ class Checkpointer:
         except OSError:
             read_only = False
         code = errno.EROFS if read_only else errno.EACCES
+        # A save still writing in the background fails there too: that earlier step is the one to
+        # name (and its partial write the one to remove), as its own error would, once it has ended.
+        integrity.quiet_failed_write()
+        self.seal(block=True)
         raise integrity.write_error(OSError(code, os.strerror(code), self.directory), step, self.directory,
                                     self._sealed_steps())
 
