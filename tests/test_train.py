@@ -496,6 +496,48 @@ def test_non_finite_values_reach_metrics_jsonl_but_not_tensorboard(tmp_path):
     assert struct.pack("<f", float("inf")) in fourth and struct.pack("<f", 477.0) in fourth
 
 
+def test_a_resume_on_a_full_disk_is_one_error_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A resume drops the records logged after its checkpoint by rewriting metrics.jsonl. On a full
+    disk that was an OSError traceback, and metrics.jsonl.tmp stayed behind holding the last free
+    space, so every rerun failed the same way. Now one CheckpointWriteError names the file."""
+    import builtins
+
+    from transformer_jax.training.integrity import CheckpointWriteError
+
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)]
+    path.write_text("".join(records))
+    real_open = builtins.open
+
+    class FullFile:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def writelines(self, lines):
+            self.f.write("".join(lines)[:5])  # a part reaches the disk, then it is full
+            raise OSError(28, "No space left on device")
+
+    def full_disk_open(name, mode="r", *args, **kwargs):
+        f = real_open(name, mode, *args, **kwargs)
+        return FullFile(f) if str(name).endswith(".tmp") and "w" in mode else f
+
+    monkeypatch.setattr(builtins, "open", full_disk_open)
+    with pytest.raises(CheckpointWriteError, match=r"metrics log .*metrics.jsonl.*No space left on device"
+                                                   r".*checkpoints are intact"):
+        metrics.MetricsLogger(str(tmp_path), 10, start_step=2, progress=False)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"] and path.read_text() == "".join(records)
+    log = metrics.MetricsLogger(str(tmp_path), 10, start_step=2, progress=False)  # space freed: resumes
+    log.close()
+    assert path.read_text() == "".join(records[:2])
+
+
 def test_training_figures_are_a_line_each_where_no_bar_is_drawn(tmp_path, capsys, monkeypatch):
     """Without a terminal (a log file, a batch scheduler, a notebook) the bar's frames were carriage
     returns on one line, and with progress_bar=False no training figure reached the screen at all:

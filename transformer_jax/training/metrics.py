@@ -255,12 +255,24 @@ class MetricsLogger:
         # checkpoint: the steps after start_step are trained (and logged) again, so their old
         # records go, or each would appear twice.
         restarted = start_step > 0 or os.path.exists(path)
-        if restarted:
-            _drop_records_after(path, start_step)
-        self._jsonl = open(path, "a")  # noqa: SIM115
-        self._events = EventWriter(os.path.join(workdir, "tensorboard"))
-        if restarted:
-            self._events.session_start(start_step)
+        events = os.path.join(workdir, "tensorboard")
+        try:
+            if restarted:
+                _drop_records_after(path, start_step)
+            self._jsonl = open(path, "a")  # noqa: SIM115
+            self._events = EventWriter(events)
+            if restarted:
+                self._events.session_start(start_step)
+        except OSError as e:  # a full disk at a resume: one line naming the file, as in write()
+            from transformer_jax.training.integrity import CheckpointWriteError
+
+            if self._jsonl is not None:
+                self._jsonl.close()
+            raise CheckpointWriteError(
+                e.errno, f"Cannot write the metrics log {path} or {events} ({e.strerror or e}). "
+                f"Nothing was trained and the checkpoints are intact: free space (or fix permissions) "
+                f"and rerun to resume."
+            ) from e
         if use_wandb:
             self._wandb = _start_wandb(workdir, config)
         # A bar only on a terminal: written to a file (nohup, a batch scheduler's log) its frames
@@ -354,10 +366,9 @@ def _drop_records_after(path: str, step: int) -> None:
             keep.append(line if line.endswith("\n") else line + "\n")
     if len(keep) == len(lines):
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    from transformer_jax.training.integrity import write_atomically
+
+    write_atomically(path, lambda f: f.writelines(keep))  # a full disk leaves no .tmp file behind
 
 
 def _plain(value):
