@@ -84,12 +84,15 @@ def _sha256(path: str) -> str:
 
 
 def _files(step_dir: str) -> list[str]:
+    """The files of a step that its manifest covers. Hidden files are not among them: orbax writes
+    none and reads none, and the ones that appear (a file browser's .DS_Store, an NFS client's
+    .nfsXXXX for a file still open) made an intact step "corrupt", moved aside and trained again."""
     out = []
     for root, dirs, names in os.walk(step_dir):
-        dirs.sort()
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(names):
             rel = os.path.relpath(os.path.join(root, name), step_dir)
-            if rel != MANIFEST_NAME and not rel.endswith(".tmp"):
+            if rel != MANIFEST_NAME and not rel.endswith(".tmp") and not name.startswith("."):
                 out.append(rel)
     return out
 
