@@ -97,6 +97,27 @@ def _files(step_dir: str) -> list[str]:
     return out
 
 
+# orbax's JSON files in a step: its metadata, each item's tree and sharding, the arrays' metadata,
+# and the input pipeline's position.
+_JSON_NAMES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding")
+
+
+def _unparsable_metadata(step_dir: str) -> list[str]:
+    """The JSON files of a step without a manifest that do not parse (cut short). orbax restores
+    such a step where the file is one it can do without (``_sharding``, ``_CHECKPOINT_METADATA``,
+    with a log line at most), and the restore then sealed the step with the damaged file in it."""
+    problems = []
+    for rel in _files(step_dir):
+        name = os.path.basename(rel)
+        if name in _JSON_NAMES or name.endswith(".json") or os.path.basename(os.path.dirname(rel)) == "array_metadatas":
+            try:
+                with open(os.path.join(step_dir, rel), "rb") as f:
+                    json.loads(f.read())
+            except (OSError, ValueError) as e:
+                problems.append(f"{rel} is not valid JSON (cut short or damaged: {first_line(e)})")
+    return problems
+
+
 def step_dir(directory: str, step: int) -> str:
     return os.path.join(str(directory), str(step))
 
@@ -261,7 +282,8 @@ def verify(directory: str, step: int, model_config: ModelConfig | None = None) -
     if manifest is None:
         if model_config is not None:
             check_unsealed_against_workdir(directory, step, model_config)
-        return Verdict(step, "unsealed")
+        problems = _unparsable_metadata(path)
+        return Verdict(step, "corrupt", problems) if problems else Verdict(step, "unsealed")
     if "unreadable" in manifest:
         return Verdict(step, "corrupt", [manifest["unreadable"]])
     if model_config is not None:
