@@ -535,6 +535,35 @@ def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
         train_and_evaluate(tiny_config(data_dir), str(blocker))
 
 
+def test_a_workdir_on_a_full_disk_is_named_so_and_keeps_no_probe_file(tmp_path, monkeypatch):
+    """On a full disk the start-up probe file is made and its one byte refused: each failed start
+    left an empty .write_probe.PID behind, and the advice was to choose another --workdir only."""
+    import builtins
+
+    class FullFile:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 (closed by its user)
+        return FullFile(f) if ".write_probe." in str(path) else f
+
+    monkeypatch.setattr(integrity, "open", full_disk_open, raising=False)
+    with pytest.raises(integrity.CheckpointWriteError,
+                       match=r"Workdir '.*' is on a full disk \(No space left on device\); free space"):
+        integrity.check_writable(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_unwritable_checkpoint_directory_fails_at_the_start(workdir, data_dir, monkeypatch):
     """The workdir writable, its checkpoints/ not (another user's): the start-up probe wrote only
     to the workdir, and the first save then waited 300 s for orbax's background thread."""
@@ -592,7 +621,8 @@ def test_a_directory_turning_read_only_under_a_save_in_flight_names_that_save(tm
     os.makedirs(os.path.join(partial, "params.orbax-checkpoint-tmp"))
     checkpointer._unsealed = [10]  # started, never committed: as orbax leaves a save in flight
     failed = ValueError('PERMISSION_DENIED: Error writing "params/0" in OCDBT database at local file '
-                        f'"{partial}/params.orbax-checkpoint-tmp/": Read-only file system [os_error_code=\'30\']')
+                        f'"{partial}/params.orbax-checkpoint-tmp/": Read-only file system '
+                        "[os_error_code='30']")
     monkeypatch.setattr(checkpointer.manager, "wait_until_finished", lambda: (_ for _ in ()).throw(failed))
     real_access, real_statvfs = os.access, os.statvfs
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: (

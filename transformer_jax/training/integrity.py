@@ -109,7 +109,8 @@ def _unparsable_metadata(step_dir: str) -> list[str]:
     problems = []
     for rel in _files(step_dir):
         name = os.path.basename(rel)
-        if name in _JSON_NAMES or name.endswith(".json") or os.path.basename(os.path.dirname(rel)) == "array_metadatas":
+        in_array_metadatas = os.path.basename(os.path.dirname(rel)) == "array_metadatas"
+        if name in _JSON_NAMES or name.endswith(".json") or in_array_metadatas:
             try:
                 with open(os.path.join(step_dir, rel), "rb") as f:
                     json.loads(f.read())
@@ -356,16 +357,22 @@ def check_writable(workdir: str) -> None:
         try:
             with open(probe, "w") as f:
                 f.write("ok")
-            os.remove(probe)
         except OSError as e:
             os_error, where = e, directory
+        finally:  # a full disk lets the file be made and refuses its byte: it went unremoved
+            with contextlib.suppress(OSError):
+                os.remove(probe)
+        if os_error is not None:
             break
     if os_error is not None:
         what = f"Workdir {workdir!r}" if where == workdir else f"Checkpoint directory {where!r}"
-        raise CheckpointWriteError(
-            os_error.errno, f"{what} is not writable ({os_error.strerror or os_error}); choose another "
-            "--workdir" + ("" if where == workdir else " (or fix its permissions)")
-        ) from os_error
+        if os_error.errno in (errno.ENOSPC, errno.EDQUOT):
+            problem = f"is on a full disk ({os_error.strerror or os_error})"
+            fix = "free space or choose another --workdir"
+        else:
+            problem = f"is not writable ({os_error.strerror or os_error})"
+            fix = "choose another --workdir" + ("" if where == workdir else " (or fix its permissions)")
+        raise CheckpointWriteError(os_error.errno, f"{what} {problem}; {fix}") from os_error
 
 
 LOCK_NAME = ".train.lock"
