@@ -34,7 +34,19 @@ def _restart_with_huge_page_malloc() -> None:
     module.restart_with_huge_page_malloc()  # returns where it does not restart
 
 
+_INTERRUPTED_AT_START = []
+
+
+def _remember_interrupt(signum, frame) -> None:
+    """SIGINT's handler until the library is imported: a Ctrl-C while the config file loads is
+    acted on once it has, in `_main`. Python's own handler raised it wherever it landed, and in
+    JAX's garbage-collector callback (jax is imported with the config) that dropped it: the run
+    trained to its end."""
+    _INTERRUPTED_AT_START.append(signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _remember_interrupt)
     _restart_with_huge_page_malloc()
 
 import ml_collections  # noqa: E402
@@ -170,6 +182,14 @@ def _not_a_python_config(argv) -> str | None:
 def main(argv):
     try:
         _main(argv)
+    except KeyboardInterrupt:  # a Ctrl-C before training started, or a second one (the first saves)
+        print("interrupted: stopped without saving; the run resumes from its latest checkpoint",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Leave at once: a checkpoint write in progress would go on in its threads while the
+        # interpreter shuts down under them, each printing a traceback (~550 lines). What it
+        # leaves (a partial step) the next run's start removes.
+        os._exit(130)
     except BrokenPipeError:
         if not _stdout_reader_gone():  # another pipe or socket: an error like any other
             raise
@@ -207,7 +227,12 @@ def _main(argv):
     if not flags.FLAGS["verbosity"].present:  # library INFO logs (orbax writes many) only on request
         logging.set_verbosity(logging.WARNING)
     from transformer_jax.training import USER_ERRORS, train_and_evaluate
+    from transformer_jax.training.checkpoint import interrupt
 
+    if signal.getsignal(signal.SIGINT) is _remember_interrupt:  # (not where train.py is imported)
+        signal.signal(signal.SIGINT, interrupt)
+    if _INTERRUPTED_AT_START:
+        raise KeyboardInterrupt
     try:
         parallel.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     except (*USER_ERRORS, RuntimeError) as e:  # e.g. JAX_NUM_PROCESSES=two, or no coordinator
@@ -223,14 +248,6 @@ def _main(argv):
     workdir = _WORKDIR.value or _default_workdir()  # (train_and_evaluate expands a '~')
     try:
         final = train_and_evaluate(config, workdir)
-    except KeyboardInterrupt:  # a second Ctrl-C (the first saves a checkpoint and stops)
-        print("interrupted: stopped without saving; the run resumes from its latest checkpoint",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Leave at once: a checkpoint write in progress would go on in its threads while the
-        # interpreter shuts down under them, each printing a traceback (~550 lines). What it
-        # leaves (a partial step) the next run's start removes.
-        os._exit(130)
     except USER_ERRORS as e:  # a problem with the config, the data or the workdir: no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         if jax.process_count() > 1:

@@ -166,6 +166,103 @@ def test_first_ctrl_c_asks_for_a_checkpoint_and_the_second_interrupts():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def _interrupt_inside_a_gc_callback(handler):
+    """Calls ``handler`` for a SIGINT from inside a garbage-collector callback, where JAX runs one
+    at every collection: an exception raised there is printed ("Exception ignored in") and lost."""
+    import gc
+
+    calls = []
+
+    def callback(phase, info):
+        if phase == "start" and not calls:
+            calls.append(phase)
+            handler(signal.SIGINT, sys._getframe())
+
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(callback)
+    assert calls
+
+
+def test_a_ctrl_c_landing_in_a_gc_callback_is_not_lost():
+    """About one Ctrl-C in six, pressed twice, landed in JAX's garbage-collector callback: the
+    second one's KeyboardInterrupt was dropped there, and the run saved as after one. At start-up
+    (train.py's handler) the same dropped one Ctrl-C for good: the run trained to its end. Such a
+    signal is now delivered again once the callback has returned."""
+    import logging
+
+    from transformer_jax.training import checkpoint as ckpt_lib
+
+    before = signal.signal(signal.SIGINT, ckpt_lib.interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _interrupt_inside_a_gc_callback(ckpt_lib.interrupt)
+            time.sleep(5)  # the signal comes again within milliseconds
+    finally:
+        signal.signal(signal.SIGINT, before)
+    records = []
+    mine = logging.Handler()
+    mine.emit = records.append
+    logging.getLogger().addHandler(mine)
+    try:
+        with ckpt_lib.PreemptionFlag() as flag:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert flag.requested()
+            with pytest.raises(KeyboardInterrupt):
+                _interrupt_inside_a_gc_callback(flag._handle)
+                time.sleep(5)
+        # orbax's error log of a wait that the second Ctrl-C cut (its traceback) is not shown
+        logging.getLogger("absl").error("Save Finalize thread failed", exc_info=KeyboardInterrupt())
+        logging.getLogger("absl").error("another error")
+    finally:
+        logging.getLogger().removeHandler(mine)
+    assert [r.getMessage() for r in records if r.levelno >= logging.ERROR] == ["another error"]
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_second_ctrl_c_while_the_first_is_announced_stops_at_once(monkeypatch):
+    """Two Ctrl-Cs 10 ms apart: the second's handler ran while the first's was still writing its
+    notice, found the flag unset, and was taken for a first one (the run saved and stopped)."""
+    from transformer_jax.training import checkpoint as ckpt_lib
+
+    announced = []
+
+    def warning(*args):  # the second Ctrl-C arrives as the first is logged
+        announced.append(args)
+        if len(announced) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(ckpt_lib.logging, "warning", warning)
+    with ckpt_lib.PreemptionFlag(), pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    assert len(announced) == 1
+
+
+def test_a_ctrl_c_while_the_config_loads_stops_train_py_before_it_trains(tmp_path):
+    """Ctrl-C during train.py's first second (the config file importing jax): Python's own handler
+    raised it wherever it landed: in JAX's garbage-collector callback it was dropped and the run
+    trained to its end; in the config file it was "error: reading --config failed". Now it is the
+    one interrupted line, status 130, nothing written."""
+    config = tmp_path / "interrupted.py"
+    config.write_text("import os, signal\n"
+                      "from configs import tiny\n\n\n"
+                      "def get_config():\n"
+                      "    os.kill(os.getpid(), signal.SIGINT)  # as a Ctrl-C would land here\n"
+                      "    return tiny.get_config()\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(repo, "train.py"), f"--config={config}", f"--workdir={tmp_path / 'w'}"],
+        cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": repo},
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    last = "interrupted: stopped without saving; the run resumes from its latest checkpoint"
+    assert proc.stderr.strip().splitlines() == [last], proc.stderr[-3000:]
+    assert not (tmp_path / "w").exists()
+
+
 def test_sigterm_saves_where_it_stops_and_resumes_exactly(data_dir, tmp_path, reference):
     """Preemption: SIGTERM mid-training saves the current step and exits with status 143. (SIGKILL at
     random moments, with the same exact-resume check, is tests/test_fault_chaos.py.)"""

@@ -638,13 +638,18 @@ class PreemptionFlag:
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         if signum == signal.SIGINT and self._event.is_set():  # a second Ctrl-C: stop now
+            if _redelivered_outside_gc_callback(signum, frame):
+                return
             self.restore_handler()
+            _drop_interrupt_reports()
             raise KeyboardInterrupt
         self.signal_name = name
+        # Set before the notice is written: a second Ctrl-C whose handler ran while the first's
+        # was still logging found the flag unset and was taken for a first one (seen 10 ms apart).
+        self._event.set()
         logging.warning("%s received: %s.", name, self.notice)
         if signum == signal.SIGINT:
             print(f"\n{name}: {self.notice} (Ctrl-C again to stop without saving).", flush=True)
-        self._event.set()
 
     def requested(self) -> bool:
         """Whether this process's own handler got a stop signal (never with several processes,
@@ -670,6 +675,44 @@ class PreemptionFlag:
 
     def __exit__(self, *exc):
         self.restore_handler()
+
+
+def _redelivered_outside_gc_callback(signum: int, frame) -> bool:
+    """Whether ``frame`` runs inside a garbage-collector callback, in which case the signal is sent
+    again 10 ms later and True returned. JAX runs one at every collection, and Python prints an
+    exception raised there ("Exception ignored in: <function _xla_gc_callback>") and drops it: a
+    Ctrl-C landing there (about one in six, measured on a second Ctrl-C) was lost."""
+    import gc
+
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks:
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupt(signum, frame) -> None:
+    """A SIGINT handler that raises KeyboardInterrupt as Python's own does, except that one
+    arriving inside a garbage-collector callback is delivered again once it has returned (see
+    `_redelivered_outside_gc_callback`): ``train.py`` installs it from its start."""
+    if not _redelivered_outside_gc_callback(signum, frame):
+        raise KeyboardInterrupt
+
+
+class _NoInterruptReports(pylogging.Filter):
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+
+
+def _drop_interrupt_reports() -> None:
+    """orbax logs an error with the KeyboardInterrupt's traceback ("Save Finalize thread failed",
+    14 lines) when a second Ctrl-C lands while it waits for a save: the stop's one line is what
+    is meant to be seen. Drops such records from every root handler for the rest of the process."""
+    for handler in pylogging.getLogger().handlers:
+        if not any(isinstance(f, _NoInterruptReports) for f in handler.filters):
+            handler.addFilter(_NoInterruptReports())
 
 
 # ------------------------------------------------------------------------------------ inference
