@@ -486,6 +486,27 @@ def test_ids_outside_the_vocabulary_are_refused_before_decoding(lm):
     assert np.isfinite(np.asarray(out.logprobs)).all()
 
 
+def test_padding_past_the_vocabulary_does_not_reach_the_real_tokens(lm):
+    """The padding after a row's length is not read, but the prefill looked it up: an id past the
+    table (a tokenizer's pad id at vocab_size) gave NaN keys and values in masked cache slots, and
+    XLA's attention (GPUs, TPUs, meshes, CPUs without the package's kernels) multiplied them by
+    probability 0: NaN log-probabilities and other tokens in every row, beam scores of -2e30."""
+    _, params = lm
+    V = CONFIG.vocab_size
+    model = tj.TransformerLM(CONFIG.replace(cpu_kernels="xla"))
+    lengths = jnp.array([3, 5])
+    clean = jnp.array([[4, 5, 6, 0, 0], [7, 8, 9, 10, 11]])
+    for search, kwargs in ((generate, {}), (beam_search, {"beam_size": 2})):
+        outs = [search(LMStep(model), params, tj.init_cache(CONFIG, 2, 11), prompt, lengths, max_new_tokens=6,
+                       eos_id=None, **kwargs)
+                for prompt in (clean, clean.at[0, 3:].set(V + 951))]
+        assert np.isfinite(np.asarray(outs[1].tokens if search is generate else outs[1].scores)).all()
+        np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+        scores = [o.logprobs if search is generate else o.scores for o in outs]
+        np.testing.assert_allclose(scores[0], scores[1], rtol=0, atol=0)
+        assert np.isfinite(np.asarray(scores[1])).all()
+
+
 def test_a_token_buffer_too_small_for_recomputation_is_refused(lm):
     """`RecomputeLMStep` drops writes past its buffer and reads the logits from its last slot:
     a buffer too small decoded wrong log-probabilities without a word, where a KV cache of the same

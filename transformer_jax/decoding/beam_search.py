@@ -34,6 +34,7 @@ from transformer_jax.decoding.sampling import (
     _check_prompt,
     _is_whole,
     _last_valid,
+    _prefill,
     _row_limits,
     resolve_special_ids,
     step_model_config,
@@ -170,7 +171,7 @@ def _beam_search_jit(
     batch, beam, steps = prompt_tokens.shape[0], beam_size, max_new_tokens
     config = step_model_config(step_fn)
     cpu_kernels = getattr(config, "cpu_kernels", "xla")
-    logits, cache = step_fn(params, prompt_tokens, cache, prompt_lengths)
+    logits, cache = _prefill(step_fn, params, prompt_tokens, cache, prompt_lengths)
     first = jax.nn.log_softmax(_last_valid(logits, prompt_lengths).astype(jnp.float32), axis=-1)
     cache = jax.tree.map(lambda x: jnp.repeat(x, beam, axis=0), cache)
 

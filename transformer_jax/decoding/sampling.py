@@ -401,6 +401,15 @@ def _last_valid(logits: jax.Array, num_valid: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logits, index, axis=1)[:, 0]
 
 
+def _prefill(step_fn, params, prompt_tokens: jax.Array, cache, prompt_lengths: jax.Array):
+    """The prompt's one model call, with the padding after each row's length set to token 0: it is
+    not read, but it is looked up. An id past the table (a tokenizer's pad id at vocab_size) gave
+    NaN keys and values in the masked cache slots, and on XLA's attention a masked probability of
+    0 times NaN is NaN: every row's tokens were wrong and its log-probabilities NaN."""
+    real = jnp.arange(prompt_tokens.shape[1])[None, :] < prompt_lengths[:, None]
+    return step_fn(params, jnp.where(real, prompt_tokens, 0), cache, prompt_lengths)
+
+
 _GENERATE_STATIC = ("step_fn", "max_new_tokens", "greedy", "top_k", "use_top_p", "eos_id", "pad_id")
 
 
@@ -438,7 +447,7 @@ def _generate_program(
 
     # Prefill: the whole (right-padded) prompt in one call; row b's next-token logits sit at
     # position prompt_lengths[b] - 1.
-    logits, cache = step_fn(params, prompt_tokens, cache, prompt_lengths)
+    logits, cache = _prefill(step_fn, params, prompt_tokens, cache, prompt_lengths)
     logits = _last_valid(logits, prompt_lengths).astype(jnp.float32)
     ones = jnp.ones((batch,), jnp.int32)
 
