@@ -751,6 +751,11 @@ def test_only_tokens_cross_decoding_steps(eos_id):
         (dict(temperature=float("inf"), rng=jax.random.key(0)), "temperature must be finite"),
         (dict(max_new_tokens=None), "max_new_tokens must be a positive integer, got None"),
         (dict(top_k=None), "top_k must be a non-negative integer"),
+        # a TypeError ('<' not supported ...) or "truth value of an array is ambiguous" before
+        (dict(top_p=None), r"top_p must be one number \(the same for every row\), got None"),
+        (dict(temperature="0.7", rng=jax.random.key(0)), r"temperature must be one number .*got '0.7'"),
+        (dict(temperature=jnp.array([0.5, 1.0]), rng=jax.random.key(0)),
+         r"temperature must be one number \(the same for every row\), got an array of shape \(2,\)"),
         (dict(prompt_lengths=jnp.array([2.0, 1.0])), "prompt_lengths must be integer"),
         (dict(eos_id=-1), r"eos_id=-1 is not a token id of the model: it must lie in >= 0"),
         (dict(pad_id=-2), r"pad_id=-2 is not a token id"),

@@ -72,6 +72,12 @@ class SamplingConfig:
     def __post_init__(self):
         # temperature, top_p and min_new_tokens may be traced (generate called inside a jit of
         # your own): their values are checked when they are concrete.
+        for name in ("temperature", "top_p"):  # None, a string or a per-row array: a TypeError in the check
+            value = getattr(self, name)
+            if not _traced(value) and not _is_real(value):
+                shape = getattr(value, "shape", None)
+                raise ValueError(f"{name} must be one number (the same for every row), got "
+                                 + (f"an array of shape {tuple(shape)}" if shape else repr(value)))
         if not _traced(self.temperature) and not 0.0 <= self.temperature < float("inf"):
             # inf would turn the -1e30 masks (EOS before min_new_tokens, banned tokens) into 0
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
@@ -628,6 +634,13 @@ def _check_cache(step_fn, cache, prompt_tokens, prompt_lengths, max_new_tokens: 
             f"that they fit in {positions} positions"
             + (f" (the prompts are padded to {width} positions: pad_prompts(..., buckets=...) with a "
                f"bucket of at most {positions} pads them less)" if width > longest else ""))
+
+
+def _is_real(value) -> bool:
+    """A real number, not a bool, None or a string; a concrete 0-d array holding one is one too."""
+    if isinstance(value, jax.Array | np.ndarray) and value.ndim == 0:
+        value = value.item()
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _is_whole(value) -> bool:
