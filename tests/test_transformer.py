@@ -296,6 +296,13 @@ def test_encoder_decoder_refuses_a_cache_without_the_source():
                              max_new_tokens=2)
     with pytest.raises(ValueError, match=r"this decoder has cross-attention: pass memory"):
         model.apply({"params": params}, tgt, method=lambda m, t: m.decoder(t))
+    # The other way round: the encoded source given to a TransformerLM decoded without a word,
+    # the source carried along unread.
+    lm = tj.TransformerLM(cfg.replace(num_encoder_layers=0))
+    lm_params = lm.init(jax.random.key(0), tgt)["params"]
+    with pytest.raises(ValueError, match=r"TransformerLM decodes from .*holds an encoded source"):
+        tj.decoding.generate(tj.LMStep(lm), lm_params, tj.encode_source(model, params, src, 8), tgt,
+                             jnp.full(2, 3, jnp.int32), max_new_tokens=2)
 
 
 def test_bfloat16_compute_stays_close_to_float32():

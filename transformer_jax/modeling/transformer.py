@@ -476,6 +476,13 @@ class Decoder(_Stack):
                 "with tj.encode_source(model, params, src, max_length) or model.apply(variables, "
                 "src, max_length, method='init_cache'); tj.init_cache builds a TransformerLM's "
                 "cache, which has no cross-attention keys and values")
+        if not self.cross_attention and cache.cross is not None:
+            # The encoded source would be carried along unread: a decoder-only model's tokens
+            # decoded as if no source had been given, without a word.
+            raise ValueError(
+                "a TransformerLM decodes from tj.init_cache(config, batch, max_length); this cache "
+                "holds an encoded source (tj.encode_source's), which only an encoder-decoder "
+                "tj.Transformer reads, with tj.Seq2SeqStep")
         lengths = cache.lengths
         _check_learned_positions(self.config, lengths, "the cached tokens", offset=L - 1)
         positions = lengths[:, None] + jnp.arange(L)[None, :]
