@@ -954,6 +954,14 @@ def test_a_unit_learning_rate_outside_the_paper_s_schedule_is_flagged():
     assert loop.unit_rate_as_peak(config) is None
     config.optimizer.schedule, config.optimizer.learning_rate = "cosine", 2e-3
     assert loop.unit_rate_as_peak(config) is None
+    # The opposite: a peak-sized rate as the paper schedule's multiplier trained at ~1e-9, silently.
+    config.optimizer.schedule, config.optimizer.warmup_steps = "rsqrt_paper", 4000
+    config.model.d_model = 512
+    warning = loop.unit_rate_as_peak(config)
+    assert "optimizer.learning_rate=0.002 is a multiplier under schedule 'rsqrt_paper'" in warning
+    assert f"peaks at {2e-3 * 512 ** -0.5 * 4000 ** -0.5:.2g}" in warning and "1.4e-06" in warning
+    config.optimizer.learning_rate = 2.0  # tensor2tensor's multiplier
+    assert loop.unit_rate_as_peak(config) is None
 
 
 def test_config_error_is_a_value_error():

@@ -146,9 +146,21 @@ def changed_training_settings(workdir: str, config: ml_collections.ConfigDict) -
 
 def unit_rate_as_peak(config: ml_collections.ConfigDict) -> str | None:
     """A warning for optimizer.learning_rate=1.0, the paper's multiplier under 'rsqrt_paper', left in
-    place under a schedule that takes it as the peak rate itself (Adam at 1.0 diverges)."""
+    place under a schedule that takes it as the peak rate itself (Adam at 1.0 diverges), and for
+    the opposite: a peak-sized rate (1e-3) as the multiplier under 'rsqrt_paper', which then trains at
+    ~1e-6 of it (the paper's configs with the README's example override learned nothing, silently)."""
     opt = config.optimizer
-    if opt.get("schedule") == "rsqrt_paper" or float(opt.get("learning_rate", 0.0)) != 1.0:
+    rate = float(opt.get("learning_rate", 0.0))
+    if opt.get("schedule") == "rsqrt_paper":
+        if not 0.0 < rate < 0.05:
+            return None
+        warmup = max(int(opt.get("warmup_steps") or 1), 1)
+        peak = rate * int(config.model.d_model) ** -0.5 * warmup ** -0.5
+        return (f"WARNING: optimizer.learning_rate={rate:g} is a multiplier under schedule 'rsqrt_paper' "
+                f"(of d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); 1.0 is the paper's): the rate "
+                f"peaks at {peak:.2g}; for a peak of {rate:g}, set --config.optimizer.schedule to "
+                f"'cosine' or 'constant'")
+    if rate != 1.0:
         return None
     return (f"WARNING: optimizer.learning_rate=1.0 is the peak rate itself under schedule "
             f"{opt.schedule!r} (it is a multiplier of d_model^-0.5 only under 'rsqrt_paper'); "
