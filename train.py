@@ -143,6 +143,15 @@ def _parse_flags(argv):
     """absl's flag parsing, with one 'error: ...' line and status 2 for a bad flag or value (absl
     alone prints 'FATAL Flags parsing error' and exits 1) and for the errors ml_collections
     raises from the config file and its overrides."""
+    whole = [arg.split("=", 1)[0] for arg in argv[1:]
+             if re.match(r"--config\.(model|optimizer|dataset|mesh)=", arg)]
+    if whole:  # ml_collections replaced the section: the file's other fields went back to defaults
+        section = whole[0][len("--config."):]
+        print(f"error: {whole[0]}=... would replace the whole config.{section} section, the config "
+              f"file's other {section} fields going back to their defaults (for the model, the paper's "
+              f"6+6 layers); set the fields one at a time: --config.{section}.FIELD=VALUE",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         argv = flags.FLAGS(argv)
         config = flags.FLAGS.config

@@ -1162,6 +1162,12 @@ def test_train_py_passes_workdir_overrides_and_profile_flags_and_refuses_stray_a
             (["--config.dataset.train_files=/x/p.tsv,/x/q.tsv"],
              "error: --config.dataset.train_files=/x/p.tsv,/x/q.tsv is not a tuple of paths: give several "
              "files as a Python tuple, e.g. --config.dataset.train_files=\"('a.tsv', 'b.tsv')\""),
+            # A whole section replaced the file's: d_model=64 on a default 6+6-layer, 37k-vocabulary
+            # model (5.8M parameters for tiny's 54k), the schedule back to the paper's.
+            (["--config.model={'d_model': 64}"],
+             "error: --config.model=... would replace the whole config.model section"),
+            (["--config.optimizer={'learning_rate': 3e-3}"],
+             "error: --config.optimizer=... would replace the whole config.optimizer section"),
             (["--process_id=1"], "error: several processes need --coordinator_address "
                                  "($JAX_COORDINATOR_ADDRESS), --num_processes ($JAX_NUM_PROCESSES) as well")):
         proc = run(f"--workdir={workdir}", *flags)
