@@ -964,6 +964,39 @@ def test_a_unit_learning_rate_outside_the_paper_s_schedule_is_flagged():
     assert loop.unit_rate_as_peak(config) is None
 
 
+def test_train_and_evaluate_takes_a_dict_a_frozen_config_and_a_model_config(tmp_path):
+    """A plain dict failed with "'dict' object has no attribute 'to_dict'", a FrozenConfigDict
+    with a partial section with "FrozenConfigDict is immutable", a ModelConfig as config.model with
+    an AttributeError after the data was prepared, a section of None or a string with a TypeError
+    or AttributeError: tracebacks, none of them a ConfigError."""
+    from ml_collections import ConfigDict, FrozenConfigDict
+
+    from transformer_jax.training.config_checks import as_run_config
+
+    config = tiny.get_config()
+    plain = as_run_config(config.to_dict())
+    assert isinstance(plain, ConfigDict) and plain.to_dict() == config.to_dict()
+    assert isinstance(plain.model, ConfigDict)
+    frozen = as_run_config(FrozenConfigDict(config))
+    assert isinstance(frozen, ConfigDict) and frozen.to_dict() == config.to_dict()
+    frozen.optimizer.learning_rate = 0.5  # a copy the run may fill in
+    model = ModelConfig.from_dict(config.model.to_dict())
+    given = ConfigDict({**config, "model": model})
+    converted = as_run_config(given)
+    assert converted.model.to_dict() == model.to_dict() and given.model is model  # the caller's, as it was
+    assert as_run_config(config) is config
+    for section, value in (("model", None), ("mesh", None), ("optimizer", "adam"), ("dataset", 3)):
+        broken = tiny.get_config()
+        with broken.ignore_type():
+            broken[section] = value
+        with pytest.raises(ConfigError, match=rf"config.{section} must be a section of its fields .*got "
+                                              rf"{type(value).__name__}"):
+            train_and_evaluate(broken, str(tmp_path))
+    with pytest.raises(ConfigError, match="config must be an ml_collections.ConfigDict .*got list"):
+        train_and_evaluate([("seed", 0)], str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 

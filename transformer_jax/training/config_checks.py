@@ -108,6 +108,37 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     return out
 
 
+_SECTIONS = ("model", "optimizer", "dataset", "mesh")
+
+
+def as_run_config(config) -> ml_collections.ConfigDict:
+    """``config`` as the ConfigDict a run reads and fills in: a ConfigDict as it is; a plain dict or
+    a FrozenConfigDict (read-only) as a ConfigDict copy of it; a `ModelConfig` given as
+    ``config.model`` as its fields. Anything else, and a section that is not a mapping (None, a
+    string), is a ConfigError naming it: each failed with an AttributeError or TypeError traceback,
+    the ModelConfig only after the data was prepared."""
+    from collections.abc import Mapping
+
+    if isinstance(config, ml_collections.FrozenConfigDict):
+        config = config.as_configdict()
+    elif isinstance(config, Mapping) and not isinstance(config, ml_collections.ConfigDict):
+        config = ml_collections.ConfigDict(dict(config))
+    elif not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(
+            f"config must be an ml_collections.ConfigDict (or a dict), got {type(config).__name__}")
+    if isinstance(config.get("model"), ModelConfig):
+        items = dict(config.items())
+        items["model"] = config.model.to_dict()
+        config = ml_collections.ConfigDict(items)
+    for section in _SECTIONS:
+        value = config.get(section, {})
+        if not isinstance(value, ml_collections.ConfigDict | Mapping):
+            raise ConfigError(
+                f"config.{section} must be a section of its fields (a ConfigDict or dict"
+                + (", or a ModelConfig" if section == "model" else "") + f"), got {type(value).__name__}")
+    return config
+
+
 def fill_section_defaults(config: ml_collections.ConfigDict) -> None:
     """Fills, in place, the keys that ``config.optimizer``, ``config.dataset`` and ``config.mesh``
     leave out from their defaults (the paper's optimizer, the named dataset's, one data-parallel

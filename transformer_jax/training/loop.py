@@ -24,6 +24,7 @@ from transformer_jax.training import checkpoint as ckpt_lib
 from transformer_jax.training import evaluate, integrity, steps
 from transformer_jax.training import metrics as metrics_lib
 from transformer_jax.training.config_checks import (
+    as_run_config,
     check_config,
     fill_section_defaults,
     unread_dataset_settings,
@@ -309,6 +310,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
     and for translation BLEU and exact match on ``config.test_split``.
     """
     # --- setup: checks before anything is compiled -----------------------------------------------
+    config = as_run_config(config)  # a dict, a FrozenConfigDict, a ModelConfig as config.model
     fill_section_defaults(config)  # a config file's partial optimizer / dataset / mesh section
     if integrity.is_local(workdir):  # `--workdir=~/run`: the shell leaves a '~' after '=' as it is
         workdir = os.path.expanduser(workdir)
