@@ -735,6 +735,9 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("optimizer.weight_decay", -1.0, r"optimizer.weight_decay=-1.0 must be a number in \[0, inf\)"),
         ("optimizer.grad_clip_norm", -1.0, r"config.optimizer.grad_clip_norm=-1.0"),
         ("optimizer.warmup_steps", -5, r"config.optimizer.warmup_steps=-5 must be an integer >= 0"),
+        # int32 step counter: an OverflowError traceback from a compiled schedule, after the setup
+        ("num_train_steps", 2**63, r"config.num_train_steps=9223372036854775808 must be at most 2147483647"),
+        ("optimizer.warmup_steps", 2**31, r"config.optimizer.warmup_steps=2147483648 must be at most"),
         ("max_checkpoints_to_keep", 0, r"config.max_checkpoints_to_keep=0 must be an integer >= 1"),
         ("dataset.max_eval_examples", -5, r"config.dataset.max_eval_examples=-5 must be an integer >= 0"),
         ("dataset.num_workers", -1, r"config.dataset.num_workers=-1 must be an integer >= 0"),

@@ -161,10 +161,19 @@ def fill_section_defaults(config: ml_collections.ConfigDict) -> None:
                     given[key] = filled[key]
 
 
-def _positive_int(config, key: str, minimum: int = 1, prefix: str = "config") -> None:
+# The step counter is int32 (as in the train state and the schedules): 2**31 steps or more
+# overflowed in a compiled schedule, after the tokenizer and the state were built.
+MAX_STEPS = 2**31 - 1
+
+
+def _positive_int(config, key: str, minimum: int = 1, prefix: str = "config", steps: bool = False) -> None:
+    """``config[key]`` is an integer >= ``minimum``; a number of steps (``steps``) at most MAX_STEPS."""
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{prefix}.{key}={value!r} must be an integer >= {minimum}")
+    if steps and value > MAX_STEPS:
+        raise ConfigError(f"{prefix}.{key}={value!r} must be at most {MAX_STEPS} (2**31 - 1, the step "
+                          f"counter's int32 range)")
 
 
 def _number_in(config, key: str, prefix: str, low: float, high: float = math.inf, *,
@@ -210,9 +219,9 @@ def _check_numbers(config) -> None:
     for key in ("weight_decay", "grad_clip_norm", "z_loss", "end_learning_rate_ratio"):
         if key in opt:
             _number_in(opt, key, "config.optimizer", 0.0)
-    _positive_int(opt, "warmup_steps", 0, "config.optimizer")
+    _positive_int(opt, "warmup_steps", 0, "config.optimizer", steps=True)
     if opt.get("decay_steps") is not None:  # None or 0: num_train_steps
-        _positive_int(opt, "decay_steps", 0, "config.optimizer")
+        _positive_int(opt, "decay_steps", 0, "config.optimizer", steps=True)
     if config.max_checkpoints_to_keep is not None:  # None: keep every checkpoint
         _positive_int(config, "max_checkpoints_to_keep")
     _positive_int(config, "decode_max_len", 0)
@@ -379,7 +388,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if missing:
         raise ConfigError(f"config is missing {', '.join('config.' + k for k in missing)}")
     for key in ("num_train_steps", "eval_every_steps", "checkpoint_every_steps", "log_every_steps"):
-        _positive_int(config, key)
+        _positive_int(config, key, steps=True)
     unknown = sorted(set(training_defaults()) - set(config))
     if unknown:
         raise ConfigError(
