@@ -33,3 +33,27 @@ def test_sharded_model_matches_unsharded(kind):
         batch = [jax.device_put(x, parallel.batch_sharding(mesh)) for x in inputs]
         logits = jax.jit(model.apply)(sharded_params, *batch)
     np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_state_and_parameter_helpers_work_inside_a_sharding_context():
+    """`parallel.sharding_context`'s docstring says to wrap model init, jit and apply in it; the
+    library's own helpers called there unboxed jax.eval_shape's ShapeDtypeStructs with the logical
+    constraint applied, which JAX refused: "The sharding on the input must be a NamedSharding ...
+    Got sharding type NoneType". They now give what they give outside it."""
+    from transformer_jax.training import checkpoint, optimizer, state
+
+    config = tj.presets.tiny(num_encoder_layers=0)
+    model = tj.TransformerLM(config)
+    tx = optimizer.create_optimizer(optimizer.default_optimizer_config(), config.d_model, 10)
+    mesh = parallel.create_mesh(2, 2, 2)
+    outside = (state.state_shardings(model, tx, mesh)[1], checkpoint.abstract_params(config, mesh),
+               tj.params.param_shapes(config))
+    with parallel.sharding_context(mesh):
+        inside = (state.state_shardings(model, tx, mesh)[1], checkpoint.abstract_params(config, mesh),
+                  tj.params.param_shapes(config))
+        created, _ = state.create_train_state(model, tx, mesh)
+    assert jax.tree.structure(inside) == jax.tree.structure(outside)
+    for a, b in zip(jax.tree.leaves(inside), jax.tree.leaves(outside), strict=True):
+        assert a == b
+    kernel = created.params["decoder"]["layer_0"]["feed_forward"]["wi"]["kernel"]
+    assert kernel.sharding.spec == parallel.logical_to_mesh_spec(("embed", "mlp"))

@@ -62,9 +62,9 @@ def _boxed_param_shapes(config: ModelConfig):
 
 def param_shapes(config: ModelConfig):
     """The parameter pytree as `jax.ShapeDtypeStruct`s (logical-partitioning boxes removed)."""
-    import flax.linen as nn
+    from transformer_jax.parallel.rules import unbox_shapes
 
-    return nn.unbox(_boxed_param_shapes(config))
+    return unbox_shapes(_boxed_param_shapes(config))
 
 
 def count_params(config: ModelConfig) -> int:

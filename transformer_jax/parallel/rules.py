@@ -170,6 +170,16 @@ def logical_to_sharding(tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RUL
     return shardings
 
 
+def unbox_shapes(tree: Any) -> Any:
+    """``nn.unbox`` for an abstract tree (``jax.eval_shape``'s ShapeDtypeStructs): the boxes removed
+    without their logical sharding constraint, which Flax applies inside a `sharding_context` and
+    JAX refuses on a ShapeDtypeStruct. The library's state and parameter helpers called in a
+    user's ``with sharding_context(mesh):`` failed so ("The sharding on the input must be a
+    NamedSharding ... Got sharding type NoneType")."""
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x,
+                        tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
 def batch_sharding(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> NamedSharding:
     """Sharding for ``[B, L, ...]`` inputs: batch over ``('data', 'fsdp')``, the rest whole."""
     return NamedSharding(mesh, logical_to_mesh_spec(("batch",), rules))

@@ -29,7 +29,6 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -41,6 +40,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig, first_line
 from transformer_jax.data import DataError, Tokenizer, checkpoint_args
 from transformer_jax.data.tokenizer import METADATA_FILENAME, recorded_model_differs
+from transformer_jax.parallel.rules import unbox_shapes
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
 from transformer_jax.training.state import LossScale, TrainState
@@ -736,7 +736,7 @@ def abstract_params(model_config: ModelConfig, mesh):
         )
     shardings = parallel.logical_to_sharding(boxed, mesh)
     return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), unbox_shapes(boxed), shardings
     )
 
 

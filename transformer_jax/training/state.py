@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from transformer_jax import parallel
+from transformer_jax.parallel.rules import unbox_shapes
 from transformer_jax.params import dummy_inputs, key_from_seed
 
 
@@ -71,7 +72,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh, se
         boxed = jax.eval_shape(_init_fn(model, tx, seed, loss_scale))
     shardings = parallel.logical_to_sharding(boxed, mesh)
     abstract = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), unbox_shapes(boxed), shardings
     )
     return abstract, shardings
 
