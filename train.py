@@ -79,7 +79,10 @@ def _config_problem(error: BaseException) -> str:
     field = re.search(r"'([^']+)'", raw)
     overridden = {part for arg in sys.argv[1:] if arg.startswith("--config.")
                   for part in arg[len("--config."):].split("=", 1)[0].split(".")}
-    if isinstance(error, AttributeError | KeyError) and field and field.group(1) in overridden:
+    # (a lookup failing inside get_config() itself is the file's, whatever the overrides name)
+    in_file = any(frame.name == "get_config" for frame in traceback.extract_tb(error.__traceback__))
+    if (isinstance(error, AttributeError | KeyError) and field and field.group(1) in overridden
+            and not in_file):
         # an override naming a field the config lacks (not a lookup failing inside get_config())
         hint = re.search(r'Did you mean "([^"]+)"', raw)
         return (f"a --config.* override names a field the config does not have: {field.group(1)!r}"

@@ -1045,6 +1045,7 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
                                    "ml_collections.ConfigDict (return ml_collections.ConfigDict({...}))")
     shutil.copy(os.path.join(REPO, "configs", "tiny.py"), tmp_path / "tinycfg")
     (tmp_path / "broken.py").write_text("def get_config():\n    return undefined_name\n")
+    (tmp_path / "keyed.py").write_text("BASE = {}\n\n\ndef get_config():\n    return BASE['model']\n")
     (tmp_path / "env.py").write_text("import os\n\n\ndef get_config():\n"
                                      "    return os.environ['TJ_NO_SUCH']\n")
     # a preset's ConfigError and a value of another type, raised inside get_config(): ml_collections
@@ -1060,6 +1061,9 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
             "(did you mean 'num_train_steps'?)",
         ("--config=" + str(tmp_path / "env.py"),):  # a KeyError of get_config() is no override's
             f"error: reading --config failed (at {tmp_path / 'env.py'}:5): KeyError: 'TJ_NO_SUCH'",
+        # ... also where an override names the same key: it was blamed on the override
+        ("--config=" + str(tmp_path / "keyed.py"), "--config.model.d_model=64"):
+            f"error: reading --config failed (at {tmp_path / 'keyed.py'}:5): KeyError: 'model'",
         (tiny_py, "--config.optimizer.learning_rte=1e-3"):
             "error: a --config.* override names a field the config does not have: 'learning_rte' "
             "(did you mean 'learning_rate'?)",
