@@ -16,6 +16,7 @@ import types
 
 import orbax.checkpoint as ocp
 import pytest
+from full_disk import full_disk_open
 from test_checkpoint import _tiny_state, flip_byte  # a three-number TrainState at a given step
 
 from configs import tiny
@@ -538,26 +539,8 @@ def test_unwritable_workdir_fails_at_the_start(data_dir, tmp_path):
 def test_a_workdir_on_a_full_disk_is_named_so_and_keeps_no_probe_file(tmp_path, monkeypatch):
     """On a full disk the start-up probe file is made and its one byte refused: each failed start
     left an empty .write_probe.PID behind, and the advice was to choose another --workdir only."""
-    import builtins
-
-    class FullFile:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, text):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    def full_disk_open(path, mode="r", *args, **kwargs):
-        f = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 (closed by its user)
-        return FullFile(f) if ".write_probe." in str(path) else f
-
-    monkeypatch.setattr(integrity, "open", full_disk_open, raising=False)
+    probe_on_full_disk = full_disk_open(lambda path: ".write_probe." in path)
+    monkeypatch.setattr(integrity, "open", probe_on_full_disk, raising=False)
     with pytest.raises(integrity.CheckpointWriteError,
                        match=r"Workdir '.*' is on a full disk \(No space left on device\); free space"):
         integrity.check_writable(str(tmp_path))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from full_disk import full_disk_open
 from processes import GLOO_DEADLINE, child_xla_flags, free_port
 
 from configs import tiny
@@ -507,27 +508,8 @@ def test_a_resume_on_a_full_disk_is_one_error_and_leaves_no_temporary_file(tmp_p
     path = tmp_path / "metrics.jsonl"
     records = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)]
     path.write_text("".join(records))
-    real_open = builtins.open
-
-    class FullFile:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def writelines(self, lines):
-            self.f.write("".join(lines)[:5])  # a part reaches the disk, then it is full
-            raise OSError(28, "No space left on device")
-
-    def full_disk_open(name, mode="r", *args, **kwargs):
-        f = real_open(name, mode, *args, **kwargs)
-        return FullFile(f) if str(name).endswith(".tmp") and "w" in mode else f
-
-    monkeypatch.setattr(builtins, "open", full_disk_open)
+    # a part reaches the disk, then it is full
+    monkeypatch.setattr(builtins, "open", full_disk_open(lambda path: path.endswith(".tmp"), fits=5))
     with pytest.raises(CheckpointWriteError, match=r"metrics log .*metrics.jsonl.*No space left on device"
                                                    r".*checkpoints are intact"):
         metrics.MetricsLogger(str(tmp_path), 10, start_step=2, progress=False)
