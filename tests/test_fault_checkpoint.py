@@ -201,19 +201,26 @@ def test_unsealed_damaged_step_is_caught_by_the_restore(workdir, capsys, caplog,
     assert [str(u.exc_value) for u in reported] == ["x"]
 
 
-@pytest.mark.parametrize("cut", [os.path.join("params", "_sharding"), "_CHECKPOINT_METADATA",
-                                 os.path.join("data", "process_0-of-1.json")])
-def test_unsealed_step_with_a_metadata_file_cut_short_is_corrupt_not_sealed(workdir, capsys, cut):
+def test_unsealed_step_with_a_metadata_file_cut_short_is_corrupt_not_sealed(workdir, capsys):
     """orbax restores a step whose _sharding or _CHECKPOINT_METADATA is cut short (it can do
     without them), and the step without a manifest was then sealed as restored, vouching for the
     cut file from then on. Such a step is corrupt: the restore falls back to the step before."""
     step10 = integrity.step_dir(ckpt(workdir), 10)
     os.remove(os.path.join(step10, integrity.MANIFEST_NAME))
-    os.truncate(os.path.join(step10, cut), 5)
-    verdict = integrity.verify(ckpt(workdir), 10)
-    assert verdict.status == "corrupt" and verdict.problems[0].startswith(f"{cut} is not valid JSON"), verdict
-    assert restore_for_inference(workdir).step == 5
-    assert f"{cut} is not valid JSON" in capsys.readouterr().err
+    for cut in (os.path.join("data", "process_0-of-1.json"), "_CHECKPOINT_METADATA",
+                os.path.join("params", "_sharding")):
+        with open(os.path.join(step10, cut), "rb") as f:
+            whole = f.read()
+        os.truncate(os.path.join(step10, cut), 5)
+        verdict = integrity.verify(ckpt(workdir), 10)
+        assert verdict.status == "corrupt" and len(verdict.problems) == 1, verdict
+        assert verdict.problems[0].startswith(f"{cut} is not valid JSON (cut short or damaged: "), verdict
+        if cut != os.path.join("params", "_sharding"):
+            with open(os.path.join(step10, cut), "wb") as f:
+                f.write(whole)
+            assert integrity.verify(ckpt(workdir), 10).status == "unsealed"
+    assert restore_for_inference(workdir).step == 5  # the last one cut: restored by orbax before
+    assert "params/_sharding is not valid JSON" in capsys.readouterr().err
     assert integrity.read_manifest(ckpt(workdir), 10) is None  # not sealed
 
 
