@@ -399,10 +399,25 @@ def test_a_sigterm_before_the_first_or_after_the_last_step_stops_cleanly(data_di
     assert not ckpt_lib.PreemptionFlag().requested()
 
 
+# A mesh with axis names of its own, and the rules that map the model's logical names onto them.
+OWN_RULES = (("batch", ("replica", "shard")), ("embed", "shard"), ("vocab", "model"), ("heads", "model"),
+             ("kv_heads", "model"), ("mlp", "model"))
+
+
+def _own_mesh(shape):
+    devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, ("replica", "shard", "model"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
 def test_restore_on_another_mesh_and_device_count(data_dir, tmp_path, reference):
+    """The first steps train on a mesh with axes of its own (2 x 2 x 2) through rules of its own; the
+    run resumes on one device with the default rules and loses nothing; the parameters restore
+    alike on either kind of mesh. (With custom rules the training helpers placed the state by the
+    default rules, which name axes that mesh lacks.)"""
     workdir = str(tmp_path / "w")
-    sharded = parallel.create_mesh(data=2, fsdp=2, tensor=2)
-    train_and_evaluate(tiny_config(data_dir, num_train_steps=10), workdir, mesh=sharded)
+    own = _own_mesh((2, 2, 2))
+    train_and_evaluate(tiny_config(data_dir, num_train_steps=10), workdir, mesh=own, rules=OWN_RULES)
     one = parallel.create_mesh(1, 1, 1, jax.devices()[:1])
     final = train_and_evaluate(tiny_config(data_dir), workdir, mesh=one)  # resume on 1 device
     assert final["step"] == STEPS
@@ -413,10 +428,20 @@ def test_restore_on_another_mesh_and_device_count(data_dir, tmp_path, reference)
     )
     on_one = restore_for_inference(workdir, mesh=one)
     on_all = restore_for_inference(workdir, mesh=parallel.create_mesh(data=1, fsdp=4, tensor=2))
+    on_own = restore_for_inference(workdir, mesh=_own_mesh((1, 4, 2)), rules=OWN_RULES)
     assert on_one.step == STEPS and on_one.tokenizer.vocab_size == 320
-    jax.tree.map(
-        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), on_one.params, on_all.params
-    )
+    for other in (on_all, on_own):
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                     on_one.params, other.params)
+    # placed by the rules: the feed-forward's first kernel [embed, mlp] over ('shard', 'model')
+    wi = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(on_own.params)
+          if "feed_forward" in jax.tree_util.keystr(path) and "'wi']['kernel" in jax.tree_util.keystr(path)]
+    assert wi and all(leaf.sharding.spec[-2:] == ("shard", "model") for leaf in wi), [w.sharding for w in wi]
+    with pytest.raises(ConfigError, match=r"entry 0, \('batch', \('data', 'fsdp'\)\), names mesh axis 'da"):
+        restore_for_inference(workdir, mesh=own)  # the default rules on a mesh without their axes
+    with pytest.raises(ConfigError, match=r"entry 1, \('embed',\): expected a pair"):
+        train_and_evaluate(tiny_config(data_dir), str(tmp_path / "bad"), mesh=own,
+                           rules=(OWN_RULES[0], ("embed",)))
 
 
 def test_a_finished_run_started_again_logs_its_final_evaluation_once(data_dir, tmp_path, reference):

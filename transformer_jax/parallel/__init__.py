@@ -25,9 +25,11 @@ from transformer_jax.parallel.mesh import (
 )
 from transformer_jax.parallel.rules import (
     DEFAULT_RULES,
+    LogicalRules,
     batch_shard_count,
     batch_sharding,
     check_batch_divisible,
+    check_rules,
     logical_to_mesh_spec,
     logical_to_sharding,
     shard_batch,
@@ -36,10 +38,12 @@ from transformer_jax.parallel.rules import (
 
 __all__ = [
     "DEFAULT_RULES",
+    "LogicalRules",
     "MESH_AXES",
     "batch_shard_count",
     "batch_sharding",
     "check_batch_divisible",
+    "check_rules",
     "config_differences",
     "create_mesh",
     "from_process_0",

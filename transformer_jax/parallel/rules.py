@@ -46,6 +46,34 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple:
+    """``rules`` as a tuple of ``(logical name, mesh axes)`` pairs, checked against ``mesh``: each
+    pair a logical name (a string) and None, a mesh axis or a tuple of mesh axes, every axis one the
+    mesh has. Anything else is a ConfigError naming the entry (Flax otherwise failed inside the
+    first traced constraint, or silently ignored a malformed pair)."""
+    if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
+        raise ConfigError(f"logical axis rules must be a sequence of (logical name, mesh axes) pairs, "
+                          f"like parallel.DEFAULT_RULES; got {type(rules).__name__}")
+    checked = []
+    for index, entry in enumerate(rules):
+        ok = isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str)
+        axes = entry[1] if ok else None
+        axes = (axes,) if isinstance(axes, str) else () if axes is None else axes
+        if not ok or not isinstance(axes, tuple | list) or not all(isinstance(a, str) for a in axes):
+            raise ConfigError(f"logical axis rules entry {index}, {entry!r}: expected a pair (logical "
+                              f"name, None | mesh axis | tuple of mesh axes), e.g. ('batch', ('data', "
+                              f"'fsdp'))")
+        missing = [a for a in axes if a not in mesh.shape]
+        if missing:
+            raise ConfigError(
+                f"logical axis rules entry {index}, {tuple(entry)!r}, names mesh axis {missing[0]!r}, "
+                f"which this mesh (axes {tuple(mesh.axis_names)}) does not have: map the logical "
+                f"names onto the mesh's own axes (the default rules, parallel.DEFAULT_RULES, name "
+                f"'data', 'fsdp' and 'tensor')")
+        checked.append((entry[0], entry[1] if not isinstance(entry[1], list) else tuple(entry[1])))
+    return tuple(checked)
+
+
 def logical_to_mesh_spec(names: Sequence[str | None], rules: LogicalRules = DEFAULT_RULES):
     """Logical dimension names -> mesh ``PartitionSpec``; names without a rule are replicated."""
     return nn.logical_to_mesh_axes(tuple(names), rules)

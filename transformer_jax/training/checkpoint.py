@@ -40,7 +40,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig, first_line
 from transformer_jax.data import DataError, Tokenizer, checkpoint_args
 from transformer_jax.data.tokenizer import METADATA_FILENAME, recorded_model_differs
-from transformer_jax.parallel.rules import unbox_shapes
+from transformer_jax.parallel.rules import DEFAULT_RULES, LogicalRules, unbox_shapes
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
 from transformer_jax.training.state import LossScale, TrainState
@@ -727,14 +727,15 @@ class InferenceBundle:
     step: int
 
 
-def abstract_params(model_config: ModelConfig, mesh):
-    """Parameter ShapeDtypeStructs carrying their shardings on ``mesh``."""
+def abstract_params(model_config: ModelConfig, mesh, rules: LogicalRules = DEFAULT_RULES):
+    """Parameter ShapeDtypeStructs carrying their shardings on ``mesh`` (placed by ``rules``)."""
+    rules = parallel.check_rules(rules, mesh)
     model = build_model(model_config)
-    with parallel.sharding_context(mesh):
+    with parallel.sharding_context(mesh, rules):
         boxed = jax.eval_shape(
             lambda: model.init(jax.random.PRNGKey(0), *dummy_inputs(model_config))["params"]
         )
-    shardings = parallel.logical_to_sharding(boxed, mesh)
+    shardings = parallel.logical_to_sharding(boxed, mesh, rules)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), unbox_shapes(boxed), shardings
     )
@@ -789,11 +790,13 @@ def _model_config_of(workdir: str, config) -> ModelConfig:
                          f"{workdir} a training workdir?") from e
 
 
-def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> InferenceBundle:
+def restore_for_inference(workdir: str, step: int | None = None, mesh=None,
+                          rules: LogicalRules = DEFAULT_RULES) -> InferenceBundle:
     """Loads the model config, params (latest or ``step``), tokenizer and config of a workdir.
 
     ``mesh`` defaults to all devices with params replicated (``data=-1``); pass an FSDP / tensor
-    mesh to shard a large model.
+    mesh to shard a large model, and ``rules`` (logical axis rules) for a mesh whose axes are not
+    the default rules' ``data`` / ``fsdp`` / ``tensor``.
     """
     config = load_config(workdir)
     model_config = _model_config_of(workdir, config)
@@ -801,7 +804,8 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None) -> I
     directory = checkpoint_dir(workdir)
     params = None
     if os.path.isdir(directory):
-        params, step = _restore_params(directory, step, abstract_params(model_config, mesh), model_config)
+        params, step = _restore_params(directory, step, abstract_params(model_config, mesh, rules),
+                                       model_config)
     if params is None:
         what = integrity.not_a_directory(directory)
         raise ValueError(f"Workdir {workdir!r} has no checkpoint: {directory} {what}." if what
@@ -867,12 +871,13 @@ def evenly_spaced(steps: Sequence[int], every: int) -> bool:
 
 
 def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | None = None,
-                        mesh=None) -> str:
+                        mesh=None, rules: LogicalRules = DEFAULT_RULES) -> str:
     """Averages the params of the last ``last_k`` checkpoints (section 6.1: 5 for base, 20 for big).
 
     The steps are read onto ``mesh``, by default the run's own (``config.mesh`` of the workdir)
     where this machine's devices make it, else all devices with the parameters whole on each: a
-    model sharded because it does not fit one device is averaged sharded as it trained.
+    model sharded because it does not fit one device is averaged sharded as it trained. ``rules``
+    (logical axis rules) place them on a ``mesh`` of your own.
 
     Writes a new workdir (default ``DIR/average_last{K}``, K the number of steps averaged, which
     is fewer than ``last_k`` when the workdir holds fewer) with the config, tokenizer and one
@@ -898,7 +903,7 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
             logging.warning("Averaging with the parameters whole on every device: the run's mesh "
                             "cannot be made here (%s).", first_line(e))
             mesh = parallel.create_mesh(data=-1)
-    abstract = abstract_params(model_config, mesh)
+    abstract = abstract_params(model_config, mesh, rules)
     directory = checkpoint_dir(workdir)
     manager = ocp.CheckpointManager(directory, options=_read_only_options())
     try:

@@ -32,12 +32,20 @@ class Stopped(Exception):  # noqa: N818 - a stop that was asked for, not an erro
     """`translate` was asked to stop (its ``stop`` answered True) before it had decoded every batch."""
 
 
-def evaluate_loss(eval_step: Callable, params, batches: Sequence[dict], mesh) -> dict[str, float]:
-    """Token-weighted means over every batch: the ``EVAL_METRICS`` and eval_num_tokens."""
+def _batch_sharding(mesh, rules):
+    """Where a global batch goes: by ``rules`` (logical axis rules), or, for None, `to_global_batch`'s
+    default (split over the mesh's 'data' and 'fsdp' axes, as the default rules split it)."""
+    return None if rules is None else parallel.batch_sharding(mesh, rules)
+
+
+def evaluate_loss(eval_step: Callable, params, batches: Sequence[dict], mesh, rules=None) -> dict[str, float]:
+    """Token-weighted means over every batch: the ``EVAL_METRICS`` and eval_num_tokens. ``rules``:
+    the logical axis rules that split the batch over ``mesh`` (None: its 'data' and 'fsdp' axes)."""
+    sharding = _batch_sharding(mesh, rules)
     totals = None
     one_at_a_time = parallel.one_program_at_a_time()  # multi-process on CPUs: they would hang
     for batch in batches:
-        sums = eval_step(params, to_global_batch(batch, mesh))
+        sums = eval_step(params, to_global_batch(batch, mesh, sharding))
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
         if one_at_a_time:
             jax.block_until_ready(totals)
@@ -152,6 +160,7 @@ def translate(
     alpha: float = 0.6,
     extra_len: int | None = None,
     stop: Callable[[], bool] | None = None,
+    rules=None,
 ) -> Translations:
     """Decodes every example of ``batches`` (host-local eval batches, one example per row);
     the result holds all processes' examples, in split order (each process holding a contiguous
@@ -161,9 +170,12 @@ def translate(
     length (its tokens up to and including EOS) + ``extra_len``: the paper's limit is + 50.
 
     ``stop`` is asked before each batch; when it answers True, `Stopped` is raised (a preemption
-    during a long beam-search evaluation). With several processes it must answer alike on all."""
+    during a long beam-search evaluation). With several processes it must answer alike on all.
+
+    ``rules``: the logical axis rules for ``mesh`` (None: `parallel.DEFAULT_RULES`)."""
     parts = []  # per batch: (order, source, target, output) rows of every process
-    with parallel.sharding_context(mesh):
+    sharding = _batch_sharding(mesh, rules)
+    with parallel.sharding_context(mesh, parallel.DEFAULT_RULES if rules is None else rules):
         for index, batch in enumerate(batches):
             if stop is not None and stop():
                 raise Stopped(f"stopped before batch {index} of {len(batches)}")
@@ -173,7 +185,7 @@ def translate(
             rows = batch["inputs"].shape[0]
             order = (jax.process_index() * len(batches) + index) * rows + np.arange(rows, dtype=np.int32)
             glob = to_global_batch({**{k: batch[k] for k in ("inputs", "inputs_segment_ids", "targets")},
-                                    "order": order.astype(np.int32)}, mesh)
+                                    "order": order.astype(np.int32)}, mesh, sharding)
             source_len = jnp.sum(glob["inputs_segment_ids"] > 0, axis=1, dtype=jnp.int32)
             limits = None
             if extra_len is not None:

@@ -181,8 +181,8 @@ def unfinished_warmup(config: ml_collections.ConfigDict) -> str | None:
             f"{opt.schedule!r} schedule's peak")
 
 
-def _compile_steps(model, tx, schedule, settings, shardings, mesh):
-    batch_sharding = parallel.batch_sharding(mesh)
+def _compile_steps(model, tx, schedule, settings, shardings, mesh, rules):
+    batch_sharding = parallel.batch_sharding(mesh, rules)
     # Partials, not lambdas: the programs are named jit(train_step) / jit(eval_step) in profiles.
     train = jax.jit(
         functools.partial(steps.train_step, model=model, tx=tx, schedule=schedule, settings=settings),
@@ -249,7 +249,8 @@ def _summarise(history: list, seconds: float, flops: float, peak, num_devices=No
 REFERENCE_MAX_TOKENS = 1024
 
 
-def _translation_eval(config, workdir, model, params, data, mesh, split: str, log, step, stop=None) -> dict:
+def _translation_eval(config, workdir, model, params, data, mesh, rules, split: str, log, step,
+                      stop=None) -> dict:
     dataset_cfg = ml_collections.ConfigDict(config.dataset.to_dict())
     dataset_cfg.eval_split = split
     dataset_cfg.max_target_len = max(dataset_cfg.max_target_len, REFERENCE_MAX_TOKENS)
@@ -276,6 +277,7 @@ def _translation_eval(config, workdir, model, params, data, mesh, split: str, lo
         alpha=config.beam_alpha,
         extra_len=config.decode_extra_len if config.decode_extra_len >= 0 else None,
         stop=stop,
+        rules=rules,
     )
     out = {
         f"{split}_bleu": result.bleu(),
@@ -301,10 +303,13 @@ USER_ERRORS = (ConfigError, DataError, integrity.CheckpointConfigMismatchError,
                integrity.CheckpointCorruptError, integrity.CheckpointWriteError, FloatingPointError)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=None,
+                       rules: parallel.LogicalRules = parallel.DEFAULT_RULES) -> dict:
     """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates.
 
-    ``mesh`` overrides ``config.mesh`` (e.g. a mesh over some of the devices).
+    ``mesh`` overrides ``config.mesh`` (e.g. a mesh over some of the devices, or one with axes of
+    your own); ``rules``, the logical axis rules that place the state and the batches on it
+    (`parallel.DEFAULT_RULES`, for the axes ``data``, ``fsdp`` and ``tensor``, by default).
 
     Returns the final metrics: the last training summary, validation loss/perplexity/accuracy,
     and for translation BLEU and exact match on ``config.test_split``.
@@ -343,19 +348,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
         else:
             enable_compilation_cache(config.get("compilation_cache_dir", ""))
     mesh = parallel.mesh_from_config(config.mesh) if mesh is None else mesh
-    parallel.check_batch_divisible(config.dataset.batch_size, mesh,
+    rules = parallel.check_rules(rules, mesh)
+    parallel.check_batch_divisible(config.dataset.batch_size, mesh, rules,
                                    grad_accum_steps=config.optimizer.grad_accum_steps)
-    parallel.check_batch_divisible(config.dataset.eval_batch_size, mesh, key="dataset.eval_batch_size")
+    parallel.check_batch_divisible(config.dataset.eval_batch_size, mesh, rules, key="dataset.eval_batch_size")
     model_cfg = ModelConfig.from_dict(config.model.to_dict())
     model = build_model(model_cfg)
     schedule = create_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
     tx = create_optimizer(config.optimizer, model_cfg.d_model, config.num_train_steps)
 
     with integrity.workdir_lock(workdir, parallel.is_primary()):
-        return _train_in(config, workdir, mesh, model_cfg, model, schedule, tx)
+        return _train_in(config, workdir, mesh, rules, model_cfg, model, schedule, tx)
 
 
-def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedule, tx) -> dict:
+def _train_in(config, workdir: str, mesh, rules, model_cfg: ModelConfig, model, schedule, tx) -> dict:
     """`train_and_evaluate` once the config is checked and the workdir is this run's alone."""
     if parallel.is_primary():
         integrity.repair_jsonl(os.path.join(workdir, "metrics.jsonl"))
@@ -368,7 +374,7 @@ def _train_in(config, workdir: str, mesh, model_cfg: ModelConfig, model, schedul
     preemption = ckpt_lib.PreemptionFlag()
     try:
         with preemption:
-            return _train_on(data, preemption, config, workdir, mesh, model_cfg, model, schedule, tx)
+            return _train_on(data, preemption, config, workdir, mesh, rules, model_cfg, model, schedule, tx)
     finally:  # also on an error: input workers and their shared memory end with the run
         _close_input(data)
 
@@ -382,8 +388,8 @@ def _close_input(data) -> None:
     close_train_iterator(data.train_iter)
 
 
-def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConfig, model, schedule,
-              tx) -> dict:
+def _train_on(data, preemption, config, workdir: str, mesh, rules, model_cfg: ModelConfig, model,
+              schedule, tx) -> dict:
     """`_train_in` once the datasets are built."""
     test_split = config.test_split
     if data.is_translation and test_split:  # read after training: resolved and checked now
@@ -404,7 +410,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         fallback=config.get("checkpoint_fallback", True),
     )
     loss_scale = steps.initial_loss_scale(config)
-    abstract, shardings = state_shardings(model, tx, mesh, config.seed, loss_scale=loss_scale)
+    abstract, shardings = state_shardings(model, tx, mesh, config.seed, loss_scale=loss_scale, rules=rules)
     warmup_warning = unfinished_warmup(config)
     if warmup_warning:
         _say(warmup_warning)
@@ -447,7 +453,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         checkpointer.write_config_on_commit(config)
     else:
         state, _ = create_train_state(model, tx, mesh, config.seed, loss_scale=loss_scale,
-                                      shardings=shardings)
+                                      shardings=shardings, rules=rules)
         ckpt_lib.save_config(config, workdir)
     start_step = int(jax.device_get(state.step))
     if start_step > config.num_train_steps:
@@ -457,7 +463,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
              f"curve)")
     _say(
         f"config:\n{config}\nworkdir: {os.path.abspath(workdir)} (checkpoints/, metrics.jsonl, "
-        f"tensorboard/)\n{parallel.describe_mesh(mesh)}\ndevices: {jax.device_count()} "
+        f"tensorboard/)\n{parallel.describe_mesh(mesh, rules)}\ndevices: {jax.device_count()} "
         f"({jax.devices()[0].device_kind}), processes: {jax.process_count()}\n"
         f"parameters: {count_params(state.params):,}\ntrain examples: {data.train_size:,}, "
         f"eval examples: {data.eval_size:,}, vocabulary: {data.tokenizer.vocab_size}"
@@ -465,7 +471,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
 
     # --- compiled steps ---------------------------------------------------------------------
     settings = steps.settings_from_config(config)
-    train_step, eval_step = _compile_steps(model, tx, schedule, settings, shardings, mesh)
+    train_step, eval_step = _compile_steps(model, tx, schedule, settings, shardings, mesh, rules)
     ds = config.dataset
     flops = metrics_lib.train_flops_per_step(
         model_cfg,
@@ -503,12 +509,13 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         log.progress(done, **{k: v for k, v in figures.items() if v is not None})
         return summary
 
-    with parallel.sharding_context(mesh):
+    batch_sharding = parallel.batch_sharding(mesh, rules)
+    with parallel.sharding_context(mesh, rules):
         for step in range(start_step, config.num_train_steps):
             if step == config.profile_start_step:
                 jax.profiler.start_trace(profile_dir)
                 tracing = True
-            batch = to_global_batch(next(data.train_iter), mesh)
+            batch = to_global_batch(next(data.train_iter), mesh, batch_sharding)
             if step == start_step:
                 # Compiled before its first call (the call then finds the program in jit's cache) and
                 # timed apart, so that the first window's tokens/s and MFU are of training alone.
@@ -533,7 +540,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
             if evaluated:
                 jax.block_until_ready(state)  # the steps before it count as training time
                 eval_start = time.time()
-                eval_metrics = evaluate.evaluate_loss(eval_step, state.params, data.eval_batches, mesh)
+                eval_metrics = evaluate.evaluate_loss(eval_step, state.params, data.eval_batches, mesh, rules)
                 evaluated_at = done
                 log.write(done, eval_metrics)
                 log.message(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
@@ -589,7 +596,7 @@ def _train_on(data, preemption, config, workdir: str, mesh, model_cfg: ModelConf
         # With several processes a stop is agreed on at a step's sync point only: none here.
         requested = preemption.requested if jax.process_count() == 1 else None
         try:
-            final.update(_translation_eval(config, workdir, model, params, data, mesh, test_split, log,
+            final.update(_translation_eval(config, workdir, model, params, data, mesh, rules, test_split, log,
                                            step, stop=requested))
         except evaluate.Stopped:
             final["stopped_by"] = preemption.signal_name or "SIGTERM"  # unfinished: train.py says so

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from transformer_jax import parallel
-from transformer_jax.parallel.rules import unbox_shapes
+from transformer_jax.parallel.rules import DEFAULT_RULES, LogicalRules, unbox_shapes
 from transformer_jax.params import dummy_inputs, key_from_seed
 
 
@@ -65,12 +65,14 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seed: int, loss
 
 
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh, seed: int = 0,
-                    loss_scale: float | None = None):
+                    loss_scale: float | None = None, rules: LogicalRules = DEFAULT_RULES):
     """(abstract unboxed TrainState of ShapeDtypeStructs with shardings, TrainState of shardings).
-    ``loss_scale``: the initial scale of dynamic loss scaling, None without it."""
-    with parallel.sharding_context(mesh):
+    ``loss_scale``: the initial scale of dynamic loss scaling, None without it. ``rules``: the
+    logical axis rules that place the arrays on ``mesh`` (`parallel.DEFAULT_RULES` by default)."""
+    rules = parallel.check_rules(rules, mesh)
+    with parallel.sharding_context(mesh, rules):
         boxed = jax.eval_shape(_init_fn(model, tx, seed, loss_scale))
-    shardings = parallel.logical_to_sharding(boxed, mesh)
+    shardings = parallel.logical_to_sharding(boxed, mesh, rules)
     abstract = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), unbox_shapes(boxed), shardings
     )
@@ -78,13 +80,15 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh, se
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh, seed: int = 0,
-                       loss_scale: float | None = None, shardings: Any = None):
+                       loss_scale: float | None = None, shardings: Any = None,
+                       rules: LogicalRules = DEFAULT_RULES):
     """A freshly initialised TrainState, every array created sharded. -> (state, shardings).
-    ``shardings``: `state_shardings`' second result for these arguments, if already at hand."""
+    ``shardings``: `state_shardings`' second result for these arguments, if already at hand;
+    ``rules``: as for `state_shardings`."""
     if shardings is None:
-        _, shardings = state_shardings(model, tx, mesh, seed, loss_scale)
+        _, shardings = state_shardings(model, tx, mesh, seed, loss_scale, rules)
     init = _init_fn(model, tx, seed, loss_scale)
-    with parallel.sharding_context(mesh):
+    with parallel.sharding_context(mesh, rules):
         state = jax.jit(lambda: nn.unbox(init()), out_shardings=shardings)()
     return state, shardings
 
