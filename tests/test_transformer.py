@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import transformer_jax as tj
-from transformer_jax.modeling import dot_product_attention
+from transformer_jax.modeling import chunked_attention, dot_product_attention, masks
 
 B, L, S, V = 3, 7, 11, 37
 VARIANTS = {
@@ -162,6 +162,36 @@ def test_mask_or_shapes_that_do_not_fit_are_an_error_naming_them(impl):
     out, _ = dot_product_attention(q, k, k, valid[:, None, None, :], impl=impl)  # [B, 1, 1, S]
     ref, _ = dot_product_attention(q[:1], k[:1, :4], k[:1, :4], impl="reference")
     np.testing.assert_allclose(out[:1], ref, atol=1e-5)
+    # The parts of an AttentionMask: a float kv_valid gave NaN ('reference') or the masked keys
+    # ('chunked'), one of the wrong length an error from inside a slice.
+    parts = [(dict(kv_valid=additive[:, 0, 0]), r"AttentionMask.kv_valid must be bool .* got float32"),
+             (dict(kv_valid=valid[:, :5]), r"kv_valid has shape \(2, 5\); it must be \[B\|1, S\]"),
+             (dict(kv_lengths=jnp.full((2,), 4.0)), r"AttentionMask.kv_lengths must be integer, got float32"),
+             (dict(q_segment_ids=jnp.ones((2, 3), jnp.int32), kv_segment_ids=jnp.ones((2, 6), jnp.int32)),
+              r"AttentionMask.kv_segment_ids has shape \(2, 6\)"),
+             (dict(q_segment_ids=jnp.ones((2, 3), jnp.int32)), "given together")]
+    for fields, message in parts:
+        with pytest.raises(ValueError, match=message):
+            dot_product_attention(q, k, k, masks.AttentionMask(3, 7, **fields), impl=impl)
+    with pytest.raises(ValueError, match=r"\(q_length=3, kv_length=6\) does not fit 3 queries and 7"):
+        dot_product_attention(q, k, k, masks.AttentionMask(3, 6), impl=impl)
+    out, _ = dot_product_attention(q, k, k, masks.AttentionMask(3, 7, kv_valid=valid), impl=impl)
+    np.testing.assert_allclose(out[:1], ref, atol=1e-5)
+
+
+def test_chunked_attention_called_directly_checks_its_mask():
+    """`chunked_attention` is public: an additive float mask attended exactly to the masked keys
+    (it skipped the checks `dot_product_attention` makes), a 3-D one failed with an IndexError."""
+    q = jax.random.normal(jax.random.key(0), (2, 3, 4, 5))
+    k = jax.random.normal(jax.random.key(1), (2, 7, 4, 5))
+    valid = jnp.ones((2, 7), bool).at[0, 4:].set(False)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        chunked_attention(q, k, k, jnp.where(valid, 0.0, -jnp.inf)[:, None, None, :])
+    with pytest.raises(ValueError, match=re.escape("mask has shape (2, 3, 7)")):
+        chunked_attention(q, k, k, jnp.ones((2, 3, 7), bool))
+    np.testing.assert_allclose(chunked_attention(q, k, k, valid[:, None, None, :]),
+                               dot_product_attention(q, k, k, valid[:, None, None, :], impl="reference")[0],
+                               atol=1e-5)
 
 
 def test_backends_agree():
@@ -518,6 +548,9 @@ def test_bad_model_inputs_name_the_argument():
          rf"src holds token id {cfg.vocab_size} \(at \(1, 3\)\), outside the model's vocabulary "
          rf"\[0, {cfg.vocab_size}\)"),
         ((src, src.at[0, 0].set(-100)), {}, r"tgt holds token id -100 \(at \(0, 0\)\)"),
+        # float positions gave sines of fractional positions, float segment ids float equality
+        ((src, src), dict(tgt_positions=jnp.zeros((2, 5)) + 0.5), r"tgt_positions must be integers .*got float32"),
+        ((src, src), dict(src_segment_ids=jnp.ones((2, 5))), r"src_segment_ids must be integers"),
     ]
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -530,9 +563,21 @@ def test_bad_model_inputs_name_the_argument():
         lm.apply({"params": lm_params}, src, cache=tj.init_cache(cfg, 2, 8), num_valid=jnp.ones(3, jnp.int32))
     with pytest.raises(ValueError, match=r"tokens holds token id -1 \(at \(0, 2\)\)"):
         lm.apply({"params": lm_params}, src.at[0, 2].set(-1))
-    # inside jit the ids cannot be read: no error, and the lookup's NaN shows in the logits
+    # inside jit the ids cannot be read: no error, and the lookup's NaN shows in the logits; a
+    # negative id (counted from the table's end) and one in a padded vocabulary's extra rows, and
+    # on the bf16 and packed lookups, read finite rows of the table before
     too_big = src.at[0, 2].set(cfg.vocab_size)
     assert np.isnan(np.asarray(jax.jit(lm.apply)({"params": lm_params}, too_big))[0, 2]).all()
+    for kwargs in (dict(pad_vocab_multiple=64), dict(param_dtype="bfloat16", dtype="bfloat16"),
+                   dict(kernel_layout="packed")):
+        padded, padded_params = init_lm(config(**kwargs), src)
+        for bad in (cfg.vocab_size, -1):
+            logits = np.asarray(jax.jit(padded.apply)({"params": padded_params}, src.at[0, 2].set(bad)),
+                                np.float32)
+            assert np.isnan(logits[0, 2:]).all() and np.isfinite(logits[1]).all(), (kwargs, bad)
+    with pytest.raises(TypeError, match="deterministic must be a Python bool .* static_argnames"):
+        jax.jit(lm.apply)({"params": lm_params}, src, deterministic=False,
+                          rngs={"dropout": jax.random.key(0)})
 
 
 def test_misused_decoding_and_position_arguments_are_named():

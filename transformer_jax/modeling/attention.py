@@ -361,35 +361,7 @@ def _flash_attention(q, k, v, mask):
     raise NotImplementedError(f"attention_impl={impl_problem('flash', dtype=q.dtype, head_dim=q.shape[-1])}")
 
 
-def _check_inputs(q, k, v, mask, kv_layout: str) -> None:
-    """Shapes and mask checked once, naming the argument: otherwise each backend fails its own way
-    deep inside (a reshape, an einsum label, a slice), or, for 'reference' and 'chunked', takes a
-    key batch of 1 as broadcast where 'xla' refuses it.
-
-    A dense mask must be bool and broadcast to [B, H, L, S]. An additive float mask (0 / -inf,
-    PyTorch's and Hugging Face's convention) would otherwise be read as True wherever it is
-    non-zero: 'reference' and 'chunked' attended exactly to the masked keys, silently."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k and v must be 4-D ([B, L, H, K] and [B, S, N, K]), got shapes "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    B, L, H, K = q.shape
-    N, S = k.shape[kv_layout.index("N")], k.shape[kv_layout.index("S")]
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != K or H % N:
-        raise ValueError(f"q {q.shape} [B, L, H, K] does not fit k {k.shape} / v {v.shape} "
-                         f"({'[B, N, S, K]' if kv_layout == 'BNSK' else '[B, S, N, K]'}): k and v "
-                         "must have one shape, the batch and head_dim of q, and N dividing H")
-    dense = mask.dense if isinstance(mask, masks.AttentionMask) else mask
-    if dense is None:
-        return
-    if not hasattr(dense, "dtype"):  # a nested list; arrays are only read, not copied
-        dense = jnp.asarray(dense)
-    want = (B, H, L, S)
-    if dense.dtype != jnp.bool_:
-        raise ValueError(f"mask must be bool (True = attend), got {dense.dtype}; an additive mask "
-                         "of 0 / -inf is `mask == 0`, a 0/1 mask `mask.astype(bool)`")
-    if dense.ndim != 4 or any(n not in (1, w) for n, w in zip(dense.shape, want, strict=True)):
-        raise ValueError(f"mask has shape {dense.shape}; it must broadcast to [B, H, L, S] = {want} "
-                         "(e.g. [B, 1, L, S], or masks.key_padding_mask(valid) [B, 1, 1, S])")
+_check_inputs = masks.check_attention_inputs
 
 
 def _plain_cache_attention(q, k, v, mask):

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.modeling import derivatives
-from transformer_jax.modeling.masks import AttentionMask, as_attention_mask
+from transformer_jax.modeling.masks import AttentionMask, as_attention_mask, check_attention_inputs
 
 _NEG = -1e30  # finite: a fully masked tile cannot produce inf - inf
 
@@ -37,6 +37,7 @@ def chunked_attention(q, k, v, mask=None, *, q_chunk: int = 512, kv_chunk: int =
     or None. A query that sees no key gets zeros.
     Returns [B, L, H, K] in q's dtype. Lengths need not be multiples of the chunk sizes.
     """
+    check_attention_inputs(q, k, v, mask)  # a float mask was read as True where non-zero, silently
     B, L, H, K = q.shape
     S, N = k.shape[1], k.shape[2]
     spec = as_attention_mask(mask, L, S)

@@ -78,6 +78,9 @@ class Embed(nn.Module):
     # The table stored packed (``kernel_layout='packed'``: `native.pack_kernel`'s order), for
     # `attend` on the CPU decoding kernel; lookups gather from the tiles' view.
     packed: bool = False
+    # The rows ids may name (None: all): a padded vocabulary's extra rows (`pad_vocab_multiple`)
+    # are not tokens. An id outside [0, valid_rows) looks up NaN.
+    valid_rows: int | None = None
 
     def setup(self):
         # N(0, 1/D): with the sqrt(D) scale the embedded tokens start with unit variance.
@@ -102,6 +105,12 @@ class Embed(nn.Module):
             out = _take_rows(table, ids, self.packed)
         else:
             out = _gather_rows(table, ids, self.packed)
+        # Inside jit the ids cannot be checked: one outside the table is NaN, never another row (a
+        # negative id counted from the table's end, one in a padded vocabulary's extra rows read
+        # that row, the packed and 16-bit lookups clamped or filled with a finite value).
+        rows = self.num_embeddings if self.valid_rows is None else self.valid_rows
+        outside = (ids < 0) | (ids >= rows)
+        out = jnp.where(outside[..., None], jnp.asarray(jnp.nan, out.dtype), out)
         return out * jnp.asarray(self.scale, self.dtype) if self.scale != 1.0 else out
 
     def attend(self, x):

@@ -182,3 +182,69 @@ def bidirectional_spec(q_length: int, kv_length: int, *, kv_valid=None, q_segmen
 def cache_spec(lengths, num_queries: int, cache_length: int) -> AttentionMask:
     """`cache_mask` as ingredients: queries at lengths[b] + i see cache slots j <= lengths[b] + i."""
     return AttentionMask(num_queries, cache_length, causal=True, causal_offset=lengths)
+
+
+def _dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+
+
+def _check_part(name: str, x, kind: str, shape: tuple, fits) -> None:
+    """One part of a mask: of ``kind`` ('bool' or 'int') and of a shape ``fits`` accepts."""
+    dtype = _dtype_of(x)
+    ok = dtype == jnp.bool_ if kind == "bool" else jnp.issubdtype(dtype, jnp.integer)
+    if not ok:
+        want = "bool (True = a real key)" if kind == "bool" else "integer"
+        raise ValueError(f"AttentionMask.{name} must be {want}, got {dtype}"
+                         + ("; an additive mask of 0 / -inf is `mask == 0`" if kind == "bool" else ""))
+    if not fits(jnp.shape(x)):
+        raise ValueError(f"AttentionMask.{name} has shape {jnp.shape(x)}; it must be {shape}")
+
+
+def check_attention_inputs(q, k, v, mask, kv_layout: str = "BSNK") -> None:
+    """Shapes and mask checked once, naming the argument: otherwise each backend fails its own way
+    deep inside (a reshape, an einsum label, a slice), or, for 'reference' and 'chunked', takes a
+    key batch of 1 as broadcast where 'xla' refuses it.
+
+    A dense mask must be bool and broadcast to [B, H, L, S]. An additive float mask (0 / -inf,
+    PyTorch's and Hugging Face's convention) would otherwise be read as True wherever it is
+    non-zero: 'reference' and 'chunked' attended exactly to the masked keys, silently. The parts
+    of an `AttentionMask` are checked alike (a float ``kv_valid`` gave NaN on one backend and the
+    wrong keys on another; one of the wrong length, an error from inside a slice)."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k and v must be 4-D ([B, L, H, K] and [B, S, N, K]), got shapes "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    B, L, H, K = q.shape
+    N, S = k.shape[kv_layout.index("N")], k.shape[kv_layout.index("S")]
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != K or H % N:
+        raise ValueError(f"q {q.shape} [B, L, H, K] does not fit k {k.shape} / v {v.shape} "
+                         f"({'[B, N, S, K]' if kv_layout == 'BNSK' else '[B, S, N, K]'}): k and v "
+                         "must have one shape, the batch and head_dim of q, and N dividing H")
+    dense = mask
+    if isinstance(mask, AttentionMask):
+        dense = mask.dense
+        if (mask.q_length, mask.kv_length) != (L, S):
+            raise ValueError(f"AttentionMask(q_length={mask.q_length}, kv_length={mask.kv_length}) does "
+                             f"not fit {L} queries and {S} keys")
+        rows = lambda n: (lambda shape: len(shape) == 2 and shape[0] in (1, B) and shape[1] == n)
+        per_row = lambda shape: len(shape) == 1 and shape[0] in (1, B)
+        if (mask.q_segment_ids is None) != (mask.kv_segment_ids is None):
+            raise ValueError("AttentionMask: q_segment_ids and kv_segment_ids are given together")
+        parts = (("q_segment_ids", "int", f"[B|1, L] = [{B}|1, {L}]", rows(L)),
+                 ("kv_segment_ids", "int", f"[B|1, S] = [{B}|1, {S}]", rows(S)),
+                 ("kv_valid", "bool", f"[B|1, S] = [{B}|1, {S}]", rows(S)),
+                 ("kv_lengths", "int", f"[B|1] = [{B}|1]", per_row),
+                 ("causal_offset", "int", f"[B|1] = [{B}|1]", per_row))
+        for name, kind, shape, fits in parts:
+            if getattr(mask, name) is not None:
+                _check_part(name, getattr(mask, name), kind, shape, fits)
+    if dense is None:
+        return
+    if not hasattr(dense, "dtype"):  # a nested list; arrays are only read, not copied
+        dense = jnp.asarray(dense)
+    want = (B, H, L, S)
+    if dense.dtype != jnp.bool_:
+        raise ValueError(f"mask must be bool (True = attend), got {dense.dtype}; an additive mask "
+                         "of 0 / -inf is `mask == 0`, a 0/1 mask `mask.astype(bool)`")
+    if dense.ndim != 4 or any(n not in (1, w) for n, w in zip(dense.shape, want, strict=True)):
+        raise ValueError(f"mask has shape {dense.shape}; it must broadcast to [B, H, L, S] = {want} "
+                         "(e.g. [B, 1, L, S], or masks.key_padding_mask(valid) [B, 1, 1, S])")

@@ -35,7 +35,7 @@ def make_embed(config: ModelConfig, name: str) -> Embed:
     scale = config.d_model**0.5 if config.scale_embeddings else 1.0
     return Embed(config.padded_vocab_size, config.d_model, scale=scale, dtype=config.compute_dtype,
                  param_dtype=config.weights_dtype, cpu_kernels=config.cpu_kernels,
-                 packed=config.kernel_layout == "packed", name=name)
+                 packed=config.kernel_layout == "packed", valid_rows=config.vocab_size, name=name)
 
 
 class _LayerStep(TransformerBlock):
@@ -134,6 +134,11 @@ class _Stack(nn.Module):
 
     def embed_tokens(self, tokens, positions, deterministic):
         """Token embeddings (times sqrt(d_model)) plus positions, then dropout (section 5.4)."""
+        if not isinstance(deterministic, bool | np.bool_):  # a tracer failed inside Flax's dropout
+            raise TypeError(
+                f"deterministic must be a Python bool (it chooses the program: with dropout or without), "
+                f"got {type(deterministic).__name__}; under jax.jit mark it static: "
+                f"jax.jit(model.apply, static_argnames='deterministic')")
         cfg = self.config
         x = self.embed(tokens)
         if cfg.position == "sinusoidal":
@@ -221,9 +226,8 @@ def _as_tokens(name: str, tokens, vocab_size: int | None = None, **aligned):
     its shape. Bad inputs are a ValueError naming the argument, not an error deep in a layer.
 
     Ids outside ``[0, vocab_size)`` are refused when the ids are concrete (an eager call, or
-    ``init``). Inside ``jit`` they cannot be read: there an id >= vocab_size looks up NaN (JAX's
-    gather fills out-of-range rows rather than raising) and a negative id counts from the end of
-    the table, as NumPy indexing does."""
+    ``init``). Inside ``jit`` they cannot be read: there such an id looks up NaN (`layers.Embed`),
+    a negative one and one in a padded vocabulary's extra rows included."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"{name} must be [batch, length] token ids, got shape {tokens.shape}")
@@ -244,9 +248,15 @@ def _as_tokens(name: str, tokens, vocab_size: int | None = None, **aligned):
 
 def _check_aligned(name: str, tokens, aligned: dict):
     for key, array in aligned.items():
-        if array is not None and tuple(jnp.shape(array)) != tokens.shape:
+        if array is None:
+            continue
+        if tuple(jnp.shape(array)) != tokens.shape:
             raise ValueError(f"{key} has shape {tuple(jnp.shape(array))} but {name} has {tokens.shape}: "
                              "they must match")
+        # (float positions fed sines of fractional positions and rotated RoPE by fractional
+        # angles; float segment ids compared by float equality: both silently)
+        if not jnp.issubdtype(jnp.result_type(array), jnp.integer):
+            raise ValueError(f"{key} must be integers (token indices), got {jnp.result_type(array)}")
     return tokens
 
 
