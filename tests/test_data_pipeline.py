@@ -548,8 +548,14 @@ def test_data_file_lists_are_read_as_meant_and_their_mistakes_named(data_dir, tm
         "data, not held-out text",
         f"dataset.train_files: {empty} is empty"]
     caplog.clear()
+    with caplog.at_level(logging.WARNING):  # an eval file among the train files (no word before)
+        builders.files_config([str(a), str(b)], [str(b)])
+    assert [r.getMessage() for r in caplog.records] == [
+        f"dataset.eval_files {b} is also in dataset.train_files: the evaluation "
+        "measures training data there, not held-out text"]
+    caplog.clear()
     with caplog.at_level(logging.WARNING):  # nothing to say; and each warning once per process (the
-        builders.files_config([str(a), str(b)], [str(b)])  # test evaluation reads the lists again)
+        builders.files_config([str(a)], [str(b)])  # test evaluation reads the lists again)
         builders.files_config([str(a), str(b), str(a)], [str(b), str(a)])
     assert not caplog.records
 
@@ -579,6 +585,14 @@ def test_a_damaged_copy_of_a_prepared_dataset_is_named(data_dir, tmp_path):
             with pytest.raises(DataError, match=re.escape(f"split 'validation': {shard} {found}") +
                                ".*incomplete or damaged: copy it again"):
                 builders.data_source(builder, "validation")
+    # The test split, read after training, is checked before it starts: its shard cut short was
+    # found only after the whole run.
+    cfg = _cfg("enfr_builtin", copy, builder_config="small")
+    assert inputs.resolve_test_split(cfg, "test") == "test"
+    [test_shard] = glob.glob(os.path.join(version, "*-test.array_record-*"))
+    pathlib.Path(test_shard).write_bytes(pathlib.Path(test_shard).read_bytes()[:100])
+    with pytest.raises(DataError, match=re.escape(f"split 'test': {test_shard} cannot be read")):
+        inputs.resolve_test_split(cfg, "test")
     with open(os.path.join(version, "dataset_info.json"), "w") as f:
         f.write('{"name": "enfr')
     with pytest.raises(DataError, match=r"cannot be read \(.*dataset_info.json is there, but TFDS failed "

@@ -118,6 +118,13 @@ def test_a_tokenizer_smaller_than_asked_is_named(tmp_path, caplog):
         tok = tk.get_or_train_tokenizer(tmp_path, "c1", lambda: ["ab ba"] * 20, 5000, "bpe", process_index=0)
     assert tok.vocab_size < 5000
     assert f"The tokenizer has {tok.vocab_size} pieces, fewer than dataset.vocab_size=5000" in caplog.text
+    # never advised below the smallest vocab_size the settings take (it advised 262, then refused)
+    assert tok.vocab_size < tk.MIN_VOCAB_SIZE and "(300 is the smallest dataset.vocab_size), set " \
+        "dataset.vocab_size and model.vocab_size to 300 before" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        tk.get_or_train_tokenizer(tmp_path / "c", "c1", lambda: ["ab ba"] * 20, 300, "bpe", process_index=0)
+    assert "(the smallest it takes)" in caplog.text and "set dataset.vocab_size" not in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         tk.get_or_train_tokenizer(tmp_path / "b", "c1", lambda: TEXTS, 350, "bpe", process_index=0)

@@ -549,7 +549,7 @@ def test_bad_model_inputs_name_the_argument():
          rf"\[0, {cfg.vocab_size}\)"),
         ((src, src.at[0, 0].set(-100)), {}, r"tgt holds token id -100 \(at \(0, 0\)\)"),
         # float positions gave sines of fractional positions, float segment ids float equality
-        ((src, src), dict(tgt_positions=jnp.zeros((2, 5)) + 0.5), r"tgt_positions must be integers .*got float32"),
+        ((src, src), dict(tgt_positions=jnp.zeros((2, 5)) + .5), r"tgt_positions must be integers .*float32"),
         ((src, src), dict(src_segment_ids=jnp.ones((2, 5))), r"src_segment_ids must be integers"),
     ]
     for args, kwargs, message in cases:

@@ -267,6 +267,12 @@ def files_config(train_files: Sequence[str], eval_files: Sequence[str]) -> Files
     if eval_files and sorted(set(eval_files)) == sorted(set(train_files)):
         _warn_once(f"dataset.eval_files are the train_files ({', '.join(sorted(set(eval_files)))}): the "
                    f"evaluation measures the training data, not held-out text")
+    elif shared := sorted({p for p in eval_files
+                           if os.path.realpath(p) in {os.path.realpath(t) for t in train_files}}):
+        # (one eval file among several training files went through without a word)
+        _warn_once(f"dataset.eval_files {', '.join(shared)} {'is' if len(shared) == 1 else 'are'} also "
+                   f"in dataset.train_files: the evaluation measures training data there, not held-out "
+                   f"text")
     return FilesConfig(name="f" + h.hexdigest()[:16], train_files=train_files,
                        eval_files=eval_files)
 

@@ -169,10 +169,12 @@ def resolve_test_split(cfg: ml_collections.ConfigDict, split: str) -> str:
     training starts: ``split`` itself when the dataset has it. Your own files ('tsv', 'text')
     have only 'train' and, with ``dataset.eval_files``, 'validation': the latter is used, else the
     training examples, with a warning (the metrics are named after the split read). For any other
-    dataset a missing split is a :class:`DataError` listing those it has."""
+    dataset a missing split is a :class:`DataError` listing those it has, and so is a split whose
+    files are missing, cut short or unreadable (found after training, hours in, before)."""
     builder, _, _, _ = _open(cfg)
     splits = builder.info.splits
     if split in splits:
+        builders.data_source(builder, split)  # its files checked (a footer read each)
         return split
     if cfg.name in ("tsv", "text"):
         used = "validation" if "validation" in splits else "train"

@@ -427,11 +427,21 @@ def get_or_train_tokenizer(
     logging.info("Trained %s tokenizer for %s: %d pieces in %.1f s.", model_type, corpus_key,
                  tok.vocab_size, time.time() - start)
     if tok.vocab_size < vocab_size:  # the text holds no more pieces (hard_vocab_limit=False)
-        logging.warning("The tokenizer has %d pieces, fewer than dataset.vocab_size=%d: the text holds "
-                        "no more to learn. Rows of the model's embedding table past %d are never used "
-                        "(to leave them out, set dataset.vocab_size and model.vocab_size to %d before "
-                        "the workdir holds checkpoints).",
-                        tok.vocab_size, vocab_size, tok.vocab_size, tok.vocab_size)
+        # (the advice never below the smallest vocab_size the settings take, which it named before)
+        fewest = max(tok.vocab_size, MIN_VOCAB_SIZE)
+        advice = ("to leave them out" if fewest == tok.vocab_size else
+                  f"to leave out most of them ({MIN_VOCAB_SIZE} is the smallest dataset.vocab_size)")
+        if fewest < vocab_size:
+            logging.warning("The tokenizer has %d pieces, fewer than dataset.vocab_size=%d: the text "
+                            "holds no more to learn. Rows of the model's embedding table past %d are "
+                            "never used (%s, set dataset.vocab_size and model.vocab_size to %d before "
+                            "the workdir holds checkpoints).",
+                            tok.vocab_size, vocab_size, tok.vocab_size, advice, fewest)
+        else:
+            logging.warning("The tokenizer has %d pieces, fewer than dataset.vocab_size=%d (the "
+                            "smallest it takes): the text holds no more to learn. Rows of the model's "
+                            "embedding table past %d are never used.", tok.vocab_size, vocab_size,
+                            tok.vocab_size)
     model_path = os.path.join(workdir, MODEL_FILENAME)
     if os.path.exists(model_path):  # not this corpus's and settings' (else it was reused above)
         logging.warning("Replaced %s by a tokenizer trained now: %s does not record it as trained on "
