@@ -219,6 +219,9 @@ def test_workdir_with_checkpoints_never_retrains(tmp_path, monkeypatch):
     kept = tk.get_or_train_tokenizer(tmp_path, "c2", texts, 350, "bpe", process_index=0)
     assert kept.model_proto == first.model_proto
     assert len(warnings) == 1 and "corpus key 'c1' -> 'c2'" in warnings[0], warnings
+    # and that a resumed pipeline starts where it stopped in the old data (nothing said it)
+    assert "starts at the position saved for the data it read then (config.resume_data_position=False" \
+        in warnings[0], warnings
     # named by the config keys a user sets back (it said model_type, max_training_chars)
     with pytest.raises(DataError, match=r"dataset\.vocab_size 350 \(tokenizer\) -> 360.*fresh workdir"):
         tk.get_or_train_tokenizer(tmp_path, "c1", texts, 360, "bpe", process_index=1)

@@ -375,7 +375,9 @@ def _checkpointed_model(workdir: str, metadata: dict) -> Tokenizer:
         # as a fixed tokenizer file would be kept.
         logging.warning(
             "The training data of %s changed since its tokenizer was trained (corpus key %r -> "
-            "%r); keeping %s, which its checkpoints were trained with.", workdir,
+            "%r); keeping %s, which its checkpoints were trained with. A resumed input pipeline "
+            "starts at the position saved for the data it read then (config.resume_data_position"
+            "=False starts it afresh on this data).", workdir,
             old.get("corpus_key"), metadata["corpus_key"], model_path)
     return tok
 
