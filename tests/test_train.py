@@ -182,7 +182,7 @@ def test_the_seed_sets_the_initial_parameters_and_the_dropout_key(tmp_path, monk
 
     seeds = []
 
-    def record(model, tx, mesh, seed=0, loss_scale=None, shardings=None):
+    def record(model, tx, mesh, seed=0, loss_scale=None, shardings=None, rules=None):
         seeds.append(seed)
         raise KeyboardInterrupt  # the run ends here
 
@@ -316,19 +316,27 @@ def test_a_window_times_its_steps_without_an_evaluation_or_the_compilation_in_it
         clock.now += 50.0
         return result
 
+    save = loop.ckpt_lib.Checkpointer.save
+
+    def slow_save(*args, **kwargs):  # the save's blocking part (200 s) fell in the next window
+        result = save(*args, **kwargs)
+        clock.now += 200.0
+        return result
+
     monkeypatch.setattr(loop, "time", clock)
     monkeypatch.setattr(loop, "to_global_batch", one_step)
     monkeypatch.setattr(loop.evaluate, "evaluate_loss", slow_evaluation)
     monkeypatch.setattr(jax.stages.Lowered, "compile", slow_compile)
+    monkeypatch.setattr(loop.ckpt_lib.Checkpointer, "save", slow_save)
     workdir = str(tmp_path / "run")
     config = tiny_config(data_dir, num_train_steps=7, log_every_steps=3, eval_every_steps=4,
-                         checkpoint_every_steps=7, test_split="", peak_tflops=1.0)
+                         checkpoint_every_steps=4, test_split="", peak_tflops=1.0)
     config.dataset.max_eval_examples = 16
     with jax.log_compiles(), caplog.at_level("WARNING"):
         train_and_evaluate(config, workdir)
     logged = {r["step"]: r for r in read_jsonl(workdir) if "loss" in r}
-    assert sorted(logged) == [3, 6, 7]
-    for step in (3, 6, 7):
+    assert sorted(logged) == [3, 4, 6, 7]  # (a checkpoint ends a window)
+    for step in (3, 4, 6, 7):
         assert logged[step]["steps_per_sec"] == pytest.approx(1.0), step
     assert logged[6]["mfu"] == pytest.approx(logged[3]["mfu"])
     assert logged[3]["compile_seconds"] == 50.0
@@ -412,7 +420,8 @@ def test_bleu_references_and_sources_are_not_cut_at_the_training_lengths(data_di
     assert [s["max_new_tokens"] for s in settings] == [64, 6, 6] and settings[0]["extra_len"] is None
     config.decode_max_len, config.decode_extra_len, config.beam_size, config.beam_alpha = 40, 50, 3, 0.7
     loop._translation_eval(config, str(tmp_path), model, None, data, None, "test", log, 1)
-    assert settings[-1] == dict(max_new_tokens=40, beam_size=3, alpha=0.7, extra_len=50, stop=None)
+    assert settings[-1] == dict(max_new_tokens=40, beam_size=3, alpha=0.7, extra_len=50, stop=None,
+                                rules=None)
 
 
 def test_a_test_split_the_dataset_lacks_is_an_error_before_training(data_dir, tmp_path):
@@ -715,6 +724,9 @@ def test_bad_config_fails_before_compiling(data_dir, tmp_path, key, value, messa
         ("optimizer.eps", 0.0, r"config.optimizer.eps=0.0 is 0 in float32: Adam's update .* 0/0 = NaN"),
         ("optimizer.eps", 1e-50, r"config.optimizer.eps=1e-50 is 0 in float32"),
         ("optimizer.weight_decay", -1.0, r"optimizer.weight_decay=-1.0 must be a number in \[0, inf\)"),
+        # above 1 the cosine "decay" climbed to 10 x the peak, silently
+        ("optimizer.end_learning_rate_ratio", 10.0,
+         r"optimizer.end_learning_rate_ratio=10.0 must be a number in \[0, 1\]"),
         ("optimizer.grad_clip_norm", -1.0, r"config.optimizer.grad_clip_norm=-1.0"),
         ("optimizer.warmup_steps", -5, r"config.optimizer.warmup_steps=-5 must be an integer >= 0"),
         # int32 step counter: an OverflowError traceback from a compiled schedule, after the setup

@@ -216,9 +216,11 @@ def _check_numbers(config) -> None:
             f"config.optimizer.eps={opt.eps!r} is 0 in float32: Adam's update m / (sqrt(v) + eps) is "
             f"then 0/0 = NaN for every parameter whose gradient is still zero (the embedding rows of "
             f"tokens not yet seen, for one); use a positive eps, e.g. the paper's 1e-9")
-    for key in ("weight_decay", "grad_clip_norm", "z_loss", "end_learning_rate_ratio"):
+    for key in ("weight_decay", "grad_clip_norm", "z_loss"):
         if key in opt:
             _number_in(opt, key, "config.optimizer", 0.0)
+    if "end_learning_rate_ratio" in opt:  # above 1 the "decay" climbed past the peak, silently
+        _number_in(opt, "end_learning_rate_ratio", "config.optimizer", 0.0, 1.0, high_open=False)
     _positive_int(opt, "warmup_steps", 0, "config.optimizer", steps=True)
     if opt.get("decay_steps") is not None:  # None or 0: num_train_steps
         _positive_int(opt, "decay_steps", 0, "config.optimizer", steps=True)

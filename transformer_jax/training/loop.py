@@ -181,7 +181,7 @@ def unfinished_warmup(config: ml_collections.ConfigDict) -> str | None:
             f"{opt.schedule!r} schedule's peak")
 
 
-def _compile_steps(model, tx, schedule, settings, shardings, mesh, rules):
+def _compile_steps(model, tx, schedule, settings, shardings, mesh, rules=parallel.DEFAULT_RULES):
     batch_sharding = parallel.batch_sharding(mesh, rules)
     # Partials, not lambdas: the programs are named jit(train_step) / jit(eval_step) in profiles.
     train = jax.jit(
@@ -249,8 +249,8 @@ def _summarise(history: list, seconds: float, flops: float, peak, num_devices=No
 REFERENCE_MAX_TOKENS = 1024
 
 
-def _translation_eval(config, workdir, model, params, data, mesh, rules, split: str, log, step,
-                      stop=None) -> dict:
+def _translation_eval(config, workdir, model, params, data, mesh, split: str, log, step, stop=None,
+                      rules=None) -> dict:
     dataset_cfg = ml_collections.ConfigDict(config.dataset.to_dict())
     dataset_cfg.eval_split = split
     dataset_cfg.max_target_len = max(dataset_cfg.max_target_len, REFERENCE_MAX_TOKENS)
@@ -563,8 +563,11 @@ def _train_on(data, preemption, config, workdir: str, mesh, rules, model_cfg: Mo
                     history, last_log = [], time.time()
                 # Keep-best ranks a checkpoint only by an evaluation of this very step; one saved
                 # between evaluations (at preemption) has no metrics and is kept while it is the latest.
+                jax.block_until_ready(state)  # the steps before it count as training time
+                save_start = time.time()
                 saved = checkpointer.save(state, data.train_iter, eval_metrics if evaluated else None,
                                           force=stop)
+                last_log += time.time() - save_start  # nor does the save's blocking part
                 if saved and not stop:  # (a stop says so once the save has committed)
                     log.message(f"step {done}: saving a checkpoint to {checkpointer.directory} "
                                 "(in the background)")
@@ -596,8 +599,8 @@ def _train_on(data, preemption, config, workdir: str, mesh, rules, model_cfg: Mo
         # With several processes a stop is agreed on at a step's sync point only: none here.
         requested = preemption.requested if jax.process_count() == 1 else None
         try:
-            final.update(_translation_eval(config, workdir, model, params, data, mesh, rules, test_split, log,
-                                           step, stop=requested))
+            final.update(_translation_eval(config, workdir, model, params, data, mesh, test_split, log,
+                                           step, stop=requested, rules=rules))
         except evaluate.Stopped:
             final["stopped_by"] = preemption.signal_name or "SIGTERM"  # unfinished: train.py says so
             log.message(f"Stopped by {preemption.signal_name} during the {test_split} evaluation after the "
