@@ -982,6 +982,20 @@ def test_train_and_evaluate_takes_a_dict_a_frozen_config_and_a_model_config(tmp_
     converted = as_run_config(given)
     assert converted.model.to_dict() == model.to_dict() and given.model is model  # the caller's, as it was
     assert as_run_config(config) is config
+    # NumPy scalars (a step count computed with NumPy): "must be an integer", where ModelConfig takes
+    # them; as Python numbers in a copy, the caller's config left as it was
+    fields = tiny.get_config().to_dict()
+    fields["num_train_steps"] = np.int64(40)
+    fields["optimizer"]["learning_rate"] = np.float32(0.5)
+    fields["dataset"]["pack"] = np.bool_(True)
+    fields["model"]["d_model"] = np.int32(32)
+    numbers = ConfigDict(fields)
+    run = as_run_config(numbers)
+    got = (run.num_train_steps, run.optimizer.learning_rate, run.dataset.pack, run.model.d_model)
+    assert got == (40, 0.5, True, 32) and [type(v) for v in got] == [int, float, bool, int]
+    assert isinstance(numbers.num_train_steps, np.int64)
+    from transformer_jax.training.config_checks import check_config
+    check_config(run)
     for section, value in (("model", None), ("mesh", None), ("optimizer", "adam"), ("dataset", 3)):
         broken = tiny.get_config()
         with broken.ignore_type():

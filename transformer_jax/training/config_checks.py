@@ -111,10 +111,30 @@ def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
 _SECTIONS = ("model", "optimizer", "dataset", "mesh")
 
 
+def _has_numpy_scalars(value) -> bool:
+    if isinstance(value, dict):
+        return any(_has_numpy_scalars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_has_numpy_scalars(v) for v in value)
+    return isinstance(value, np.generic)
+
+
+def _python_numbers(value):
+    """``value`` with NumPy scalars (``np.int64(100)`` from a computed step count, ``np.float32``
+    rates) as the Python numbers they hold: the checks refused them ("must be an integer") where
+    `ModelConfig` takes them, and config.json could not hold them."""
+    if isinstance(value, dict):
+        return {k: _python_numbers(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_python_numbers(v) for v in value)
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def as_run_config(config) -> ml_collections.ConfigDict:
     """``config`` as the ConfigDict a run reads and fills in: a ConfigDict as it is; a plain dict or
     a FrozenConfigDict (read-only) as a ConfigDict copy of it; a `ModelConfig` given as
-    ``config.model`` as its fields. Anything else, and a section that is not a mapping (None, a
+    ``config.model`` as its fields; NumPy scalars anywhere in it as Python numbers (a copy).
+    Anything else, and a section that is not a mapping (None, a
     string), is a ConfigError naming it: each failed with an AttributeError or TypeError traceback,
     the ModelConfig only after the data was prepared."""
     from collections.abc import Mapping
@@ -130,6 +150,8 @@ def as_run_config(config) -> ml_collections.ConfigDict:
         items = dict(config.items())
         items["model"] = config.model.to_dict()
         config = ml_collections.ConfigDict(items)
+    if _has_numpy_scalars(config.to_dict()):  # a copy with Python numbers (see _python_numbers)
+        config = ml_collections.ConfigDict(_python_numbers(config.to_dict()))
     for section in _SECTIONS:
         value = config.get(section, {})
         if not isinstance(value, ml_collections.ConfigDict | Mapping):
