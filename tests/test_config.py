@@ -106,8 +106,11 @@ def test_round_trip_and_diff():
     c = tj.presets.tiny(norm="pre")
     assert tj.ModelConfig.from_dict(c.to_dict()) == c
     assert c.diff(c.replace(d_ff=128)) == {"d_ff": (64, 128)}
-    with pytest.raises(ValueError, match="no field"):
+    with pytest.raises(ValueError, match=r"no field\(s\) \['depth'\]; known fields"):
         tj.ModelConfig.from_dict({**c.to_dict(), "depth": 3})
+    # a typo in a config file's model section (its own key there) gets the field it was meant as
+    with pytest.raises(ValueError, match=r"\['hed_dim'\] \(did you mean 'hed_dim' -> 'head_dim'\?\)"):
+        tj.ModelConfig.from_dict({**c.to_dict(), "hed_dim": 8})
 
 
 def test_config_is_frozen():

@@ -262,7 +262,13 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"ModelConfig has no field(s) {unknown}; known fields: {sorted(known)}")
+            import difflib
+
+            guesses = [f"{name!r} -> {close[0]!r}" for name in unknown
+                       if (close := difflib.get_close_matches(name, known, n=1))]
+            raise ConfigError(f"ModelConfig has no field(s) {unknown}"
+                              + (f" (did you mean {', '.join(guesses)}?)" if guesses else "")
+                              + f"; known fields: {sorted(known)}")
         return cls(**values)
 
     def to_json(self) -> str:
