@@ -155,6 +155,12 @@ def _parse_flags(argv):
               f"6+6 layers); set the fields one at a time: --config.{section}.FIELD=VALUE",
               file=sys.stderr, flush=True)
         sys.exit(2)
+    files = ([arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")]
+             + [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config" and i > 0])
+    if len(files) > 1:  # the last one was read, silently, or absl named its overrides "defined twice"
+        print(f"error: --config is given {len(files)} times ({', '.join(files)}): give one config file "
+              f"and change its fields with --config.FIELD=VALUE", file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         argv = flags.FLAGS(argv)
         config = flags.FLAGS.config

@@ -1098,6 +1098,11 @@ def test_train_py_config_file_and_override_mistakes_are_one_line(tmp_path):
             "(--helpshort lists the flags)",
         ("--wrkdir=x",): "error: Unknown command line flag 'wrkdir'. Did you mean: workdir ? "
             "(--helpshort lists the flags)",
+        # two config files: the last one was read without a word, or with overrides absl said
+        # "The flag 'config.num_train_steps' is defined twice"
+        (tiny_py, "--config", "configs/lm_stdlib.py", "--config.num_train_steps=1"):
+            f"error: --config is given 2 times ({tiny_py.split('=', 1)[1]}, configs/lm_stdlib.py): give "
+            "one config file and change its fields with --config.FIELD=VALUE",
         # a MaxText-style YAML config (NameError: name 'test' is not defined), and a get_config()
         # returning a dict (a traceback from the config checks) or nothing
         ("--config=" + str(tmp_path / "base.yml"),):
