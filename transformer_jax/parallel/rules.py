@@ -63,13 +63,7 @@ def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple:
             raise ConfigError(f"logical axis rules entry {index}, {entry!r}: expected a pair (logical "
                               f"name, None | mesh axis | tuple of mesh axes), e.g. ('batch', ('data', "
                               f"'fsdp'))")
-        missing = [a for a in axes if a not in mesh.shape]
-        if missing:
-            raise ConfigError(
-                f"logical axis rules entry {index}, {tuple(entry)!r}, names mesh axis {missing[0]!r}, "
-                f"which this mesh (axes {tuple(mesh.axis_names)}) does not have: map the logical "
-                f"names onto the mesh's own axes (the default rules, parallel.DEFAULT_RULES, name "
-                f"'data', 'fsdp' and 'tensor')")
+        _check_axes_exist(axes, mesh, f"logical axis rules entry {index}, {tuple(entry)!r},")
         checked.append((entry[0], entry[1] if not isinstance(entry[1], list) else tuple(entry[1])))
     return tuple(checked)
 
@@ -98,17 +92,21 @@ def sharding_context(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterato
         yield mesh
 
 
+def _check_axes_exist(axes, mesh: Mesh, what: str) -> None:
+    """A ConfigError naming the first of ``axes`` that ``mesh`` lacks (``what`` names the rules)."""
+    missing = [a for a in axes if a not in mesh.shape]
+    if missing:
+        raise ConfigError(
+            f"{what} name{'s' if what.endswith(',') else ''} mesh axis {missing[0]!r}, which this mesh "
+            f"(axes {tuple(mesh.axis_names)}) does not have: map the logical names onto the mesh's own "
+            f"axes (the default rules, parallel.DEFAULT_RULES, name 'data', 'fsdp' and 'tensor')")
+
+
 def _axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
     if axes is None:
         return 1
     axes = (axes,) if isinstance(axes, str) else axes
-    missing = [a for a in axes if a not in mesh.shape]
-    if missing:
-        raise ConfigError(
-            f"the logical axis rules name mesh axis {missing[0]!r}, which this mesh (axes "
-            f"{tuple(mesh.axis_names)}) does not have: pass rules that map the logical names onto "
-            f"the mesh's own axes (the default rules, parallel.DEFAULT_RULES, name 'data', 'fsdp' "
-            f"and 'tensor')")
+    _check_axes_exist(axes, mesh, "the logical axis rules")
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
