@@ -442,6 +442,12 @@ def test_restore_on_another_mesh_and_device_count(data_dir, tmp_path, reference)
     with pytest.raises(ConfigError, match=r"entry 1, \('embed',\): expected a pair"):
         train_and_evaluate(tiny_config(data_dir), str(tmp_path / "bad"), mesh=own,
                            rules=(OWN_RULES[0], ("embed",)))
+    with pytest.raises(ConfigError, match=r"entry 0, .*: expected a pair .*distinct mesh axes"):
+        parallel.check_rules((("batch", ("shard", "shard")),), own)
+    assert parallel.check_rules(None, one) == parallel.DEFAULT_RULES
+    with pytest.raises(ConfigError, match=r"restore_for_inference: rules of your own are given without the "
+                                          r"mesh whose axes they name; pass mesh= too"):
+        restore_for_inference(workdir, rules=OWN_RULES)  # (it named axes of the default mesh)
 
 
 def test_a_finished_run_started_again_logs_its_final_evaluation_once(data_dir, tmp_path, reference):

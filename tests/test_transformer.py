@@ -164,12 +164,14 @@ def test_mask_or_shapes_that_do_not_fit_are_an_error_naming_them(impl):
     np.testing.assert_allclose(out[:1], ref, atol=1e-5)
     # The parts of an AttentionMask: a float kv_valid gave NaN ('reference') or the masked keys
     # ('chunked'), one of the wrong length an error from inside a slice.
+    # (an int 0/1 kv_valid, Hugging Face's attention_mask, is `astype(bool)`: `== 0` would invert it)
     parts = [(dict(kv_valid=additive[:, 0, 0]), r"AttentionMask.kv_valid must be bool .* got float32"),
+             (dict(kv_valid=valid.astype(jnp.int32)), r"got int32; a 0/1 mask .* is `mask.astype\(bool\)`"),
              (dict(kv_valid=valid[:, :5]), r"kv_valid has shape \(2, 5\); it must be \[B\|1, S\]"),
              (dict(kv_lengths=jnp.full((2,), 4.0)), r"AttentionMask.kv_lengths must be integer, got float32"),
              (dict(q_segment_ids=jnp.ones((2, 3), jnp.int32), kv_segment_ids=jnp.ones((2, 6), jnp.int32)),
               r"AttentionMask.kv_segment_ids has shape \(2, 6\)"),
-             (dict(q_segment_ids=jnp.ones((2, 3), jnp.int32)), "given together")]
+             (dict(q_segment_ids=jnp.ones((2, 3), jnp.int32)), r"given together \(got only q_segment_ids\)")]
     for fields, message in parts:
         with pytest.raises(ValueError, match=message):
             dot_product_attention(q, k, k, masks.AttentionMask(3, 7, **fields), impl=impl)
@@ -575,6 +577,11 @@ def test_bad_model_inputs_name_the_argument():
             logits = np.asarray(jax.jit(padded.apply)({"params": padded_params}, src.at[0, 2].set(bad)),
                                 np.float32)
             assert np.isnan(logits[0, 2:]).all() and np.isfinite(logits[1]).all(), (kwargs, bad)
+    # a concrete bool array, as before, and positions given as nested lists (the error names them)
+    np.testing.assert_array_equal(lm.apply({"params": lm_params}, src, deterministic=jnp.array(True)),
+                                  lm.apply({"params": lm_params}, src))
+    with pytest.raises(ValueError, match=r"positions must be integers \(token indices\), got float"):
+        lm.apply({"params": lm_params}, src, positions=[[0.5] * 5] * 2)
     with pytest.raises(TypeError, match="deterministic must be a Python bool .* static_argnames"):
         jax.jit(lm.apply)({"params": lm_params}, src, deterministic=False,
                           rngs={"dropout": jax.random.key(0)})

@@ -195,7 +195,9 @@ def _check_part(name: str, x, kind: str, shape: tuple, fits) -> None:
     if not ok:
         want = "bool (True = a real key)" if kind == "bool" else "integer"
         raise ValueError(f"AttentionMask.{name} must be {want}, got {dtype}"
-                         + ("; an additive mask of 0 / -inf is `mask == 0`" if kind == "bool" else ""))
+                         + ("; a 0/1 mask such as Hugging Face's attention_mask (1 = a real token) is "
+                            "`mask.astype(bool)`, an additive mask of 0 / -inf `mask == 0`"
+                            if kind == "bool" else ""))
     if not fits(jnp.shape(x)):
         raise ValueError(f"AttentionMask.{name} has shape {jnp.shape(x)}; it must be {shape}")
 
@@ -228,7 +230,9 @@ def check_attention_inputs(q, k, v, mask, kv_layout: str = "BSNK") -> None:
         rows = lambda n: (lambda shape: len(shape) == 2 and shape[0] in (1, B) and shape[1] == n)
         per_row = lambda shape: len(shape) == 1 and shape[0] in (1, B)
         if (mask.q_segment_ids is None) != (mask.kv_segment_ids is None):
-            raise ValueError("AttentionMask: q_segment_ids and kv_segment_ids are given together")
+            given = "q_segment_ids" if mask.kv_segment_ids is None else "kv_segment_ids"
+            raise ValueError(f"AttentionMask: q_segment_ids and kv_segment_ids must be given together "
+                             f"(got only {given})")
         parts = (("q_segment_ids", "int", f"[B|1, L] = [{B}|1, {L}]", rows(L)),
                  ("kv_segment_ids", "int", f"[B|1, S] = [{B}|1, {S}]", rows(S)),
                  ("kv_valid", "bool", f"[B|1, S] = [{B}|1, {S}]", rows(S)),

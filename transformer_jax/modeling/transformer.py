@@ -134,7 +134,7 @@ class _Stack(nn.Module):
 
     def embed_tokens(self, tokens, positions, deterministic):
         """Token embeddings (times sqrt(d_model)) plus positions, then dropout (section 5.4)."""
-        if not isinstance(deterministic, bool | np.bool_):  # a tracer failed inside Flax's dropout
+        if isinstance(deterministic, jax.core.Tracer):  # it failed inside Flax's dropout
             raise TypeError(
                 f"deterministic must be a Python bool (it chooses the program: with dropout or without), "
                 f"got {type(deterministic).__name__}; under jax.jit mark it static: "
@@ -255,8 +255,9 @@ def _check_aligned(name: str, tokens, aligned: dict):
                              "they must match")
         # (float positions fed sines of fractional positions and rotated RoPE by fractional
         # angles; float segment ids compared by float equality: both silently)
-        if not jnp.issubdtype(jnp.result_type(array), jnp.integer):
-            raise ValueError(f"{key} must be integers (token indices), got {jnp.result_type(array)}")
+        dtype = array.dtype if hasattr(array, "dtype") else np.asarray(array).dtype  # (a nested list)
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"{key} must be integers (token indices), got {dtype}")
     return tokens
 
 

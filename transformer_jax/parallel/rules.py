@@ -46,11 +46,14 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple:
-    """``rules`` as a tuple of ``(logical name, mesh axes)`` pairs, checked against ``mesh``: each
-    pair a logical name (a string) and None, a mesh axis or a tuple of mesh axes, every axis one the
-    mesh has. Anything else is a ConfigError naming the entry (Flax otherwise failed inside the
-    first traced constraint, or silently ignored a malformed pair)."""
+def check_rules(rules: LogicalRules | None, mesh: Mesh) -> tuple:
+    """``rules`` (None: `DEFAULT_RULES`) as a tuple of ``(logical name, mesh axes)`` pairs, checked
+    against ``mesh``: each pair a logical name (a string) and None, a mesh axis or a tuple of
+    distinct mesh axes, every axis one the mesh has. Anything else is a ConfigError naming the
+    entry (Flax otherwise failed inside the first traced constraint, or silently ignored a
+    malformed pair)."""
+    if rules is None:
+        rules = DEFAULT_RULES
     if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
         raise ConfigError(f"logical axis rules must be a sequence of (logical name, mesh axes) pairs, "
                           f"like parallel.DEFAULT_RULES; got {type(rules).__name__}")
@@ -59,13 +62,23 @@ def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple:
         ok = isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str)
         axes = entry[1] if ok else None
         axes = (axes,) if isinstance(axes, str) else () if axes is None else axes
-        if not ok or not isinstance(axes, tuple | list) or not all(isinstance(a, str) for a in axes):
+        if (not ok or not isinstance(axes, tuple | list) or not all(isinstance(a, str) for a in axes)
+                or len(set(axes)) != len(axes)):
             raise ConfigError(f"logical axis rules entry {index}, {entry!r}: expected a pair (logical "
-                              f"name, None | mesh axis | tuple of mesh axes), e.g. ('batch', ('data', "
-                              f"'fsdp'))")
+                              f"name, None | mesh axis | tuple of distinct mesh axes), e.g. ('batch', "
+                              f"('data', 'fsdp'))")
         _check_axes_exist(axes, mesh, f"logical axis rules entry {index}, {tuple(entry)!r},")
         checked.append((entry[0], entry[1] if not isinstance(entry[1], list) else tuple(entry[1])))
     return tuple(checked)
+
+
+def require_mesh_for(rules: LogicalRules | None, mesh: Mesh | None, what: str) -> None:
+    """Rules of one's own name the axes of a mesh of one's own: given without it (``mesh=None``, so
+    the default ``data`` / ``fsdp`` / ``tensor`` mesh), a ConfigError saying to pass the mesh."""
+    if mesh is None and rules is not None and tuple(map(tuple, rules)) != DEFAULT_RULES:
+        raise ConfigError(f"{what}: rules of your own are given without the mesh whose axes they name; "
+                          f"pass mesh= too (without it the mesh is the default rules' data x fsdp x "
+                          f"tensor)")
 
 
 def logical_to_mesh_spec(names: Sequence[str | None], rules: LogicalRules = DEFAULT_RULES):

@@ -40,7 +40,7 @@ from transformer_jax import parallel
 from transformer_jax.config import ConfigError, ModelConfig, first_line
 from transformer_jax.data import DataError, Tokenizer, checkpoint_args
 from transformer_jax.data.tokenizer import METADATA_FILENAME, recorded_model_differs
-from transformer_jax.parallel.rules import DEFAULT_RULES, LogicalRules, unbox_shapes
+from transformer_jax.parallel.rules import DEFAULT_RULES, LogicalRules, require_mesh_for, unbox_shapes
 from transformer_jax.params import build_model, dummy_inputs
 from transformer_jax.training import integrity
 from transformer_jax.training.state import LossScale, TrainState
@@ -798,6 +798,7 @@ def restore_for_inference(workdir: str, step: int | None = None, mesh=None,
     mesh to shard a large model, and ``rules`` (logical axis rules) for a mesh whose axes are not
     the default rules' ``data`` / ``fsdp`` / ``tensor``.
     """
+    require_mesh_for(rules, mesh, "restore_for_inference")
     config = load_config(workdir)
     model_config = _model_config_of(workdir, config)
     mesh = parallel.create_mesh(data=-1) if mesh is None else mesh
@@ -894,6 +895,7 @@ def average_checkpoints(workdir: str, last_k: int = 5, output_workdir: str | Non
 
     if isinstance(last_k, bool) or not isinstance(last_k, int) or last_k < 1:
         raise ValueError(f"last_k={last_k!r} (--last): average at least one checkpoint (an integer >= 1).")
+    require_mesh_for(rules, mesh, "average_checkpoints")
     config = load_config(workdir)
     model_config = _model_config_of(workdir, config)
     if mesh is None:

@@ -35,7 +35,7 @@ class Stopped(Exception):  # noqa: N818 - a stop that was asked for, not an erro
 def _batch_sharding(mesh, rules):
     """Where a global batch goes: by ``rules`` (logical axis rules), or, for None, `to_global_batch`'s
     default (split over the mesh's 'data' and 'fsdp' axes, as the default rules split it)."""
-    return None if rules is None else parallel.batch_sharding(mesh, rules)
+    return None if rules is None else parallel.batch_sharding(mesh, parallel.check_rules(rules, mesh))
 
 
 def evaluate_loss(eval_step: Callable, params, batches: Sequence[dict], mesh, rules=None) -> dict[str, float]:

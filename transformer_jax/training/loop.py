@@ -347,6 +347,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh=Non
             _say(f"NOTE: {conflict}")
         else:
             enable_compilation_cache(config.get("compilation_cache_dir", ""))
+    parallel.rules.require_mesh_for(rules, mesh, "train_and_evaluate")
     mesh = parallel.mesh_from_config(config.mesh) if mesh is None else mesh
     rules = parallel.check_rules(rules, mesh)
     parallel.check_batch_divisible(config.dataset.batch_size, mesh, rules,
