@@ -791,6 +791,11 @@ def test_gpt2_tokenizer_matches_transformers(tmp_path):
         assert ids == fast(text).input_ids == from_merges.encode(text)
         assert ours.decode(ids) == text == from_merges.decode(ids)
     assert ours.decode(ours.encode("the cat") + [ours.eos_id]) == "the cat"
+    # a token's piece as transformers writes it (the label notebook 03 plots), as data.Tokenizer has
+    ids = ours.encode(" the cat")
+    assert [ours.id_to_piece(i) for i in ids] == fast.convert_ids_to_tokens(ids)
+    with pytest.raises(ValueError, match=r"token id 1000000 is not in the tokenizer's vocabulary"):
+        ours.id_to_piece(1_000_000)
 
 
 def test_marian_tokenizer_matches_transformers():
@@ -811,6 +816,8 @@ def test_marian_tokenizer_matches_transformers():
         assert ours.encode_source(text) == ids
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
     assert ours.encode("zzz")[-1] == ours.unk_id
+    ids = theirs(TEXTS[0]).input_ids
+    assert [ours.id_to_piece(i) for i in ids] == theirs.convert_ids_to_tokens(ids)
 
 
 def test_missing_tokenizer_files_are_named(tmp_path):

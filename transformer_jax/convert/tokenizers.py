@@ -40,6 +40,11 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         raise NotImplementedError
 
+    def id_to_piece(self, token_id: int) -> str:
+        """The token's piece as the tokenizer writes it (GPT-2: 'Ġ' for a leading space; Marian:
+        '▁'); a label for one token, which ``decode([id])`` may strip to nothing."""
+        raise NotImplementedError
+
     def encode_source(self, text: str) -> list[int]:
         """Encoder input: the text's ids followed by EOS."""
         return self.encode(text) + ([] if self.eos_id is None else [self.eos_id])
@@ -96,6 +101,12 @@ class ByteLevelBPETokenizer(HFTokenizer):
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    def id_to_piece(self, token_id: int) -> str:
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the tokenizer's vocabulary")
+        return piece
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -157,6 +168,11 @@ class MarianSentencePieceTokenizer(HFTokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._vocab)
+
+    def id_to_piece(self, token_id: int) -> str:
+        if int(token_id) not in self._pieces:
+            raise ValueError(f"token id {token_id} is not in vocab.json")
+        return self._pieces[int(token_id)]
 
     @property
     def max_id(self) -> int:
