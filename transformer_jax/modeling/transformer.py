@@ -250,9 +250,9 @@ def _check_aligned(name: str, tokens, aligned: dict):
     for key, array in aligned.items():
         if array is None:
             continue
-        if tuple(jnp.shape(array)) != tokens.shape:
-            raise ValueError(f"{key} has shape {tuple(jnp.shape(array))} but {name} has {tokens.shape}: "
-                             "they must match")
+        shape = tuple(array.shape if hasattr(array, "shape") else np.shape(array))  # (or a nested list)
+        if shape != tokens.shape:
+            raise ValueError(f"{key} has shape {shape} but {name} has {tokens.shape}: they must match")
         # (float positions fed sines of fractional positions and rotated RoPE by fractional
         # angles; float segment ids compared by float equality: both silently)
         dtype = array.dtype if hasattr(array, "dtype") else np.asarray(array).dtype  # (a nested list)
