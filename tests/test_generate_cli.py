@@ -811,8 +811,22 @@ def test_a_mesh_shards_the_parameters_and_splits_the_batch_with_the_same_text(tm
         batch, placement, sharded, devices = seen[-1]
         assert placement.mesh.shape == {"data": 2, "fsdp": 2, "tensor": 2} and batch == 4
         assert sharded > 10 and devices == {8}, (sharded, devices)
+    import numpy as np
+
     from transformer_jax import parallel
 
+    # The Python API on a mesh with axes of its own, through logical axis rules of its own: the
+    # parameters placed and the batch split by them, the text one device's
+    own = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("replica", "shard", "model"),
+                            axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    rules = (("batch", ("replica", "shard")), ("embed", "shard"), ("vocab", "model"), ("heads", "model"),
+             ("kv_heads", "model"), ("mlp", "model"))
+    texts, opts = ["the tired engineer", "the cold", "coffee"], cli.DecodeOptions(max_new_tokens=10)
+    plain = cli.generate_texts(cli.load_workdir_generator(str(tmp_path)), texts, opts)
+    placed = cli.load_workdir_generator(str(tmp_path), mesh=own, rules=rules)
+    assert cli.generate_texts(placed, texts, opts, mesh=own, rules=rules) == plain
+    batch, placement, sharded, devices = seen[-1]
+    assert placement.spec[0] == ("replica", "shard") and batch == 4 and sharded > 10 and devices == {8}
     four = parallel.create_mesh(data=4, tensor=2)  # a batch of 6 rounds down to 4, of 3 up to 4
     assert cli._batch_size(cli.DecodeOptions(batch_size=6), 10, four) == 4
     assert cli._batch_size(cli.DecodeOptions(), 3, four) == cli._batch_size(cli.DecodeOptions(), 1, four) == 4

@@ -172,9 +172,10 @@ def _banned_ids(bad_words_ids, vocab_size: int, path: str) -> tuple[int, ...]:
     return tuple(sorted(banned))
 
 
-def load_workdir_generator(workdir: str, step: int | None = None, mesh=None) -> Generator:
+def load_workdir_generator(workdir: str, step: int | None = None, mesh=None, rules=None) -> Generator:
     """A `Generator` for a training workdir's latest (or given) checkpoint, its parameters sharded
-    over ``mesh`` (default: whole on every device)."""
+    over ``mesh`` (default: whole on every device) by the logical axis ``rules`` (None: the
+    default rules)."""
     workdir = os.path.expanduser(workdir)  # `--workdir=~/run`: the shell leaves a '~' after '='
     if not os.path.isdir(workdir):
         raise GenerateError(f"--workdir={workdir!r} is not a directory")
@@ -183,7 +184,7 @@ def load_workdir_generator(workdir: str, step: int | None = None, mesh=None) -> 
     except ImportError as e:
         raise GenerateError(f"cannot restore a workdir in this build ({e})") from e
     try:
-        bundle = restore_for_inference(workdir, step=step, mesh=mesh)
+        bundle = restore_for_inference(workdir, step=step, mesh=mesh, rules=rules)
     except (ValueError, FileNotFoundError) as e:
         raise GenerateError(str(e)) from e
     cfg = bundle.model_config
@@ -242,18 +243,19 @@ def parse_mesh(value: str | None):
         raise GenerateError(f"--mesh={value!r}: {e}") from None
 
 
-def on_mesh(gen: Generator, mesh) -> Generator:
-    """`gen` with its parameters sharded over ``mesh`` as training shards them (a dimension the mesh
-    does not divide stays whole, with a warning)."""
+def on_mesh(gen: Generator, mesh, rules=None) -> Generator:
+    """`gen` with its parameters sharded over ``mesh`` as training shards them, by the logical axis
+    ``rules`` (None: the default rules; a dimension the mesh does not divide stays whole, with a
+    warning)."""
     import jax
 
     from transformer_jax.training.checkpoint import abstract_params
 
-    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_params(gen.config, mesh))
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_params(gen.config, mesh, rules))
     return dataclasses.replace(gen, params=jax.device_put(gen.params, shardings))
 
 
-def _batch_size(opts: DecodeOptions, num_inputs: int, mesh=None) -> int:
+def _batch_size(opts: DecodeOptions, num_inputs: int, mesh=None, rules=None) -> int:
     """Inputs decoded together: ``opts.batch_size``, or fewer inputs rounded up to a power of two
     (fewer distinct shapes to compile); on a ``mesh``, a multiple of the pieces its data axes cut
     the batch into: rounded down (``batch_size`` may be what fits in memory), or up to one row per
@@ -262,7 +264,7 @@ def _batch_size(opts: DecodeOptions, num_inputs: int, mesh=None) -> int:
     if mesh is not None:
         from transformer_jax import parallel
 
-        pieces = parallel.batch_shard_count(mesh)
+        pieces = parallel.batch_shard_count(mesh, parallel.check_rules(rules, mesh))
         batch = max(batch - batch % pieces, pieces)
     return batch
 
@@ -481,7 +483,8 @@ def _pad_rows(rows: list[list[int]], width: int, pad: int, batch: int):
     return tokens, lengths
 
 
-def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, keys, mesh=None):
+def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, keys, mesh=None,
+                  rules=None):
     """Generated token lists (EOS and padding removed) for up to ``batch`` encoded inputs, the
     batch split over ``mesh``'s data axes where there is one (the parameters placed on it already).
 
@@ -493,8 +496,9 @@ def _decode_batch(gen: Generator, rows: list[list[int]], opts: DecodeOptions, ba
         return _decode_rows(gen, rows, opts, batch, keys, None)
     from transformer_jax import parallel
 
-    with parallel.sharding_context(mesh):
-        return _decode_rows(gen, rows, opts, batch, keys, parallel.batch_sharding(mesh))
+    rules = parallel.check_rules(rules, mesh)
+    with parallel.sharding_context(mesh, rules):
+        return _decode_rows(gen, rows, opts, batch, keys, parallel.batch_sharding(mesh, rules))
 
 
 def _decode_rows(gen: Generator, rows: list[list[int]], opts: DecodeOptions, batch: int, keys, placement):
@@ -574,15 +578,16 @@ def _decode_rows(gen: Generator, rows: list[list[int]], opts: DecodeOptions, bat
 
 def generate_texts(
     gen: Generator, texts: Sequence[str], opts: DecodeOptions = DecodeOptions(), *, progress: bool = False,
-    mesh=None,
+    mesh=None, rules=None,
 ) -> list[str]:
     """Decodes every input; returns the outputs in input order.
 
     Inputs are sorted by length and decoded ``opts.batch_size`` at a time. With a ``mesh`` (the
-    parameters placed on it, `on_mesh`), each batch is split over its data axes.
+    parameters placed on it, `on_mesh`), each batch is split over its data axes, or over the axes
+    the logical axis ``rules`` give the batch (None: the default rules).
     """
     outputs: list[str] = [""] * len(texts)
-    for batch in iter_generated(gen, texts, opts, progress=progress, mesh=mesh):
+    for batch in iter_generated(gen, texts, opts, progress=progress, mesh=mesh, rules=rules):
         for i, text in batch:
             outputs[i] = text
     return outputs
@@ -590,7 +595,7 @@ def generate_texts(
 
 def iter_generated(
     gen: Generator, texts: Sequence[str], opts: DecodeOptions = DecodeOptions(), *, progress: bool = False,
-    mesh=None,
+    mesh=None, rules=None,
 ) -> Iterator[list[tuple[int, str]]]:
     """`generate_texts` one batch at a time: yields each batch's ``[(input index, output), ...]``
     as it is decoded, longest inputs first."""
@@ -601,7 +606,7 @@ def iter_generated(
     opts.check()
     encoded = encode_inputs(gen, texts, opts)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]), reverse=True)
-    batch = _batch_size(opts, len(encoded), mesh)
+    batch = _batch_size(opts, len(encoded), mesh, rules)
     chunks = [order[i : i + batch] for i in range(0, len(order), batch)]
     if progress:
         from tqdm import tqdm
@@ -612,7 +617,7 @@ def iter_generated(
         # Input i samples with fold_in(key(seed), i): its draws do not depend on --batch_size or on
         # the inputs that share its batch (its logits may, by float rounding: see the README).
         keys = [jax.random.fold_in(rng, i) for i in chunk]
-        ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, keys, mesh)
+        ids = _decode_batch(gen, [encoded[i] for i in chunk], opts, batch, keys, mesh, rules)
         yield [(i, gen.tokenizer.decode(out)) for i, out in zip(chunk, ids, strict=True)]
 
 
