@@ -467,7 +467,7 @@ def test_step_flag_picks_the_checkpoint(capsys, tmp_path, monkeypatch):
 
     asked = []
 
-    def restore(workdir, step=None, mesh=None):
+    def restore(workdir, step=None, mesh=None, rules=None):
         asked.append(step)
         raise FileNotFoundError(f"{workdir} has no checkpoint at step {step}")
 
