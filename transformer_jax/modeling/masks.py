@@ -8,6 +8,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def padding_mask(q_valid, kv_valid):
@@ -198,8 +199,8 @@ def _check_part(name: str, x, kind: str, shape: tuple, fits) -> None:
                          + ("; a 0/1 mask such as Hugging Face's attention_mask (1 = a real token) is "
                             "`mask.astype(bool)`, an additive mask of 0 / -inf `mask == 0`"
                             if kind == "bool" else ""))
-    if not fits(jnp.shape(x)):
-        raise ValueError(f"AttentionMask.{name} has shape {jnp.shape(x)}; it must be {shape}")
+    if not fits(np.shape(x)):  # (np: jnp.shape of a nested list is deprecated)
+        raise ValueError(f"AttentionMask.{name} has shape {np.shape(x)}; it must be {shape}")
 
 
 def check_attention_inputs(q, k, v, mask, kv_layout: str = "BSNK") -> None:

@@ -72,10 +72,17 @@ def check_rules(rules: LogicalRules | None, mesh: Mesh) -> tuple:
     return tuple(checked)
 
 
+def _are_default(rules) -> bool:
+    try:
+        return tuple(map(tuple, rules)) == DEFAULT_RULES
+    except TypeError:  # malformed: not the default (check_rules names the entry)
+        return False
+
+
 def require_mesh_for(rules: LogicalRules | None, mesh: Mesh | None, what: str) -> None:
     """Rules of one's own name the axes of a mesh of one's own: given without it (``mesh=None``, so
     the default ``data`` / ``fsdp`` / ``tensor`` mesh), a ConfigError saying to pass the mesh."""
-    if mesh is None and rules is not None and tuple(map(tuple, rules)) != DEFAULT_RULES:
+    if mesh is None and rules is not None and not _are_default(rules):
         raise ConfigError(f"{what}: rules of your own are given without the mesh whose axes they name; "
                           f"pass mesh= too (without it the mesh is the default rules' data x fsdp x "
                           f"tensor)")

@@ -85,6 +85,7 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh,
     """A freshly initialised TrainState, every array created sharded. -> (state, shardings).
     ``shardings``: `state_shardings`' second result for these arguments, if already at hand;
     ``rules``: as for `state_shardings`."""
+    rules = parallel.check_rules(rules, mesh)  # (None, or unchecked where ``shardings`` is given)
     if shardings is None:
         _, shardings = state_shardings(model, tx, mesh, seed, loss_scale, rules)
     init = _init_fn(model, tx, seed, loss_scale)
